@@ -1,0 +1,2 @@
+#include "fluxion.h"
+int fx_version(void) { return 1; }
