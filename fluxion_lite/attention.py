@@ -1,0 +1,115 @@
+"""Attention backends: the only place that knows where K/V live and how attention over them is computed.
+
+The model hands a backend the new q/k/v of a packed batch (several sequences, each contributing a chunk of consecutive
+positions: a prefill chunk or one decode token). The backend appends k/v to each sequence's cache and returns the causal
+attention output for the new queries. Dense here; the hybrid sparse backend implements the same interface.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from .kv_cache import DenseKVCache
+
+
+@dataclass(frozen=True)
+class SeqChunk:
+    """One sequence's share of a packed batch: `length` new tokens starting at absolute position `start`."""
+
+    seq_id: int
+    start: int
+    length: int
+
+
+class AttentionBackend(ABC):
+    """Owns the KV cache of every live sequence and computes attention over it."""
+
+    @abstractmethod
+    def allocate(self, seq_id: int) -> None: ...
+
+    @abstractmethod
+    def free(self, seq_id: int) -> None: ...
+
+    @abstractmethod
+    def truncate(self, seq_id: int, n_tokens: int) -> None:
+        """Keep only the first n_tokens of a sequence's KV (prefix reuse)."""
+
+    @abstractmethod
+    def seq_len(self, seq_id: int) -> int: ...
+
+    @abstractmethod
+    def bytes_used(self) -> tuple[int, int]:
+        """(bytes in host memory, bytes in GPU memory) held for KV."""
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (T = sum of chunk lengths, packed in chunk order) -> out [T, Hq, D]."""
+
+    def stats(self) -> dict[str, float]:
+        """Backend-specific counters (sparse statistics); empty for dense attention."""
+        return {}
+
+
+# Above this many score elements per tile, queries are processed in slices so a 32K prompt never needs a 32K x 32K matrix.
+MAX_SCORE_ELEMS = 1 << 24
+
+
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """Exact attention of new queries over a sequence's keys, causal, GQA-aware.
+
+    q: [n, Hq, D] at positions start..start+n-1; k, v: [Hkv, L, D] with L == start + n. Returns [n, Hq, D].
+    """
+    n, hq, d = q.shape
+    hkv, total, _ = k.shape
+    r = hq // hkv
+    # Group query heads by their KV head so each K/V row is read once for all r heads: qg: [Hkv, r, n, D]
+    qg = q.permute(1, 0, 2).reshape(hkv, r, n, d)
+    out = torch.empty(hkv, r, n, d, dtype=q.dtype, device=q.device)
+    rows_per_tile = max(1, MAX_SCORE_ELEMS // max(1, hq * total))
+    key_pos = torch.arange(total, device=q.device)
+    for i0 in range(0, n, rows_per_tile):
+        i1 = min(n, i0 + rows_per_tile)
+        end = start + i1  # keys beyond the last query of this tile are masked for every row: don't read them
+        scores = torch.matmul(qg[:, :, i0:i1], k[:, None, :end].transpose(-1, -2)) * scale  # [Hkv, r, i, end]
+        if i1 - i0 > 1 or start + i0 + 1 < end:
+            q_pos = torch.arange(start + i0, start + i1, device=q.device)
+            scores.masked_fill_(key_pos[None, :end] > q_pos[:, None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[:, :, i0:i1] = torch.matmul(probs, v[:, None, :end])
+    return out.reshape(hq, n, d).permute(1, 0, 2)
+
+
+class DenseAttention(AttentionBackend):
+    """Full attention with the KV cache on the compute device (the `full` mode)."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.cache = DenseKVCache(n_layers, n_kv_heads, head_dim, dtype, device)
+        self.scale = head_dim**-0.5
+
+    def allocate(self, seq_id: int) -> None:
+        self.cache.allocate(seq_id)
+
+    def free(self, seq_id: int) -> None:
+        self.cache.free(seq_id)
+
+    def truncate(self, seq_id: int, n_tokens: int) -> None:
+        self.cache.truncate(seq_id, n_tokens)
+
+    def seq_len(self, seq_id: int) -> int:
+        return self.cache.seq_len(seq_id)
+
+    def bytes_used(self) -> tuple[int, int]:
+        n = self.cache.bytes_used()
+        return (0, n) if self.cache.device.type == "cuda" else (n, 0)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+        out = torch.empty_like(q)
+        offset = 0
+        for c in chunks:
+            sl = slice(offset, offset + c.length)
+            keys, values = self.cache.append(layer, c.seq_id, c.start, k[sl], v[sl])  # [Hkv, L, D] each
+            out[sl] = causal_attention(q[sl], keys, values, c.start, self.scale)
+            offset += c.length
+        return out

@@ -1,0 +1,356 @@
+"""The engine: requests in, tokens out, one batched model step at a time.
+
+Continuous batching with chunked prefill: every step packs one decode token for each running sequence plus up to
+`prefill_chunk` prompt tokens of sequences still in prefill into a single forward, so a long prompt never stalls the
+others for its whole length. Finished sequences leave their KV in a small prefix cache; a new request that shares a
+token prefix with one (the next turn of a chat) adopts it and only computes the rest.
+
+Not thread-safe: one thread drives add_request/step/abort (the server's engine thread, or the caller of LLM).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import uuid
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .attention import AttentionBackend, DenseAttention, SeqChunk
+from .errors import CapacityError, RequestError
+from .gguf_loader import load_gguf
+from .model import Transformer
+from .sampling import SamplingParams, sample_token
+from .tokenizer import IncrementalDecoder, Tokenizer
+
+ATTENTION_MODES = ("full",)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_bytes_host: int
+    kv_bytes_gpu: int
+    prefix_cache_bytes: int
+    sparse: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    slot: int  # the attention backend's sequence id (-1 until admitted)
+    prompt_ids: list[int]
+    params: SamplingParams
+    decoder: IncrementalDecoder | None
+    rng: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    cached_tokens: int = 0  # of those, how many came from the prefix cache
+    text: str = ""  # generated text so far (after stop-string truncation)
+    emitted: int = 0  # characters of `text` already returned
+    finish_reason: str | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+def default_threads() -> int:
+    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+
+
+class Engine:
+    def __init__(
+        self,
+        model: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        attention: str = "full",
+        max_batch: int = 16,
+        max_context: int | None = None,
+        prefill_chunk: int = 256,
+        kv_budget_bytes: int | None = None,
+        prefix_cache_entries: int = 8,
+        load_tokenizer: bool = True,
+    ):
+        if attention not in ATTENTION_MODES:
+            raise RequestError(f"attention={attention!r}: supported modes are {', '.join(ATTENTION_MODES)}")
+        if dtype not in DTYPES:
+            raise RequestError(f"dtype={dtype!r}: supported are {', '.join(DTYPES)}")
+        if device.startswith("cuda") and not torch.cuda.is_available():
+            raise RequestError(f"device={device!r}: CUDA is not available on this machine")
+        if max_batch < 1 or prefill_chunk < 1:
+            raise RequestError("max_batch and prefill_chunk must be >= 1")
+        path = _resolve(model)
+        self.model_path = path
+        self.model_name = model if not Path(model).suffix == ".gguf" else path.name
+        loaded = load_gguf(path, dtype=torch.float32)
+        self.config = loaded.config
+        self.model = Transformer(loaded, device=device, dtype=DTYPES[dtype])
+        self.tokenizer = Tokenizer(path, loaded.metadata) if load_tokenizer else None
+        del loaded  # the dequantised fp32 copies: the model holds its own (possibly bf16/GPU) weights
+        self.context_length = min(max_context or self.config.context_length, self.config.context_length)
+        self.attention_mode = attention
+        cfg = self.config
+        self.attn: AttentionBackend = DenseAttention(
+            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, DTYPES[dtype], torch.device(device)
+        )
+        self.kv_bytes_per_token = cfg.kv_bytes_per_token(torch.tensor([], dtype=DTYPES[dtype]).element_size())
+        self.kv_budget_bytes = kv_budget_bytes
+        self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
+        self.prefix_cache_entries = prefix_cache_entries
+        self.eog_ids: frozenset[int] = self.tokenizer.eog_ids if self.tokenizer else frozenset()
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._by_id: dict[str, Sequence] = {}
+        self._prefix_cache: OrderedDict[int, list[int]] = OrderedDict()  # slot -> token ids whose KV it holds
+        self._slots = itertools.count()
+        self._pending_outputs: list[RequestOutput] = []
+
+    # ---- requests -------------------------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        params.validate()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty")
+            if self.tokenizer is None:
+                raise RequestError("this engine was loaded without a tokenizer: pass token ids")
+            ids = self.tokenizer.encode(prompt, add_special=True)
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise RequestError("prompt is empty")
+        bad = [t for t in ids if not 0 <= t < self.config.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.config.vocab_size})")
+        n, ctx = len(ids), self.context_length
+        if n >= ctx:
+            raise RequestError(f"prompt has {n} tokens but the context length is {ctx} (no room to generate)")
+        if n + params.max_tokens > ctx:
+            raise RequestError(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds the "
+                f"context length {ctx}"
+            )
+        need = (n + params.max_tokens) * self.kv_bytes_per_token
+        if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
+            raise CapacityError(
+                f"request needs {need / 2**20:.1f} MiB of KV ({n} + {params.max_tokens} tokens) but the KV budget is "
+                f"{self.kv_budget_bytes / 2**20:.1f} MiB"
+            )
+        rid = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        if rid in self._by_id:
+            raise RequestError(f"request id {rid!r} is already in use")
+        rng = None
+        if not params.greedy:
+            rng = torch.Generator()
+            rng.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
+        seq = Sequence(
+            request_id=rid,
+            slot=-1,
+            prompt_ids=ids,
+            params=params,
+            decoder=IncrementalDecoder(self.tokenizer) if self.tokenizer else None,
+            rng=rng,
+        )
+        self._by_id[rid] = seq
+        self.waiting.append(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        seq = self._by_id.pop(request_id, None)
+        if seq is None:
+            return
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq.slot >= 0:
+            self.attn.free(seq.slot)  # an aborted request's KV is not worth keeping: free it at once
+            seq.slot = -1
+        self._pending_outputs.append(self._output(seq, [], "", "abort"))
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self._pending_outputs)
+
+    def stats(self) -> EngineStats:
+        host, gpu = self.attn.bytes_used()
+        cached = sum(self.attn.seq_len(s) for s in self._prefix_cache) * self.kv_bytes_per_token
+        return EngineStats(len(self.running), len(self.waiting), host, gpu, cached, self.attn.stats())
+
+    # ---- scheduling -----------------------------------------------------------------------------------------------
+    def _reserved_bytes(self) -> int:
+        held = sum(len(s.prompt_ids) + s.params.max_tokens for s in self.running)
+        held += sum(self.attn.seq_len(slot) for slot in self._prefix_cache)
+        return held * self.kv_bytes_per_token
+
+    def _admit(self) -> None:
+        while self.waiting and len(self.running) < self.max_batch:
+            seq = self.waiting[0]
+            need = (len(seq.prompt_ids) + seq.params.max_tokens) * self.kv_bytes_per_token
+            while self.kv_budget_bytes is not None and self._reserved_bytes() + need > self.kv_budget_bytes:
+                if not self._prefix_cache:
+                    return  # wait for running requests to finish
+                slot, _ = self._prefix_cache.popitem(last=False)
+                self.attn.free(slot)
+            self.waiting.popleft()
+            self._attach_kv(seq)
+            self.running.append(seq)
+
+    def _attach_kv(self, seq: Sequence) -> None:
+        """Give the sequence a KV slot, adopting the cached sequence that shares the longest token prefix."""
+        best_slot, best_len = -1, 0
+        for slot, ids in self._prefix_cache.items():
+            common = _common_prefix(ids, seq.prompt_ids)
+            if common > best_len:
+                best_slot, best_len = slot, common
+        if best_slot >= 0:
+            del self._prefix_cache[best_slot]
+            reuse = min(best_len, len(seq.prompt_ids) - 1)  # the last prompt token must run to give logits
+            self.attn.truncate(best_slot, reuse)
+            seq.slot, seq.num_cached, seq.cached_tokens = best_slot, reuse, reuse
+            return
+        seq.slot = next(self._slots)
+        self.attn.allocate(seq.slot)
+
+    def _retire(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self._by_id.pop(seq.request_id, None)
+        if self.prefix_cache_entries <= 0:
+            self.attn.free(seq.slot)
+            return
+        self._prefix_cache[seq.slot] = seq.all_ids[: seq.num_cached]
+        while len(self._prefix_cache) > self.prefix_cache_entries:
+            old, _ = self._prefix_cache.popitem(last=False)
+            self.attn.free(old)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        self._admit()
+        chunks: list[SeqChunk] = []
+        tokens: list[int] = []
+        sample_rows: list[int] = []
+        sampled: list[Sequence] = []
+        budget = self.prefill_chunk
+        for seq in self.running:
+            ids = seq.all_ids
+            pending = len(ids) - seq.num_cached
+            n = 1 if pending == 1 else min(pending, budget)
+            if n == 0:
+                continue
+            if pending > 1:
+                budget -= n
+            chunks.append(SeqChunk(seq.slot, seq.num_cached, n))
+            tokens.extend(ids[seq.num_cached : seq.num_cached + n])
+            if seq.num_cached + n == len(ids):
+                sample_rows.append(len(tokens) - 1)
+                sampled.append(seq)
+        if not chunks:
+            return outputs
+        positions = torch.cat([torch.arange(c.start, c.start + c.length) for c in chunks])
+        logits = self.model.forward(
+            torch.tensor(tokens), positions, chunks, self.attn, logit_rows=torch.tensor(sample_rows, dtype=torch.long)
+        ).cpu()  # [R, V]
+        by_slot = {c.seq_id: c.length for c in chunks}
+        for seq in self.running:
+            seq.num_cached += by_slot.get(seq.slot, 0)
+        for row, seq in enumerate(sampled):
+            outputs.append(self._advance(seq, logits[row]))
+        for seq in [s for s in sampled if s.finish_reason is not None]:
+            self._retire(seq)
+        return outputs
+
+    def _advance(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
+        """Sample the next token of `seq`, update its text, and decide whether it is finished."""
+        p = seq.params
+        token = sample_token(logits.clone(), p, seq.all_ids, seq.output_ids, seq.rng)
+        seq.output_ids.append(token)
+        reason: str | None = None
+        if token in self.eog_ids and not p.ignore_eos:
+            reason = "stop"
+        elif seq.decoder is not None:
+            seq.text += seq.decoder.feed(token)
+        if reason is None and p.stop:
+            hit = _find_stop(seq.text, p.stop, seq.emitted)
+            if hit >= 0:
+                seq.text, reason = seq.text[:hit], "stop"
+        if reason is None and (len(seq.output_ids) >= p.max_tokens or len(seq.all_ids) >= self.context_length):
+            reason = "length"
+        if reason is not None and seq.decoder is not None and reason == "length":
+            seq.text += seq.decoder.flush()
+        hold = 0 if reason is not None else _stop_prefix_overlap(seq.text, p.stop)
+        new_text = seq.text[seq.emitted : len(seq.text) - hold]
+        seq.emitted += len(new_text)
+        seq.finish_reason = reason
+        return self._output(seq, [token], new_text, reason)
+
+    @staticmethod
+    def _output(seq: Sequence, ids: list[int], text: str, reason: str | None) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            new_token_ids=ids,
+            new_text=text,
+            finished=reason is not None,
+            finish_reason=reason,
+            prompt_tokens=len(seq.prompt_ids),
+            completion_tokens=len(seq.output_ids),
+            cached_tokens=seq.cached_tokens,
+        )
+
+
+def _resolve(model: str) -> Path:
+    try:
+        from .catalog import resolve_model
+    except ImportError:  # catalog not present: accept only paths
+        path = Path(model)
+        if not path.is_file():
+            from .errors import UnknownModelError
+
+            raise UnknownModelError(f"{model}: no such model file")
+        return path
+    return resolve_model(model)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _find_stop(text: str, stops: list[str], search_from: int) -> int:
+    """Index where the earliest stop string starts in text (only matches that reach past already-emitted text)."""
+    best = -1
+    for s in stops:
+        i = text.find(s, max(0, search_from - len(s) + 1))
+        if i >= 0 and (best < 0 or i < best):
+            best = i
+    return best
+
+
+def _stop_prefix_overlap(text: str, stops: list[str]) -> int:
+    """Length of the longest tail of `text` that is a proper prefix of some stop string (held back, not yet sent)."""
+    hold = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(text)), hold, -1):
+            if text.endswith(s[:k]):
+                hold = k
+                break
+    return hold

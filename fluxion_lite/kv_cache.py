@@ -1,0 +1,71 @@
+"""Dense per-sequence KV storage on the compute device.
+
+Each sequence owns K and V tensors [n_layers, Hkv, capacity, D]; capacity doubles when full, so appending is amortised
+O(1) and memory stays proportional to the tokens actually held (no max_context x max_batch pre-allocation).
+"""
+from __future__ import annotations
+
+import torch
+
+INITIAL_CAPACITY = 256
+
+
+class DenseKVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.dtype, self.device = dtype, device
+        self._k: dict[int, torch.Tensor] = {}  # seq_id -> [n_layers, Hkv, cap, D]
+        self._v: dict[int, torch.Tensor] = {}
+        self._len: dict[int, int] = {}  # tokens whose K/V are stored in every layer
+
+    def allocate(self, seq_id: int) -> None:
+        if seq_id in self._k:
+            raise ValueError(f"sequence {seq_id} already has a KV cache")
+        shape = (self.n_layers, self.n_kv_heads, INITIAL_CAPACITY, self.head_dim)
+        self._k[seq_id] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._v[seq_id] = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._len[seq_id] = 0
+
+    def free(self, seq_id: int) -> None:
+        self._k.pop(seq_id, None)
+        self._v.pop(seq_id, None)
+        self._len.pop(seq_id, None)
+
+    def truncate(self, seq_id: int, n_tokens: int) -> None:
+        if not 0 <= n_tokens <= self._len[seq_id]:
+            raise ValueError(f"cannot truncate sequence {seq_id} of {self._len[seq_id]} tokens to {n_tokens}")
+        self._len[seq_id] = n_tokens
+
+    def seq_len(self, seq_id: int) -> int:
+        return self._len[seq_id]
+
+    def bytes_used(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))
+
+    def _ensure_capacity(self, seq_id: int, needed: int) -> None:
+        cap = self._k[seq_id].shape[2]
+        if needed <= cap:
+            return
+        new_cap = max(needed, 2 * cap)
+        for store in (self._k, self._v):
+            old = store[seq_id]
+            grown = torch.empty(old.shape[0], old.shape[1], new_cap, old.shape[3], dtype=old.dtype, device=old.device)
+            grown[:, :, :cap] = old
+            store[seq_id] = grown
+
+    def append(
+        self, layer: int, seq_id: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write k_new/v_new ([n, Hkv, D]) at positions start..start+n-1 of `layer`; return that layer's K, V as
+        [Hkv, start+n, D] views. Positions are explicit so a re-run of a layer cannot silently shift the cache."""
+        n = k_new.shape[0]
+        end = start + n
+        if start > self._len[seq_id] and layer == 0:
+            raise ValueError(f"sequence {seq_id}: append at {start} leaves a gap after {self._len[seq_id]} tokens")
+        self._ensure_capacity(seq_id, end)
+        k_all, v_all = self._k[seq_id][layer], self._v[seq_id][layer]  # [Hkv, cap, D]
+        k_all[:, start:end] = k_new.transpose(0, 1).to(self.dtype)
+        v_all[:, start:end] = v_new.transpose(0, 1).to(self.dtype)
+        if layer == self.n_layers - 1:
+            self._len[seq_id] = end
+        return k_all[:, :end], v_all[:, :end]
