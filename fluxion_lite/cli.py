@@ -1,0 +1,318 @@
+"""The `fluxion-lite` command: pull, models, generate, chat, serve.
+
+User errors (any FluxionError, or a file that cannot be read) print `error: <message>` on stderr and exit 2;
+Ctrl-C exits 130 without a traceback. torch and the engine are imported only by the commands that run a model, so
+`pull` and `models` start instantly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+from fluxion_lite import __version__
+from fluxion_lite.catalog import catalog, default_model_name, get_model, list_models, resolve_model
+from fluxion_lite.errors import FluxionError, RequestError
+
+if TYPE_CHECKING:
+    from fluxion_lite.llm import LLM
+    from fluxion_lite.sampling import SamplingParams
+
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+ATTENTION_MODES = ("full",)  # extend as attention backends land
+EXIT_COMMANDS = ("/exit", "/quit", "/bye")
+
+
+def _add_model_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-m", "--model", default=None, help=f"catalog name or path to a .gguf file (default: {default_model_name()})"
+    )
+    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs (default: cpu)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
+    parser.add_argument("--attention", choices=ATTENTION_MODES, default="full", help="attention mode (default: full)")
+    parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
+
+
+def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
+    group.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 1.0)")
+    group.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
+    group.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: 1.0 = off)")
+    group.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x top prob (default: 0)")
+    group.add_argument("--repeat-penalty", type=float, default=None, help="llama.cpp repetition penalty (default: 1.0)")
+    group.add_argument("--presence-penalty", type=float, default=None, help="OpenAI presence penalty (default: 0)")
+    group.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty (default: 0)")
+    group.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
+    group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at TEXT (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fluxion-lite", description="LLM inference with sparse attention over host-memory KV caches."
+    )
+    parser.add_argument("--version", action="version", version=f"fluxion-lite {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    pull = commands.add_parser("pull", help="download a catalog model into the cache")
+    pull.add_argument("name", nargs="?", default=None, help=f"catalog model name (default: {default_model_name()})")
+    pull.add_argument("--force", action="store_true", help="download again even if present")
+    pull.set_defaults(handler=cmd_pull)
+
+    models = commands.add_parser("models", help="list catalog models and local .gguf files")
+    models.set_defaults(handler=cmd_models)
+
+    generate = commands.add_parser("generate", help="complete a prompt, streaming text to stdout")
+    _add_model_options(generate)
+    generate.add_argument("prompt", nargs="?", default=None, help="prompt text (or use --prompt-file)")
+    generate.add_argument("-f", "--prompt-file", default=None, help="read the prompt from a file ('-' = stdin)")
+    _add_sampling_options(generate)
+    generate.set_defaults(handler=cmd_generate)
+
+    chat = commands.add_parser("chat", help="interactive multi-turn chat using the model's chat template")
+    _add_model_options(chat)
+    chat.add_argument("--system", default=None, help="system message")
+    _add_sampling_options(chat)
+    chat.set_defaults(handler=cmd_chat)
+
+    serve = commands.add_parser("serve", help="start the OpenAI-compatible HTTP server")
+    _add_model_options(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
+    serve.add_argument(
+        "--api-key", default=os.environ.get("FLUXION_API_KEY"), help="require this bearer token (env FLUXION_API_KEY)"
+    )
+    serve.set_defaults(handler=cmd_serve)
+    return parser
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the flags; unset flags keep the dataclass defaults. Validated here, before model load."""
+    from fluxion_lite.sampling import SamplingParams
+
+    flag_to_field = {
+        "max_tokens": "max_tokens",
+        "temperature": "temperature",
+        "top_k": "top_k",
+        "top_p": "top_p",
+        "min_p": "min_p",
+        "repeat_penalty": "repetition_penalty",
+        "presence_penalty": "presence_penalty",
+        "frequency_penalty": "frequency_penalty",
+        "seed": "seed",
+    }
+    values: dict[str, Any] = {
+        field: getattr(args, flag) for flag, field in flag_to_field.items() if getattr(args, flag) is not None
+    }
+    params = SamplingParams(**values, stop=list(args.stop))
+    params.validate()
+    return params
+
+
+def _check_device(device: str) -> None:
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise FluxionError("--device cuda: no CUDA device is available here (use --device cpu)")
+
+
+def _load_llm(args: argparse.Namespace) -> LLM:
+    from fluxion_lite.llm import LLM
+
+    if args.max_context is not None and args.max_context < 1:
+        raise FluxionError(f"--max-context {args.max_context}: must be >= 1")
+    _check_device(args.device)
+    model = args.model or default_model_name()
+    return LLM(model, device=args.device, dtype=args.dtype, attention=args.attention, max_context=args.max_context)
+
+
+def _write_stream(pieces: Iterable[str]) -> str:
+    """Echo text pieces to stdout as they arrive; return the whole text."""
+    out: list[str] = []
+    for piece in pieces:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+        out.append(piece)
+    return "".join(out)
+
+
+def read_prompt(args: argparse.Namespace) -> str:
+    if args.prompt is not None and args.prompt_file is not None:
+        raise RequestError("give the prompt either as an argument or with --prompt-file, not both")
+    if args.prompt_file == "-":
+        prompt = sys.stdin.read()
+    elif args.prompt_file is not None:
+        try:
+            with open(args.prompt_file, encoding="utf-8") as f:
+                prompt = f.read()
+        except UnicodeDecodeError as exc:
+            raise RequestError(f"prompt file {args.prompt_file!r} is not UTF-8 text ({exc.reason})") from exc
+    elif args.prompt is not None:
+        prompt = args.prompt
+    else:
+        raise RequestError("no prompt: give one as an argument or with --prompt-file")
+    if not prompt:
+        raise RequestError("empty prompt")
+    return prompt
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from fluxion_lite.pull import pull
+
+    name = args.name or default_model_name()
+    if name in catalog():
+        path = pull(get_model(name), force=args.force)
+    else:
+        path = resolve_model(name, pull_missing=False)  # a local .gguf path is fine; anything else is unknown
+        print(f"{path} is a local file; nothing to pull", file=sys.stderr)
+    print(path)
+    return 0
+
+
+def _format_size(size: int | None) -> str:
+    if size is None:
+        return "?"
+    return f"{size / 1e9:.2f} GB" if size >= 1e9 else f"{size / 1e6:.1f} MB"
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    rows = list_models()
+    header = ("NAME", "ARCH", "SIZE", "CONTEXT", "LOCAL", "PATH")
+    table = [header] + [
+        (
+            row.name + (" *" if row.is_default else ""),
+            row.arch,
+            _format_size(row.size),
+            str(row.context_length) if row.context_length is not None else "?",
+            row.status,
+            str(row.path),
+        )
+        for row in rows
+    ]
+    widths = [max(len(line[i]) for line in table) for i in range(len(header) - 1)]
+    for line in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)) + "  " + line[-1])
+    print("\n* default model.  pull with: fluxion-lite pull NAME")
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    prompt = read_prompt(args)
+    params = sampling_params(args)
+    llm = _load_llm(args)
+    text = _write_stream(llm.generate_stream(prompt, params))
+    if not text.endswith("\n"):
+        sys.stdout.write("\n")
+    sys.stdout.flush()
+    return 0
+
+
+def _chat_turn(llm: LLM, messages: list[dict[str, str]], params: SamplingParams) -> str | None:
+    """Stream one assistant reply. None when the request was rejected; Ctrl-C ends the reply, not the chat."""
+    stream = llm.chat(messages, params, stream=True)
+    assert not isinstance(stream, str)
+    pieces: list[str] = []
+    try:
+        for piece in stream:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+            pieces.append(piece)
+    except KeyboardInterrupt:
+        print("\n[reply interrupted]", file=sys.stderr)
+    finally:
+        close: Callable[[], None] | None = getattr(stream, "close", None)
+        if close is not None:
+            close()  # let the engine release the request's KV now, not at garbage collection
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    return "".join(pieces)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    params = sampling_params(args)
+    llm = _load_llm(args)
+    start: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("chat: /exit or Ctrl-D quits, /reset starts over", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print(file=sys.stderr)
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in EXIT_COMMANDS:
+            return 0
+        if text == "/reset":
+            messages = list(start)
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            reply = _chat_turn(llm, messages, params)
+        except RequestError as exc:  # e.g. the conversation outgrew the context: drop the turn, keep chatting
+            messages.pop()
+            print(f"error: {exc}", file=sys.stderr)
+            continue
+        messages.append({"role": "assistant", "content": reply or ""})
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    if not 1 <= args.port <= 65535:
+        raise FluxionError(f"--port {args.port}: must be in 1..65535")
+    try:
+        from fluxion_lite.server import app
+    except ModuleNotFoundError as exc:
+        if exc.name in ("fluxion_lite.server.app", "fluxion_lite.server"):
+            raise FluxionError("the HTTP server is not available in this install (fluxion_lite.server.app)") from exc
+        if exc.name and exc.name.split(".")[0] in ("starlette", "uvicorn"):
+            raise FluxionError(
+                f"the server needs {exc.name.split('.')[0]}: pip install 'fluxion-lite[server]'"
+            ) from exc
+        raise
+    if not hasattr(app, "serve"):
+        raise FluxionError("fluxion_lite.server.app has no serve(args) function")
+    _check_device(args.device)
+    result = app.serve(args)
+    return int(result) if isinstance(result, int) else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        handler: Callable[[argparse.Namespace], int] = args.handler
+        if hasattr(sys.stdout, "reconfigure"):
+            sys.stdout.reconfigure(errors="replace")  # never die on a token the terminal cannot encode
+        return handler(args)
+    except FluxionError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # The reader went away (`| head`): silence the flush at exit, which would otherwise raise again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except OSError as exc:
+        if exc.filename is None:  # not a file problem: a bug or the system, keep the traceback
+            raise
+        print(f"error: {exc.filename}: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())
