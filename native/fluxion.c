@@ -1,2 +1,753 @@
-#include "fluxion.h"
-int fx_version(void) { return 1; }
+/* fluxion.c -- validation, work splitting and the shared parts of the kernels; see fluxion.h for the contract. */
+#include <math.h>
+#include <stdatomic.h>
+#include <string.h>
+#include "fx_internal.h"
+
+int fx_version(void) { return 2; }
+
+/* ------------------------------------------------------------------------------------------------ settings -- */
+
+static const fx_kernels *g_kern = NULL;
+static int g_simd = -1;
+static int g_checks = 1;
+
+int fx_simd_supported(int path) {
+    switch (path) {
+        case FX_SIMD_PORTABLE: return 1;
+#if defined(__x86_64__) || defined(__i386__)
+        case FX_SIMD_AVX2:
+            __builtin_cpu_init();
+            return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+        case FX_SIMD_AVX512:
+            __builtin_cpu_init();
+            return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+                   fx_simd_supported(FX_SIMD_AVX2);
+#endif
+        default: return 0;
+    }
+}
+
+int fx_set_simd(int path) {
+    if (path == FX_SIMD_AUTO) {
+        path = fx_simd_supported(FX_SIMD_AVX512) ? FX_SIMD_AVX512
+               : fx_simd_supported(FX_SIMD_AVX2) ? FX_SIMD_AVX2
+                                                 : FX_SIMD_PORTABLE;
+    }
+    if (!fx_simd_supported(path)) return -FX_E_SIMD;
+    g_kern = path == FX_SIMD_AVX512 ? &fx_kernels_avx512 : path == FX_SIMD_AVX2 ? &fx_kernels_avx2
+                                                                                 : &fx_kernels_portable;
+    g_simd = path;
+    return path;
+}
+
+int fx_get_simd(void) {
+    if (!g_kern) fx_set_simd(FX_SIMD_AUTO);
+    return g_simd;
+}
+
+static const fx_kernels *kern(void) {
+    if (!g_kern) fx_set_simd(FX_SIMD_AUTO);
+    return g_kern;
+}
+
+int fx_set_threads(int n) { return fx_pool_set_threads(n); }
+int fx_get_threads(void) { return fx_pool_threads(); }
+void fx_set_checks(int on) { g_checks = on != 0; }
+
+/* ---------------------------------------------------------------------------------------------- page layout -- */
+
+static int gran_index(int g) {
+    switch (g) {
+        case 16: return 0;
+        case 32: return 1;
+        case 64: return 2;
+        case 128: return 3;
+        default: return -1;
+    }
+}
+
+int64_t fx_page_bytes(int32_t n_kv_heads, int32_t head_dim, int32_t page_tokens, int32_t gran_mask) {
+    int64_t bytes = 2 * (int64_t)n_kv_heads * page_tokens * head_dim * 2;
+    for (int i = 0; i < 4; i++)
+        if (gran_mask & (1 << i)) bytes += (int64_t)n_kv_heads * (page_tokens / (16 << i)) * 2 * head_dim * 4;
+    return bytes;
+}
+
+static inline uint8_t *page_of(const fx_kv_view *kv, int slot, int64_t tok) {
+    return kv->pages[(int64_t)slot * kv->max_pages + tok / kv->page_tokens];
+}
+
+/* K row of token `tok` (head h); V is the same offset plus Hkv*P*D elements. */
+static inline uint16_t *k_row(const fx_kv_view *kv, int slot, int h, int64_t tok) {
+    int64_t P = kv->page_tokens;
+    return (uint16_t *)page_of(kv, slot, tok) + ((int64_t)h * P + tok % P) * kv->head_dim;
+}
+
+static inline int64_t v_offset(const fx_kv_view *kv) {
+    return (int64_t)kv->n_kv_heads * kv->page_tokens * kv->head_dim;
+}
+
+/* Summary [2][D] of block b (granularity index gi) of head h. */
+static inline float *summary(const fx_kv_view *kv, int slot, int h, int gi, int64_t b) {
+    int64_t P = kv->page_tokens, D = kv->head_dim, H = kv->n_kv_heads, g = 16 << gi;
+    int64_t off = 2 * H * P * D * 2;
+    for (int i = 0; i < gi; i++)
+        if (kv->gran_mask & (1 << i)) off += H * (P / (16 << i)) * 2 * D * 4;
+    uint8_t *page = page_of(kv, slot, b * g);
+    return (float *)(page + off) + ((int64_t)h * (P / g) + (b * g % P) / g) * 2 * D;
+}
+
+/* ------------------------------------------------------------------------------------------------ validation -- */
+
+static int check_view(const fx_kv_view *kv) {
+    if (!kv || !kv->pages || !kv->n_tokens) return FX_E_VIEW;
+    if (kv->n_slots <= 0 || kv->max_pages <= 0 || kv->n_kv_heads <= 0) return FX_E_VIEW;
+    if (kv->head_dim <= 0 || kv->head_dim % 16 || kv->head_dim > FX_MAX_DIM) return FX_E_VIEW;
+    if (kv->page_tokens <= 0 || kv->page_tokens % FX_MAX_BLOCK) return FX_E_VIEW;
+    if (kv->dtype != FX_F16 && kv->dtype != FX_BF16) return FX_E_VIEW;
+    if (kv->gran_mask < 0 || kv->gran_mask > 15) return FX_E_VIEW;
+    return FX_OK;
+}
+
+/* n_tokens of a slot within the table's capacity, and every page holding its tokens present. */
+static int check_slot_pages(const fx_kv_view *kv, int slot, int64_t n_tok) {
+    if (n_tok < 0 || n_tok > (int64_t)kv->max_pages * kv->page_tokens) return FX_E_PAGE;
+    int64_t n_pages = (n_tok + kv->page_tokens - 1) / kv->page_tokens;
+    for (int64_t p = 0; p < n_pages; p++)
+        if (!kv->pages[(int64_t)slot * kv->max_pages + p]) return FX_E_PAGE;
+    return FX_OK;
+}
+
+static int check_group(const fx_kv_view *kv, int32_t n_q_heads) {
+    if (n_q_heads <= 0 || n_q_heads % kv->n_kv_heads) return FX_E_GROUP;
+    if (n_q_heads / kv->n_kv_heads > FX_MAX_GROUP) return FX_E_GROUP;
+    return FX_OK;
+}
+
+/* Common task fields; need_kept: the granularity's summaries must be in the pages. */
+static int check_task(const fx_kv_view *kv, const int32_t *t, int64_t q_rows, int need_kept) {
+    if (t[0] < 0 || t[0] >= kv->n_slots) return FX_E_SLOT;
+    if (q_rows >= 0 && (t[1] < 0 || t[1] >= q_rows)) return FX_E_QROW;
+    if (t[2] < 0 || t[2] >= kv->n_kv_heads) return FX_E_HEAD;
+    int gi = gran_index(t[3]);
+    if (gi < 0 || (need_kept && !(kv->gran_mask & (1 << gi)))) return FX_E_GRAN;
+    return check_slot_pages(kv, t[0], kv->n_tokens[t[0]]);
+}
+
+static int check_selection(const fx_kv_view *kv, const int32_t *t, const int32_t *ids, int32_t count, int32_t k_cap) {
+    if (count < 0 || count > k_cap) return FX_E_K;
+    int64_t n_blocks = (kv->n_tokens[t[0]] + t[3] - 1) / t[3];
+    for (int32_t i = 0; i < count; i++)
+        if (ids[i] < 0 || ids[i] >= n_blocks) return FX_E_BLOCK;
+    return FX_OK;
+}
+
+/* -------------------------------------------------------------------------------------- work-item cursors -- */
+
+/* Participants claim item numbers from a shared counter in increasing order and walk a cursor forward to find
+ * (task, chunk) for each claim: amortised O(items) per participant, no index buffer needed. */
+typedef struct {
+    int64_t task, chunk, item; /* item = global number of (task, chunk) */
+} cursor;
+
+static inline int64_t chunks_of(int32_t count, int32_t cb) { return (count + cb - 1) / cb; }
+
+static int cursor_seek(cursor *c, int64_t target, const int32_t *counts, int64_t n_tasks, int32_t cb) {
+    while (c->task < n_tasks) {
+        int64_t nc = chunks_of(counts[c->task], cb);
+        if (target < c->item - c->chunk + nc) {
+            c->chunk += target - c->item;
+            c->item = target;
+            return 1;
+        }
+        c->item += nc - c->chunk;
+        c->chunk = 0;
+        c->task++;
+    }
+    return 0;
+}
+
+/* Blocks per work item: enough items to keep every participant busy (about 4 each), at least 4 blocks each. */
+static int32_t chunk_blocks(const int32_t *counts, int64_t n_tasks) {
+    int64_t total = 0;
+    for (int64_t i = 0; i < n_tasks; i++) total += counts[i];
+    int64_t target = 4 * (int64_t)fx_pool_threads();
+    int64_t cb = (total + target - 1) / target;
+    if (cb < 4) cb = 4;
+    if (cb > (1 << 30)) cb = 1 << 30;
+    return (int32_t)cb;
+}
+
+/* ------------------------------------------------------------------------------------------ append/summary -- */
+
+typedef struct {
+    const fx_kv_view *kv;
+    const int32_t *slots;
+    const int64_t *lo, *hi;      /* token range [lo, hi) per item (hi: new length) */
+    const int64_t *row_start;    /* NULL: summaries only */
+    const uint16_t *src_k, *src_v;
+    int64_t n_items;
+    _Atomic int64_t next;
+    const fx_kernels *kern;
+} append_job;
+
+/* Units: (item, page touched, head). */
+static void append_unit(append_job *J, int64_t i, int64_t page, int h) {
+    const fx_kv_view *kv = J->kv;
+    int64_t P = kv->page_tokens, D = kv->head_dim, H = kv->n_kv_heads;
+    int slot = J->slots[i];
+    int64_t lo = J->lo[i] > page * P ? J->lo[i] : page * P;
+    int64_t hi = J->hi[i] < (page + 1) * P ? J->hi[i] : (page + 1) * P;
+    if (lo >= hi) return;
+    int bf16 = kv->dtype == FX_BF16;
+    if (J->row_start) {
+        for (int64_t t = lo; t < hi; t++) {
+            int64_t src = ((J->row_start[i] + t - J->lo[i]) * H + h) * D;
+            uint16_t *dk = k_row(kv, slot, h, t);
+            memcpy(dk, J->src_k + src, (size_t)D * 2);
+            memcpy(dk + v_offset(kv), J->src_v + src, (size_t)D * 2);
+        }
+    }
+    for (int gi = 0; gi < 4; gi++) {
+        if (!(kv->gran_mask & (1 << gi))) continue;
+        int64_t g = 16 << gi;
+        for (int64_t b = lo / g; b * g < hi; b++) {
+            int64_t t0 = b * g > lo ? b * g : lo;
+            int64_t t1 = (b + 1) * g < hi ? (b + 1) * g : hi;
+            float *s = summary(kv, slot, h, gi, b);
+            J->kern->minmax(k_row(kv, slot, h, t0), (int)(t1 - t0), (int)D, bf16, s, s + D, t0 == b * g);
+        }
+    }
+}
+
+static void append_worker(void *ctx, int tid, int nthreads) {
+    (void)tid;
+    (void)nthreads;
+    append_job *J = ctx;
+    const fx_kv_view *kv = J->kv;
+    int64_t P = kv->page_tokens, H = kv->n_kv_heads;
+    /* cursor over (item, page, head) units */
+    int64_t item = 0, unit_base = 0;
+    for (;;) {
+        int64_t u = atomic_fetch_add(&J->next, 1);
+        for (;;) {
+            if (item >= J->n_items) return;
+            int64_t first = J->lo[item] / P, last = J->hi[item] > J->lo[item] ? (J->hi[item] - 1) / P : first - 1;
+            int64_t n_units = (last - first + 1) * H;
+            if (u < unit_base + n_units) {
+                int64_t k = u - unit_base;
+                append_unit(J, item, first + k / H, (int)(k % H));
+                break;
+            }
+            unit_base += n_units;
+            item++;
+        }
+    }
+}
+
+static int run_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *lo, const int64_t *hi,
+                      const int64_t *row_start, int64_t n_items, const void *src_k, const void *src_v) {
+    append_job J = {kv, slots, lo, hi, row_start, src_k, src_v, n_items, 0, kern()};
+    fx_pool_run(append_worker, &J);
+    return FX_OK;
+}
+
+/* Token ranges are staged on the stack in chunks, so any number of items works without allocating. */
+enum { FX_RANGE_CHUNK = 512 };
+
+int fx_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *row_start, const int64_t *row_count,
+              int64_t n_items, const void *src_k, const void *src_v, int64_t n_rows, int64_t *err_index) {
+    *err_index = -1;
+    int rc = check_view(kv);
+    if (rc) return rc;
+    int64_t los[FX_RANGE_CHUNK], his[FX_RANGE_CHUNK];
+    for (int64_t base = 0; base < n_items; base += FX_RANGE_CHUNK) {
+        int64_t n = n_items - base < FX_RANGE_CHUNK ? n_items - base : FX_RANGE_CHUNK;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t ii = base + i;
+            *err_index = ii;
+            int slot = slots[ii];
+            if (slot < 0 || slot >= kv->n_slots) return FX_E_SLOT;
+            if (row_count[ii] < 0 || row_start[ii] < 0 || row_start[ii] + row_count[ii] > n_rows) return FX_E_APPEND;
+            int64_t n_old = kv->n_tokens[slot];
+            if (n_old < 0 || n_old + row_count[ii] > (int64_t)kv->max_pages * kv->page_tokens) return FX_E_APPEND;
+            rc = check_slot_pages(kv, slot, n_old + row_count[ii]);
+            if (rc) return rc;
+            los[i] = n_old;
+            his[i] = n_old + row_count[ii];
+        }
+        *err_index = -1;
+        run_append(kv, slots + base, los, his, row_start + base, n, src_k, src_v);
+        for (int64_t i = 0; i < n; i++) kv->n_tokens[slots[base + i]] = his[i];
+    }
+    return FX_OK;
+}
+
+int fx_summaries_update(const fx_kv_view *kv, const int32_t *slots, const int64_t *from_token, int64_t n_items,
+                        int64_t *err_index) {
+    *err_index = -1;
+    int rc = check_view(kv);
+    if (rc) return rc;
+    int64_t los[FX_RANGE_CHUNK], his[FX_RANGE_CHUNK];
+    for (int64_t base = 0; base < n_items; base += FX_RANGE_CHUNK) {
+        int64_t n = n_items - base < FX_RANGE_CHUNK ? n_items - base : FX_RANGE_CHUNK;
+        for (int64_t i = 0; i < n; i++) {
+            int64_t ii = base + i;
+            *err_index = ii;
+            int slot = slots[ii];
+            if (slot < 0 || slot >= kv->n_slots) return FX_E_SLOT;
+            int64_t n_tok = kv->n_tokens[slot];
+            rc = check_slot_pages(kv, slot, n_tok);
+            if (rc) return rc;
+            if (from_token[ii] < 0 || from_token[ii] > n_tok) return FX_E_APPEND;
+            /* Rebuild from the enclosing 128-token boundary, a block start for every granularity, so no block
+             * keeps a stale partial summary. */
+            los[i] = from_token[ii] / FX_MAX_BLOCK * FX_MAX_BLOCK;
+            his[i] = n_tok;
+        }
+        *err_index = -1;
+        run_append(kv, slots + base, los, his, NULL, n, NULL, NULL);
+    }
+    return FX_OK;
+}
+
+/* ----------------------------------------------------------------------------------------------- group top-k -- */
+
+typedef struct {
+    const fx_kv_view *kv;
+    const float *q;
+    int32_t n_q_heads, k_cap;
+    const int32_t *tasks;
+    int64_t n_tasks;
+    int32_t *ids;
+    float *scores;
+    int32_t *counts;
+    _Atomic int64_t next;
+    const fx_kernels *kern;
+} topk_job;
+
+/* a is worse than b: lower score, or equal score and higher id (so ties keep the lower id). */
+static inline int worse(float sa, int32_t ia, float sb, int32_t ib) { return sa < sb || (sa == sb && ia > ib); }
+
+static void heap_sift_down(float *s, int32_t *id, int64_t n, int64_t i) {
+    for (;;) {
+        int64_t l = 2 * i + 1, r = l + 1, m = i;
+        if (l < n && worse(s[l], id[l], s[m], id[m])) m = l;
+        if (r < n && worse(s[r], id[r], s[m], id[m])) m = r;
+        if (m == i) return;
+        float ts = s[i]; s[i] = s[m]; s[m] = ts;
+        int32_t ti = id[i]; id[i] = id[m]; id[m] = ti;
+        i = m;
+    }
+}
+
+static void heap_sift_up(float *s, int32_t *id, int64_t i) {
+    while (i > 0) {
+        int64_t p = (i - 1) / 2;
+        if (!worse(s[i], id[i], s[p], id[p])) return;
+        float ts = s[i]; s[i] = s[p]; s[p] = ts;
+        int32_t ti = id[i]; id[i] = id[p]; id[p] = ti;
+        i = p;
+    }
+}
+
+/* In-place heapsort of (id, score) pairs by ascending id. */
+static void sort_by_id(float *s, int32_t *id, int64_t n) {
+    for (int64_t start = n / 2 - 1; start >= 0; start--) {
+        for (int64_t i = start;;) { /* max-heap by id */
+            int64_t l = 2 * i + 1, r = l + 1, m = i;
+            if (l < n && id[l] > id[m]) m = l;
+            if (r < n && id[r] > id[m]) m = r;
+            if (m == i) break;
+            float ts = s[i]; s[i] = s[m]; s[m] = ts;
+            int32_t ti = id[i]; id[i] = id[m]; id[m] = ti;
+            i = m;
+        }
+    }
+    for (int64_t end = n - 1; end > 0; end--) {
+        float ts = s[0]; s[0] = s[end]; s[end] = ts;
+        int32_t ti = id[0]; id[0] = id[end]; id[end] = ti;
+        for (int64_t i = 0;;) {
+            int64_t l = 2 * i + 1, r = l + 1, m = i;
+            if (l < end && id[l] > id[m]) m = l;
+            if (r < end && id[r] > id[m]) m = r;
+            if (m == i) break;
+            float ts2 = s[i]; s[i] = s[m]; s[m] = ts2;
+            int32_t ti2 = id[i]; id[i] = id[m]; id[m] = ti2;
+            i = m;
+        }
+    }
+}
+
+static void topk_task(topk_job *J, int64_t ti) {
+    const fx_kv_view *kv = J->kv;
+    const int32_t *t = J->tasks + ti * FX_TASK_FIELDS;
+    int slot = t[0], h = t[2], g = t[3], k = t[4];
+    int D = kv->head_dim, r = J->n_q_heads / kv->n_kv_heads, gi = gran_index(g);
+    int64_t P = kv->page_tokens, n_tok = kv->n_tokens[slot], nb = (n_tok + g - 1) / g;
+    int32_t *ids = J->ids + ti * J->k_cap;
+    float *sc = J->scores + ti * J->k_cap;
+
+    /* The group's bound collapses to two vectors: sum_j max(q_j,0) and sum_j min(q_j,0). */
+    float qpos[FX_MAX_DIM], qneg[FX_MAX_DIM];
+    const float *q = J->q + ((int64_t)t[1] * J->n_q_heads + (int64_t)h * r) * D;
+    for (int e = 0; e < D; e++) qpos[e] = qneg[e] = 0.0f;
+    for (int j = 0; j < r; j++)
+        for (int e = 0; e < D; e++) {
+            float v = q[(int64_t)j * D + e];
+            if (v > 0) qpos[e] += v; else qneg[e] += v;
+        }
+
+    /* excluded block ranges */
+    int64_t ex_lo[2], ex_hi[2];
+    for (int x = 0; x < 2; x++) {
+        int64_t lo = t[5 + 2 * x], hi = t[6 + 2 * x];
+        if (lo < 0) lo = 0;
+        if (hi > n_tok) hi = n_tok;
+        if (lo >= hi) { ex_lo[x] = ex_hi[x] = 0; continue; }
+        ex_lo[x] = lo / g;
+        ex_hi[x] = (hi - 1) / g + 1;
+    }
+
+    int64_t n = 0;
+    float score[FX_MAX_BLOCK];
+    int64_t per_page = P / g;
+    for (int64_t b0 = 0, run = 0; b0 < nb && k > 0; b0 += run) {
+        /* a run of blocks inside one page is contiguous in S_g */
+        run = nb - b0 < FX_MAX_BLOCK ? nb - b0 : FX_MAX_BLOCK;
+        int64_t to_page_end = per_page - b0 % per_page;
+        if (run > to_page_end) run = to_page_end;
+        J->kern->bound(qpos, qneg, summary(kv, slot, h, gi, b0), (int)run, D, score);
+        for (int64_t i = 0; i < run; i++) {
+            int64_t b = b0 + i;
+            if ((b >= ex_lo[0] && b < ex_hi[0]) || (b >= ex_lo[1] && b < ex_hi[1])) continue;
+            if (n < k) {
+                sc[n] = score[i];
+                ids[n] = (int32_t)b;
+                heap_sift_up(sc, ids, n);
+                n++;
+            } else if (worse(sc[0], ids[0], score[i], (int32_t)b)) {
+                sc[0] = score[i];
+                ids[0] = (int32_t)b;
+                heap_sift_down(sc, ids, n, 0);
+            }
+        }
+    }
+    sort_by_id(sc, ids, n);
+    J->counts[ti] = (int32_t)n;
+}
+
+static void topk_worker(void *ctx, int tid, int nthreads) {
+    (void)tid;
+    (void)nthreads;
+    topk_job *J = ctx;
+    for (;;) {
+        int64_t i = atomic_fetch_add(&J->next, 1);
+        if (i >= J->n_tasks) return;
+        topk_task(J, i);
+    }
+}
+
+int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
+                  int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
+                  int64_t *err_index) {
+    *err_index = -1;
+    int rc = check_view(kv);
+    if (!rc) rc = check_group(kv, n_q_heads);
+    if (rc) return rc;
+    if (k_cap < 0) return FX_E_K;
+    for (int64_t i = 0; i < n_tasks; i++) {
+        const int32_t *t = tasks + i * FX_TASK_FIELDS;
+        *err_index = i;
+        rc = check_task(kv, t, q_rows, 1); /* O(tasks + pages): always on */
+        if (rc) return rc;
+        if (t[4] < 0 || t[4] > k_cap) return FX_E_K;
+    }
+    *err_index = -1;
+    topk_job J = {kv, q, n_q_heads, k_cap, tasks, n_tasks, out_ids, out_scores, out_counts, 0, kern()};
+    fx_pool_run(topk_worker, &J);
+    return FX_OK;
+}
+
+/* ------------------------------------------------------------------------------------------ sparse attention -- */
+
+/* Per work item the workspace holds acc [r][D] (normalised output of that chunk) then lse [r]. */
+int64_t fx_attention_workspace_floats(int64_t n_tasks, int32_t group, int32_t head_dim) {
+    int64_t items = n_tasks + 4 * (int64_t)fx_pool_threads();
+    return items * (int64_t)group * (head_dim + 1);
+}
+
+typedef struct {
+    const fx_kv_view *kv;
+    const float *q;
+    int32_t n_q_heads, k_cap, cb;
+    const int32_t *tasks, *ids, *counts;
+    int64_t n_tasks;
+    float scale;
+    float *out, *lse, *ws;
+    _Atomic int64_t next;
+    const fx_kernels *kern;
+} attn_job;
+
+static inline void prefetch_rows(const uint16_t *p, int64_t bytes) {
+    const char *c = (const char *)p;
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
+}
+
+/* Attend the group's r heads over selected blocks ids[b0..b1) of one task; write normalised acc and lse. */
+static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int32_t b0, int32_t b1, float *acc,
+                         float *lse) {
+    const fx_kv_view *kv = J->kv;
+    const fx_kernels *K = J->kern;
+    int slot = t[0], h = t[2], g = t[3];
+    int D = kv->head_dim, r = J->n_q_heads / kv->n_kv_heads, bf16 = kv->dtype == FX_BF16;
+    int64_t n_tok = kv->n_tokens[slot], voff = v_offset(kv);
+    const float *q = J->q + ((int64_t)t[1] * J->n_q_heads + (int64_t)h * r) * D;
+    float s[FX_MAX_GROUP * FX_MAX_BLOCK];
+    float m[FX_MAX_GROUP], l[FX_MAX_GROUP];
+    for (int j = 0; j < r; j++) {
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)r * D);
+    for (int32_t bi = b0; bi < b1; bi++) {
+        int64_t t0 = (int64_t)ids[bi] * g;
+        int len = (int)(n_tok - t0 < g ? n_tok - t0 : g);
+        const uint16_t *kb = k_row(kv, slot, h, t0);
+        if (bi + 1 < b1) { /* pull the next block towards L2 while this one computes */
+            int64_t tn = (int64_t)ids[bi + 1] * g;
+            int64_t ln = n_tok - tn < g ? n_tok - tn : g;
+            const uint16_t *kn = k_row(kv, slot, h, tn);
+            prefetch_rows(kn, ln * D * 2);
+            prefetch_rows(kn + voff, ln * D * 2);
+        }
+        K->qk(q, r, kb, len, D, bf16, J->scale, s, len);
+        for (int j = 0; j < r; j++) {
+            float *sj = s + j * len;
+            float mb = sj[0];
+            for (int i = 1; i < len; i++) mb = sj[i] > mb ? sj[i] : mb;
+            float mn = mb > m[j] ? mb : m[j];
+            float corr = m[j] == -INFINITY ? 0.0f : expf(m[j] - mn);
+            for (int i = 0; i < len; i++) sj[i] -= mn;
+            m[j] = mn;
+            l[j] *= corr;
+            if (corr != 1.0f) {
+                float *aj = acc + (int64_t)j * D;
+                for (int e = 0; e < D; e++) aj[e] *= corr;
+            }
+        }
+        K->exp_neg(s, r * len);
+        for (int j = 0; j < r; j++) {
+            float sum = 0.0f;
+            const float *sj = s + j * len;
+            for (int i = 0; i < len; i++) sum += sj[i];
+            l[j] += sum;
+        }
+        K->pv(s, r, len, kb + voff, len, D, bf16, acc);
+    }
+    for (int j = 0; j < r; j++) {
+        if (l[j] > 0.0f) {
+            float inv = 1.0f / l[j];
+            for (int e = 0; e < D; e++) acc[(int64_t)j * D + e] *= inv;
+            lse[j] = m[j] + logf(l[j]);
+        } else {
+            lse[j] = -INFINITY;
+        }
+    }
+}
+
+static void attn_worker(void *ctx, int tid, int nthreads) {
+    (void)tid;
+    (void)nthreads;
+    attn_job *J = ctx;
+    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
+    int64_t stride = (int64_t)r * (D + 1);
+    cursor c = {0, 0, 0};
+    for (;;) {
+        int64_t item = atomic_fetch_add(&J->next, 1);
+        if (!cursor_seek(&c, item, J->counts, J->n_tasks, J->cb)) return;
+        const int32_t *t = J->tasks + c.task * FX_TASK_FIELDS;
+        const int32_t *ids = J->ids + c.task * J->k_cap;
+        int32_t b0 = (int32_t)(c.chunk * J->cb);
+        int32_t b1 = b0 + J->cb < J->counts[c.task] ? b0 + J->cb : J->counts[c.task];
+        float *slot = J->ws + item * stride;
+        attend_chunk(J, t, ids, b0, b1, slot, slot + (int64_t)r * D);
+    }
+}
+
+/* Merge each task's chunk results by log-sum-exp into out/lse. */
+static void merge_worker(void *ctx, int tid, int nthreads) {
+    attn_job *J = ctx;
+    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
+    int64_t stride = (int64_t)r * (D + 1), first = 0;
+    for (int64_t ti = 0; ti < J->n_tasks; ti++) {
+        int64_t nc = chunks_of(J->counts[ti], J->cb);
+        if (ti % nthreads == tid) {
+            float *out = J->out + ti * r * D, *lse = J->lse + ti * r;
+            for (int j = 0; j < r; j++) {
+                float mx = -INFINITY;
+                for (int64_t c = 0; c < nc; c++) {
+                    float v = J->ws[(first + c) * stride + (int64_t)r * D + j];
+                    mx = v > mx ? v : mx;
+                }
+                float *o = out + (int64_t)j * D;
+                memset(o, 0, sizeof(float) * (size_t)D);
+                if (mx == -INFINITY) {
+                    lse[j] = -INFINITY;
+                    continue;
+                }
+                float wsum = 0.0f;
+                for (int64_t c = 0; c < nc; c++) {
+                    const float *part = J->ws + (first + c) * stride;
+                    float w = expf(part[(int64_t)r * D + j] - mx);
+                    wsum += w;
+                    for (int e = 0; e < D; e++) o[e] += w * part[(int64_t)j * D + e];
+                }
+                float inv = 1.0f / wsum;
+                for (int e = 0; e < D; e++) o[e] *= inv;
+                lse[j] = mx + logf(wsum);
+            }
+        }
+        first += nc;
+    }
+}
+
+int fx_sparse_attention(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                        const int32_t *tasks, int64_t n_tasks, const int32_t *ids, const int32_t *counts,
+                        int32_t k_cap, float scale, float *out, float *lse, float *workspace,
+                        int64_t workspace_floats, int64_t *err_index) {
+    *err_index = -1;
+    int rc = check_view(kv);
+    if (!rc) rc = check_group(kv, n_q_heads);
+    if (rc) return rc;
+    if (k_cap < 0) return FX_E_K;
+    for (int64_t i = 0; i < n_tasks; i++) {
+        const int32_t *t = tasks + i * FX_TASK_FIELDS;
+        *err_index = i;
+        rc = check_task(kv, t, q_rows, 0);
+        if (!rc) rc = counts[i] < 0 || counts[i] > k_cap ? FX_E_K : FX_OK;
+        if (!rc && g_checks) rc = check_selection(kv, t, ids + i * k_cap, counts[i], k_cap);
+        if (rc) return rc;
+    }
+    *err_index = -1;
+    int32_t r = n_q_heads / kv->n_kv_heads;
+    int32_t cb = chunk_blocks(counts, n_tasks);
+    int64_t items = 0;
+    for (int64_t i = 0; i < n_tasks; i++) items += chunks_of(counts[i], cb);
+    if (items * r * (kv->head_dim + 1) > workspace_floats) return FX_E_OUTPUT;
+    attn_job J = {kv, q, n_q_heads, k_cap, cb, tasks, ids, counts, n_tasks, scale, out, lse, workspace, 0, kern()};
+    fx_pool_run(attn_worker, &J);
+    fx_pool_run(merge_worker, &J);
+    return FX_OK;
+}
+
+/* --------------------------------------------------------------------------------------------------- gather -- */
+
+typedef struct {
+    const fx_kv_view *kv;
+    const int32_t *tasks, *ids, *counts;
+    int64_t n_tasks;
+    int32_t k_cap, cb;
+    const int64_t *out_offset;
+    uint16_t *k_out, *v_out;
+    _Atomic int64_t next;
+} gather_job;
+
+static inline int64_t block_len(const fx_kv_view *kv, int slot, int g, int32_t id) {
+    int64_t rest = kv->n_tokens[slot] - (int64_t)id * g;
+    return rest < g ? rest : g;
+}
+
+static void gather_worker(void *ctx, int tid, int nthreads) {
+    (void)tid;
+    (void)nthreads;
+    gather_job *J = ctx;
+    const fx_kv_view *kv = J->kv;
+    int64_t D = kv->head_dim, voff = v_offset(kv);
+    cursor c = {0, 0, 0};
+    for (;;) {
+        int64_t item = atomic_fetch_add(&J->next, 1);
+        if (!cursor_seek(&c, item, J->counts, J->n_tasks, J->cb)) return;
+        const int32_t *t = J->tasks + c.task * FX_TASK_FIELDS;
+        const int32_t *ids = J->ids + c.task * J->k_cap;
+        int slot = t[0], h = t[2], g = t[3];
+        int32_t b0 = (int32_t)(c.chunk * J->cb);
+        int32_t b1 = b0 + J->cb < J->counts[c.task] ? b0 + J->cb : J->counts[c.task];
+        int64_t row = J->out_offset[c.task];
+        for (int32_t b = 0; b < b0; b++) row += block_len(kv, slot, g, ids[b]);
+        for (int32_t b = b0; b < b1; b++) {
+            int64_t len = block_len(kv, slot, g, ids[b]);
+            const uint16_t *src = k_row(kv, slot, h, (int64_t)ids[b] * g);
+            memcpy(J->k_out + row * D, src, (size_t)(len * D * 2));
+            memcpy(J->v_out + row * D, src + voff, (size_t)(len * D * 2));
+            row += len;
+        }
+    }
+}
+
+int fx_gather(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const int32_t *ids,
+              const int32_t *counts, int32_t k_cap, const int64_t *out_offset, int64_t cap_tokens, void *k_out,
+              void *v_out, int32_t *out_tokens, int64_t *err_index) {
+    *err_index = -1;
+    int rc = check_view(kv);
+    if (rc) return rc;
+    if (k_cap < 0) return FX_E_K;
+    for (int64_t i = 0; i < n_tasks; i++) {
+        const int32_t *t = tasks + i * FX_TASK_FIELDS;
+        *err_index = i;
+        rc = check_task(kv, t, -1, 0);
+        if (!rc) rc = counts[i] < 0 || counts[i] > k_cap ? FX_E_K : FX_OK;
+        if (!rc && g_checks) rc = check_selection(kv, t, ids + i * k_cap, counts[i], k_cap);
+        if (rc) return rc;
+        int64_t rows = 0;
+        for (int32_t b = 0; b < counts[i]; b++) rows += block_len(kv, t[0], t[3], ids[i * k_cap + b]);
+        /* output bounds are always checked: a wrong offset would write past the staging buffer */
+        if (out_offset[i] < 0 || out_offset[i] + rows > cap_tokens) return FX_E_OUTPUT;
+        out_tokens[i] = (int32_t)rows;
+    }
+    *err_index = -1;
+    gather_job J = {kv, tasks, ids, counts, n_tasks, k_cap, chunk_blocks(counts, n_tasks), out_offset, k_out, v_out, 0};
+    fx_pool_run(gather_worker, &J);
+    return FX_OK;
+}
+
+/* ----------------------------------------------------------------------------------------- bandwidth probe -- */
+
+typedef struct {
+    const uint8_t *buf;
+    int64_t n;
+    int32_t repeats;
+    _Atomic int64_t next;
+    _Atomic uint64_t sum;
+} probe_job;
+
+#define FX_PROBE_CHUNK (1 << 20)
+
+static void probe_worker(void *ctx, int tid, int nthreads) {
+    (void)tid;
+    (void)nthreads;
+    probe_job *J = ctx;
+    int64_t chunks = (J->n + FX_PROBE_CHUNK - 1) / FX_PROBE_CHUNK;
+    uint64_t a[8] = {0};
+    for (;;) {
+        int64_t c = atomic_fetch_add(&J->next, 1);
+        if (c >= chunks * J->repeats) break;
+        int64_t lo = (c % chunks) * FX_PROBE_CHUNK;
+        int64_t hi = lo + FX_PROBE_CHUNK < J->n ? lo + FX_PROBE_CHUNK : J->n;
+        const uint64_t *p = (const uint64_t *)(J->buf + lo);
+        int64_t words = (hi - lo) / 8;
+        for (int64_t i = 0; i + 8 <= words; i += 8)
+            for (int k = 0; k < 8; k++) a[k] += p[i + k];
+    }
+    uint64_t s = 0;
+    for (int k = 0; k < 8; k++) s += a[k];
+    atomic_fetch_add(&J->sum, s);
+}
+
+double fx_read_bandwidth_probe(const void *buf, int64_t n_bytes, int32_t repeats) {
+    probe_job J = {buf, n_bytes, repeats, 0, 0};
+    fx_pool_run(probe_worker, &J);
+    return (double)atomic_load(&J.sum);
+}

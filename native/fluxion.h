@@ -1,4 +1,135 @@
+/*
+ * fluxion.h -- native CPU sparse attention over a host-memory KV cache.
+ *
+ * The contract of the C library: the memory layout it reads and writes, and the calls.  The library owns no KV
+ * memory; the caller (fluxion_lite/host_kv.py, or anyone with raw arrays) allocates pages and hands over pointers.
+ *
+ * ---------------------------------------------------------------------------------------------------------------
+ * HOST KV LAYOUT (one layer)
+ *
+ *   Tokens of one sequence live in pages of P tokens (P a multiple of 128, so a block of g <= 128 tokens never
+ *   straddles a page).  A page holds P tokens of ONE layer for ALL KV heads of one sequence, as one allocation:
+ *
+ *     K  [Hkv][P][D]  16-bit (fp16 or bf16)          -- per KV head, tokens contiguous, D elements per token
+ *     V  [Hkv][P][D]  16-bit
+ *     S_g[Hkv][P/g][2][D] fp32, for each kept granularity g in ascending order (g in {16,32,64,128}):
+ *                     S_g[h][b][0][:] = per-dimension min of the keys of block b, S_g[h][b][1][:] = max,
+ *                     over the block's VALID tokens only (a partly filled last block summarises what it has).
+ *
+ *   Byte offsets inside a page: K at 0, V at Hkv*P*D*2, S_g after V, each S_g Hkv*(P/g)*2*D*4 bytes.
+ *   fx_page_bytes() computes the size.  Pages should be 64-byte aligned (torch and cudaHostAlloc are).
+ *
+ *   A layer's page table is `pages[n_slots][max_pages]` of page base pointers (NULL where not allocated) and
+ *   `n_tokens[n_slots]` valid token counts.  Token t of slot s is row (t % P) of page pages[s][t / P].
+ *   Growing a sequence means allocating one more page and writing its pointer: nothing already stored moves.
+ *   Block b (granularity g) of a slot covers tokens [b*g, min((b+1)*g, n_tokens)); n_blocks = ceil(n_tokens/g).
+ *
+ * QUERIES:  q [q_rows][Hq][D] fp32, Hq = r * Hkv.  KV head h serves query heads h*r .. h*r+r-1 (its GQA group).
+ *
+ * TASKS:    int32 [n_tasks][FX_TASK_FIELDS], one row per (sequence, KV group):
+ *             slot, q_row, kv_head, g, k, ex0_lo, ex0_hi, ex1_lo, ex1_hi
+ *           k and the excluded token ranges [ex_lo, ex_hi) are used by fx_group_topk only (an empty range has
+ *           lo >= hi).  A block is excluded when it intersects an excluded range; give block-aligned ranges (sink,
+ *           recent window) so the sparse part and the caller's streaming part cover disjoint tokens.
+ *
+ * SELECTIONS: ids int32 [n_tasks][k_cap], counts int32 [n_tasks]; task i uses ids[i][0 .. counts[i]).
+ *
+ * All calls are one per layer for all tasks; they run on the library's own pthread pool (never OpenMP) and make
+ * no heap allocation.  Calls return FX_OK or an FX_E* code; on error *err_index names the offending task (or -1).
+ * With checks on (the default) every slot, head, block id, page pointer and output bound is validated before any
+ * memory is touched, so the C code never reads or writes out of bounds on bad input.
+ * Concurrent calls from several threads are safe: a call that finds the pool busy runs on its caller's thread.
+ * ---------------------------------------------------------------------------------------------------------------
+ */
 #ifndef FLUXION_H
 #define FLUXION_H
+
+#include <stdint.h>
+
+#define FX_TASK_FIELDS 9
+#define FX_MAX_GROUP 16   /* query heads per KV head */
+#define FX_MAX_DIM 256    /* head_dim, a multiple of 16 */
+#define FX_MAX_BLOCK 128  /* largest granularity */
+
+enum { FX_F16 = 0, FX_BF16 = 1 };
+enum { FX_SIMD_AUTO = -1, FX_SIMD_PORTABLE = 0, FX_SIMD_AVX2 = 1, FX_SIMD_AVX512 = 2 };
+enum {
+    FX_OK = 0,
+    FX_E_VIEW = 1,      /* bad view: sizes, dtype, page size, granularity mask */
+    FX_E_SLOT = 2,      /* task slot out of range */
+    FX_E_QROW = 3,      /* task q_row out of range */
+    FX_E_HEAD = 4,      /* task kv_head out of range */
+    FX_E_GRAN = 5,      /* granularity not one of the view's kept ones */
+    FX_E_K = 6,         /* k or count negative or above k_cap */
+    FX_E_BLOCK = 7,     /* selected block id outside the slot's blocks */
+    FX_E_PAGE = 8,      /* a needed page pointer is NULL */
+    FX_E_OUTPUT = 9,    /* output buffer too small (gather capacity, workspace) */
+    FX_E_GROUP = 10,    /* Hq not a multiple of Hkv, or group larger than FX_MAX_GROUP */
+    FX_E_SIMD = 11,     /* requested SIMD path not supported by this CPU */
+    FX_E_APPEND = 12,   /* append past page-table capacity */
+};
+
+typedef struct fx_kv_view {
+    int32_t n_slots;        /* rows of the page table */
+    int32_t max_pages;      /* columns of the page table */
+    int32_t n_kv_heads;     /* Hkv */
+    int32_t head_dim;       /* D, multiple of 16, <= FX_MAX_DIM */
+    int32_t page_tokens;    /* P, multiple of 128 */
+    int32_t dtype;          /* FX_F16 or FX_BF16 */
+    int32_t gran_mask;      /* bit i set: granularity 16<<i summaries are kept in the pages */
+    int64_t *n_tokens;      /* [n_slots] */
+    uint8_t **pages;        /* [n_slots * max_pages] page base pointers */
+} fx_kv_view;
+
+/* ---- settings ---- */
 int fx_version(void);
+int fx_set_threads(int n);          /* size of the pool, >= 1 (the caller thread counts as one) */
+int fx_get_threads(void);
+int fx_set_simd(int path);          /* FX_SIMD_*; returns the path now used, or -FX_E_SIMD if unsupported */
+int fx_get_simd(void);
+int fx_simd_supported(int path);    /* 1 if this CPU (and build) can run the path */
+void fx_set_checks(int on);         /* index validation (default on) */
+int64_t fx_page_bytes(int32_t n_kv_heads, int32_t head_dim, int32_t page_tokens, int32_t gran_mask);
+
+/* ---- append + summaries ----
+ * Copy new tokens into the pages and update the block summaries incrementally.
+ * src_k, src_v: [n_rows][Hkv][D] 16-bit (the layout of a k/v projection).  Slot slots[i] receives rows
+ * row_start[i] .. row_start[i]+row_count[i]-1, appended after its n_tokens, which then grows by row_count[i].
+ * Pages for the new tokens must already be in the page table.  Slots must be distinct. */
+int fx_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *row_start, const int64_t *row_count,
+              int64_t n_items, const void *src_k, const void *src_v, int64_t n_rows, int64_t *err_index);
+
+/* Rebuild the summaries of tokens [from_token[i], n_tokens) of slots[i] from the stored keys (all heads, all kept
+ * g).  fx_append already does this; use it when K was written into the pages by other means. */
+int fx_summaries_update(const fx_kv_view *kv, const int32_t *slots, const int64_t *from_token, int64_t n_items,
+                        int64_t *err_index);
+
+/* ---- group top-k ----
+ * score(block) = sum over the group's query heads j and dims d of max(q_jd*min_d, q_jd*max_d).
+ * Returns the k best eligible blocks per task (all of them when fewer): ids ascending by block id, scores
+ * alongside, counts[i] how many.  Ties: the lower block id wins.  out_ids/out_scores: [n_tasks][k_cap]. */
+int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
+                  int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
+                  int64_t *err_index);
+
+/* ---- sparse attention ----
+ * For each task, each of its r query heads attends over the selected blocks' valid tokens:
+ * out[i][j][:] = softmax(scale * q.K^T) V, lse[i][j] = natural-log sum of exp(scale * q.k).
+ * Empty selection: out = 0, lse = -inf.  workspace: >= fx_attention_workspace_floats(n_tasks, r, D) floats. */
+int64_t fx_attention_workspace_floats(int64_t n_tasks, int32_t group, int32_t head_dim);
+int fx_sparse_attention(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                        const int32_t *tasks, int64_t n_tasks, const int32_t *ids, const int32_t *counts,
+                        int32_t k_cap, float scale, float *out, float *lse, float *workspace,
+                        int64_t workspace_floats, int64_t *err_index);
+
+/* ---- gather ----
+ * Copy each task's selected blocks (valid tokens only, in the order given) into staging buffers
+ * k_out/v_out [cap_tokens][D] 16-bit, starting at row out_offset[i]; out_tokens[i] = rows written. */
+int fx_gather(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const int32_t *ids,
+              const int32_t *counts, int32_t k_cap, const int64_t *out_offset, int64_t cap_tokens, void *k_out,
+              void *v_out, int32_t *out_tokens, int64_t *err_index);
+
+/* ---- bandwidth probe (for bench/kernels.py): sum of n bytes read by the pool, returns a checksum ---- */
+double fx_read_bandwidth_probe(const void *buf, int64_t n_bytes, int32_t repeats);
+
 #endif

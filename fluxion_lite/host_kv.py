@@ -1,0 +1,189 @@
+"""Host-memory KV store in the native library's page layout (native/fluxion.h), with Quest-style block summaries.
+
+One page = P tokens of one layer for all KV heads of one sequence: K [Hkv, P, D], V [Hkv, P, D] (fp16/bf16), then
+min/max summaries [Hkv, P/g, 2, D] fp32 for each kept granularity g.  Pages are separate torch tensors (pinned
+when CUDA is available, so the GPU can copy from them or from staging asynchronously); a sequence grows by one
+page at a time and nothing already stored moves.  Page tables (uint64 addresses) and token counts live in numpy
+arrays that the C kernels read in place.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from fluxion_lite import native
+from fluxion_lite.errors import CapacityError
+
+
+class HostKVStore:
+    """Paged host KV cache for n_layers x n_kv_heads x head_dim, up to max_seqs sequences (slots)."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
+                 max_seqs: int = 16, page_tokens: int = 256, granularities: Sequence[int] = (16, 32, 64, 128),
+                 pin_memory: bool | None = None, initial_pages_per_seq: int = 4) -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
+        for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("max_seqs", max_seqs)):
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        native.gran_mask(granularities)  # validates
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.dtype, self.max_seqs, self.page_tokens = dtype, max_seqs, page_tokens
+        self.granularities = tuple(sorted(set(granularities)))
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.page_bytes = native.page_bytes(n_kv_heads, head_dim, page_tokens, self.granularities)
+        # pages_table: [L, S, max_pages] addresses; n_tokens_table: [L, S]; page tensors kept alive in _pages.
+        self._max_pages = max(1, initial_pages_per_seq)
+        self._pages_table = np.zeros((n_layers, max_seqs, self._max_pages), np.uint64)
+        self._n_tokens = np.zeros((n_layers, max_seqs), np.int64)
+        self._pages: list[list[list[torch.Tensor]]] = [[[] for _ in range(max_seqs)] for _ in range(n_layers)]
+        self._free_slots = list(range(max_seqs - 1, -1, -1))
+        self._in_use: set[int] = set()
+        self._views: list[native.KVView] = []
+        self._rebuild_views()  # also checks head_dim / page_tokens
+
+    # ---- slots ----
+
+    def allocate(self) -> int:
+        """Reserve a sequence slot; raises CapacityError when all max_seqs slots are taken."""
+        if not self._free_slots:
+            raise CapacityError(f"host KV store is full ({self.max_seqs} sequences)")
+        slot = self._free_slots.pop()
+        self._in_use.add(slot)
+        return slot
+
+    def release(self, slot: int) -> None:
+        """Free the slot's pages (all layers) and make the slot reusable."""
+        self._check_slot(slot)
+        for layer in range(self.n_layers):
+            self._pages[layer][slot] = []
+        self._pages_table[:, slot, :] = 0
+        self._n_tokens[:, slot] = 0
+        self._in_use.discard(slot)
+        self._free_slots.append(slot)
+
+    def n_tokens(self, layer: int, slot: int) -> int:
+        return int(self._n_tokens[layer, slot])
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes held by allocated pages (K, V and summaries)."""
+        return self.page_bytes * sum(len(p) for layer in self._pages for p in layer)
+
+    # ---- writing ----
+
+    def append(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append a prefill chunk or decode token(s) of one sequence: k, v [T, Hkv, D]."""
+        self.append_batch(layer, [slot], k, v, counts=[k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else 0])
+
+    def append_batch(self, layer: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor,
+                     counts: Sequence[int] | None = None) -> None:
+        """Append to several sequences in one native call: k, v [sum(counts), Hkv, D], rows in slot order.
+
+        counts defaults to one token per slot (a decode step).  Summaries of every kept g are updated incrementally.
+        """
+        self._check_layer(layer)
+        slots_a = np.asarray(slots, dtype=np.int64).reshape(-1)
+        for s in slots_a:
+            self._check_slot(int(s))
+        k, v = self._prepare(k, "k"), self._prepare(v, "v")
+        counts_a = np.ones(len(slots_a), np.int64) if counts is None else np.asarray(counts, np.int64).reshape(-1)
+        if counts_a.shape != slots_a.shape or (counts_a < 0).any():
+            raise ValueError(f"counts must be {len(slots_a)} non-negative ints, got {counts_a.tolist()}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+        if k.shape[0] != counts_a.sum():
+            raise ValueError(f"k has {k.shape[0]} rows, counts add up to {int(counts_a.sum())}")
+        new_len = self._n_tokens[layer, slots_a] + counts_a
+        for s, n in zip(slots_a.tolist(), new_len.tolist()):
+            self._ensure_pages(layer, s, n)
+        row_start = np.zeros_like(counts_a)
+        row_start[1:] = np.cumsum(counts_a)[:-1]
+        native.append(self._views[layer], slots_a.astype(np.int32), row_start, counts_a, k, v)
+
+    # ---- what the kernels need ----
+
+    def view(self, layer: int) -> native.KVView:
+        """The layer's native view.  Re-fetch after appends: growing the page table replaces it."""
+        self._check_layer(layer)
+        return self._views[layer]
+
+    def read(self, layer: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy of the slot's stored K, V [n_tokens, Hkv, D] (for tests and debugging; not a hot path)."""
+        self._check_layer(layer)
+        self._check_slot(slot)
+        n, P = self.n_tokens(layer, slot), self.page_tokens
+        H, D = self.n_kv_heads, self.head_dim
+        ks, vs = [], []
+        for page in self._pages[layer][slot]:
+            kv = page[: 2 * H * P * D * 2].view(self.dtype).view(2, H, P, D)
+            ks.append(kv[0].transpose(0, 1))
+            vs.append(kv[1].transpose(0, 1))
+        if not ks:
+            empty = torch.empty(0, H, D, dtype=self.dtype)
+            return empty, empty.clone()
+        return torch.cat(ks)[:n].clone(), torch.cat(vs)[:n].clone()
+
+    def summaries(self, layer: int, slot: int, g: int) -> torch.Tensor:
+        """Copy of the slot's block summaries for granularity g: fp32 [Hkv, n_blocks, 2, D] (min, max)."""
+        if g not in self.granularities:
+            raise ValueError(f"g={g} is not kept (kept: {self.granularities})")
+        n, P, H, D = self.n_tokens(layer, slot), self.page_tokens, self.n_kv_heads, self.head_dim
+        off = 2 * H * P * D * 2
+        for g2 in self.granularities:
+            if g2 == g:
+                break
+            off += H * (P // g2) * 2 * D * 4
+        parts = [page[off: off + H * (P // g) * 2 * D * 4].view(torch.float32).view(H, P // g, 2, D)
+                 for page in self._pages[layer][slot]]
+        n_blocks = -(-n // g)
+        if not parts:
+            return torch.empty(H, 0, 2, D)
+        return torch.cat(parts, dim=1)[:, :n_blocks].clone()
+
+    # ---- internals ----
+
+    def _prepare(self, x: torch.Tensor, name: str) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch tensor, got {type(x).__name__}")
+        if x.dim() != 3 or x.shape[1] != self.n_kv_heads or x.shape[2] != self.head_dim:
+            raise ValueError(f"{name} must be [T, {self.n_kv_heads}, {self.head_dim}], got {tuple(x.shape)}")
+        if x.dtype != self.dtype:
+            raise ValueError(f"{name} has dtype {x.dtype}, the store holds {self.dtype}")
+        return x.detach().to("cpu").contiguous()
+
+    def _ensure_pages(self, layer: int, slot: int, n_tokens: int) -> None:
+        need = -(-n_tokens // self.page_tokens)
+        pages = self._pages[layer][slot]
+        if need > self._max_pages:
+            self._grow_table(need)
+        while len(pages) < need:
+            page = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            self._pages_table[layer, slot, len(pages)] = page.data_ptr()
+            pages.append(page)
+
+    def _grow_table(self, need: int) -> None:
+        # Only the pointer table is copied; pages stay where they are.
+        new_max = max(need, 2 * self._max_pages)
+        table = np.zeros((self.n_layers, self.max_seqs, new_max), np.uint64)
+        table[:, :, : self._max_pages] = self._pages_table
+        self._pages_table, self._max_pages = table, new_max
+        self._rebuild_views()
+
+    def _rebuild_views(self) -> None:
+        self._views = [
+            native.KVView(self._pages_table[layer], self._n_tokens[layer], n_kv_heads=self.n_kv_heads,
+                          head_dim=self.head_dim, page_tokens=self.page_tokens, dtype=self.dtype,
+                          granularities=self.granularities)
+            for layer in range(self.n_layers)
+        ]
+
+    def _check_layer(self, layer: int) -> None:
+        if not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.n_layers})")
+
+    def _check_slot(self, slot: int) -> None:
+        if slot not in self._in_use:
+            raise ValueError(f"slot {slot} is not allocated")

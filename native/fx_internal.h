@@ -1,0 +1,45 @@
+/* Internal interfaces of the native library: the per-SIMD-path kernel table and the thread pool. */
+#ifndef FX_INTERNAL_H
+#define FX_INTERNAL_H
+
+#include <stdint.h>
+#include "fluxion.h"
+
+/* The inner loops that differ per instruction set.  Everything else (validation, task splitting, top-k
+ * selection, softmax bookkeeping) is shared code in fluxion.c calling through this table once per block, so an
+ * indirect call costs nothing next to the block's memory traffic. */
+typedef struct fx_kernels {
+    const char *name;
+    /* s[j*ld + t] = scale * dot(q[j*D ..], K[t*D ..]) for j < r, t < len.  K is 16-bit (bf16 != 0: bf16). */
+    void (*qk)(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s, int ld);
+    /* acc[j*D + e] += sum_t p[j*ld + t] * V[t*D + e] for j < r. */
+    void (*pv)(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc);
+    /* x[i] = exp(x[i]) for x[i] <= 0; values below about -87 become 0 (no denormals, no NaN). */
+    void (*exp_neg)(float *x, int n);
+    /* score[b] = sum_e qpos[e]*S[b][1][e] + qneg[e]*S[b][0][e] for b < n; S: [n][2][D] fp32.
+     * (sum_j max(q_j*mn, q_j*mx) == (sum_j max(q_j,0))*mx + (sum_j min(q_j,0))*mn because mn <= mx.) */
+    void (*bound)(const float *qpos, const float *qneg, const float *s, int n, int d, float *score);
+    /* Fold rows K[0..len) into per-dim min/max (init != 0: start from the first row). */
+    void (*minmax)(const uint16_t *k, int len, int d, int bf16, float *mn, float *mx, int init);
+} fx_kernels;
+
+extern const fx_kernels fx_kernels_portable;
+extern const fx_kernels fx_kernels_avx2;
+extern const fx_kernels fx_kernels_avx512;
+
+/* Thread pool.  fn(ctx, tid, nthreads) runs once on every participant; participants share work through their
+ * own atomic counters in ctx, so a job is correct with any nthreads (including 1 when the pool is busy). */
+typedef void (*fx_job_fn)(void *ctx, int tid, int nthreads);
+void fx_pool_run(fx_job_fn fn, void *ctx);
+int fx_pool_set_threads(int n);
+int fx_pool_threads(void);
+
+/* Scalar 16-bit -> fp32, shared by all paths for tails and the portable kernels. */
+static inline float fx_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)h << 16;
+    return c.f;
+}
+float fx_f16_to_f32(uint16_t h);
+
+#endif

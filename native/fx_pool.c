@@ -1,0 +1,142 @@
+/* A small persistent pthread pool.  Not OpenMP on purpose: it has to coexist with the OpenMP runtime that torch
+ * loads (two OpenMP runtimes in one process fight over threads and can deadlock), and it must be usable from
+ * several Python threads at once with the GIL released.
+ *
+ * Workers spin briefly on a generation counter (a decode step makes one call per layer, microseconds apart), then
+ * sleep on a condition variable so an idle library costs no CPU.  The calling thread is participant 0. */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <time.h>
+#include "fx_internal.h"
+
+#define FX_SPIN_NS 100000 /* how long an idle worker spins before sleeping */
+
+static struct {
+    pthread_mutex_t run_lock; /* held by the thread whose job owns the pool */
+    pthread_mutex_t mu;       /* guards sleeping on cv */
+    pthread_cond_t cv;
+    _Atomic uint64_t generation;
+    _Atomic int pending;
+    _Atomic int stop;
+    fx_job_fn fn;
+    void *ctx;
+    int nthreads;             /* participants, caller included */
+    int started;              /* worker threads exist */
+    pthread_t workers[1024];
+    int n_workers;
+    int atfork_registered;
+} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 1, 0,
+       {0}, 0, 0};
+
+static inline void cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#else
+    sched_yield();
+#endif
+}
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+static void *worker_main(void *arg) {
+    int tid = (int)(intptr_t)arg;
+    uint64_t seen = atomic_load(&P.generation);
+    for (;;) {
+        int64_t t0 = now_ns();
+        int spins = 0;
+        while (atomic_load(&P.generation) == seen && !atomic_load(&P.stop)) {
+            cpu_relax();
+            if (++spins % 256 == 0 && now_ns() - t0 > FX_SPIN_NS) {
+                pthread_mutex_lock(&P.mu);
+                while (atomic_load(&P.generation) == seen && !atomic_load(&P.stop)) pthread_cond_wait(&P.cv, &P.mu);
+                pthread_mutex_unlock(&P.mu);
+            }
+        }
+        if (atomic_load(&P.stop)) return NULL;
+        seen = atomic_load(&P.generation);
+        P.fn(P.ctx, tid, P.nthreads);
+        atomic_fetch_sub(&P.pending, 1);
+    }
+}
+
+/* After fork() the child has none of the parent's worker threads: forget them and start afresh on first use. */
+static void after_fork_child(void) {
+    pthread_mutex_init(&P.run_lock, NULL);
+    pthread_mutex_init(&P.mu, NULL);
+    pthread_cond_init(&P.cv, NULL);
+    P.started = 0;
+    P.n_workers = 0;
+    atomic_store(&P.stop, 0);
+    atomic_store(&P.pending, 0);
+}
+
+static void stop_workers(void) {
+    if (!P.started) return;
+    pthread_mutex_lock(&P.mu);
+    atomic_store(&P.stop, 1);
+    pthread_cond_broadcast(&P.cv);
+    pthread_mutex_unlock(&P.mu);
+    for (int i = 0; i < P.n_workers; i++) pthread_join(P.workers[i], NULL);
+    P.n_workers = 0;
+    P.started = 0;
+    atomic_store(&P.stop, 0);
+}
+
+static void start_workers(void) {
+    if (!P.atfork_registered) {
+        pthread_atfork(NULL, NULL, after_fork_child);
+        P.atfork_registered = 1;
+    }
+    P.n_workers = 0;
+    for (int i = 1; i < P.nthreads; i++) {
+        if (pthread_create(&P.workers[P.n_workers], NULL, worker_main, (void *)(intptr_t)i) != 0) break;
+        P.n_workers++;
+    }
+    P.nthreads = P.n_workers + 1; /* if thread creation failed, run with what we have */
+    P.started = 1;
+}
+
+void fx_pool_run(fx_job_fn fn, void *ctx) {
+    if (pthread_mutex_trylock(&P.run_lock) != 0) {
+        fn(ctx, 0, 1); /* another thread's job holds the pool: do this one alone rather than wait */
+        return;
+    }
+    if (P.nthreads > 1 && !P.started) start_workers();
+    if (P.nthreads <= 1) {
+        fn(ctx, 0, 1);
+        pthread_mutex_unlock(&P.run_lock);
+        return;
+    }
+    P.fn = fn;
+    P.ctx = ctx;
+    atomic_store(&P.pending, P.n_workers);
+    pthread_mutex_lock(&P.mu);
+    atomic_fetch_add(&P.generation, 1);
+    pthread_cond_broadcast(&P.cv);
+    pthread_mutex_unlock(&P.mu);
+    fn(ctx, 0, P.nthreads);
+    int spins = 0;
+    while (atomic_load(&P.pending) > 0) {
+        if (++spins < 4096) cpu_relax();
+        else sched_yield();
+    }
+    pthread_mutex_unlock(&P.run_lock);
+}
+
+int fx_pool_set_threads(int n) {
+    if (n < 1) n = 1;
+    if (n > 1024) n = 1024;
+    pthread_mutex_lock(&P.run_lock);
+    stop_workers();
+    P.nthreads = n;
+    pthread_mutex_unlock(&P.run_lock);
+    return n;
+}
+
+int fx_pool_threads(void) { return P.nthreads; }

@@ -1,0 +1,161 @@
+/* AVX2 + FMA + F16C kernels (8 floats per vector).  Same structure as fx_simd_avx512.c; the target pragma
+ * enables the instructions for this file only and fluxion.c calls in here only when the CPU reports them. */
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
+#else
+#pragma GCC target("avx2,fma,f16c")
+#endif
+
+#include <immintrin.h>
+#include "fx_internal.h"
+
+#define FX_INLINE static inline __attribute__((always_inline))
+
+FX_INLINE __m256 load8(const uint16_t *p, int bf16) {
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+FX_INLINE float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+FX_INLINE void qk_group(const float *q, int R, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
+                        int ld) {
+    for (int t = 0; t < len; t++) {
+        const uint16_t *kt = k + (int64_t)t * d;
+        __m256 acc[8];
+        for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
+        for (int e = 0; e < d; e += 8) {
+            __m256 kv = load8(kt + e, bf16);
+            for (int j = 0; j < R; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e), kv, acc[j]);
+        }
+        for (int j = 0; j < R; j++) s[j * ld + t] = hsum8(acc[j]) * scale;
+    }
+}
+
+static void qk_avx2(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
+                    int ld) {
+    for (int j0 = 0; j0 < r; j0 += 8) {
+        int rj = r - j0 < 8 ? r - j0 : 8;
+        const float *qj = q + (int64_t)j0 * d;
+        float *sj = s + j0 * ld;
+        switch (rj) {
+            case 1: qk_group(qj, 1, k, len, d, bf16, scale, sj, ld); break;
+            case 2: qk_group(qj, 2, k, len, d, bf16, scale, sj, ld); break;
+            case 3: qk_group(qj, 3, k, len, d, bf16, scale, sj, ld); break;
+            case 4: qk_group(qj, 4, k, len, d, bf16, scale, sj, ld); break;
+            case 5: qk_group(qj, 5, k, len, d, bf16, scale, sj, ld); break;
+            case 6: qk_group(qj, 6, k, len, d, bf16, scale, sj, ld); break;
+            case 7: qk_group(qj, 7, k, len, d, bf16, scale, sj, ld); break;
+            default: qk_group(qj, 8, k, len, d, bf16, scale, sj, ld); break;
+        }
+    }
+}
+
+FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int len, int d, int bf16, float *acc) {
+    for (int e = 0; e < d; e += 8) {
+        __m256 a[8];
+        for (int j = 0; j < R; j++) a[j] = _mm256_loadu_ps(acc + j * d + e);
+        for (int t = 0; t < len; t++) {
+            __m256 vv = load8(v + (int64_t)t * d + e, bf16);
+            for (int j = 0; j < R; j++) a[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * ld + t]), vv, a[j]);
+        }
+        for (int j = 0; j < R; j++) _mm256_storeu_ps(acc + j * d + e, a[j]);
+    }
+}
+
+static void pv_avx2(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc) {
+    for (int j0 = 0; j0 < r; j0 += 8) {
+        int rj = r - j0 < 8 ? r - j0 : 8;
+        const float *pj = p + j0 * ld;
+        float *aj = acc + (int64_t)j0 * d;
+        switch (rj) {
+            case 1: pv_group(pj, 1, ld, v, len, d, bf16, aj); break;
+            case 2: pv_group(pj, 2, ld, v, len, d, bf16, aj); break;
+            case 3: pv_group(pj, 3, ld, v, len, d, bf16, aj); break;
+            case 4: pv_group(pj, 4, ld, v, len, d, bf16, aj); break;
+            case 5: pv_group(pj, 5, ld, v, len, d, bf16, aj); break;
+            case 6: pv_group(pj, 6, ld, v, len, d, bf16, aj); break;
+            case 7: pv_group(pj, 7, ld, v, len, d, bf16, aj); break;
+            default: pv_group(pj, 8, ld, v, len, d, bf16, aj); break;
+        }
+    }
+}
+
+/* Same range reduction and polynomial as the AVX-512 path; 2^n is built in the exponent bits (n >= -126 here). */
+FX_INLINE __m256 exp_neg8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.0f);
+    __m256 keep = _mm256_cmp_ps(x, lo, _CMP_GE_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);
+    f = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187045e-06f), f);
+    __m256 y = _mm256_set1_ps(1.0f / 720.0f);
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0f / 120.0f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0f / 24.0f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0f / 6.0f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(0.5f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0f));
+    y = _mm256_fmadd_ps(y, f, _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_and_ps(_mm256_mul_ps(y, _mm256_castsi256_ps(e)), keep);
+}
+
+static void exp_neg_avx2(float *x, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(x + i, exp_neg8(_mm256_loadu_ps(x + i)));
+    if (i < n) {
+        float tail[8] = {0};
+        for (int t = i; t < n; t++) tail[t - i] = x[t];
+        _mm256_storeu_ps(tail, exp_neg8(_mm256_loadu_ps(tail)));
+        for (int t = i; t < n; t++) x[t] = tail[t - i];
+    }
+}
+
+static void bound_avx2(const float *qpos, const float *qneg, const float *s, int n, int d, float *score) {
+    for (int b = 0; b < n; b++) {
+        const float *mn = s + (int64_t)b * 2 * d;
+        const float *mx = mn + d;
+        __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+        for (int e = 0; e < d; e += 8) {
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qpos + e), _mm256_loadu_ps(mx + e), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qneg + e), _mm256_loadu_ps(mn + e), a1);
+        }
+        score[b] = hsum8(_mm256_add_ps(a0, a1));
+    }
+}
+
+static void minmax_avx2(const uint16_t *k, int len, int d, int bf16, float *mn, float *mx, int init) {
+    for (int e = 0; e < d; e += 8) {
+        int t = 0;
+        __m256 lo, hi;
+        if (init) {
+            lo = hi = load8(k + e, bf16);
+            t = 1;
+        } else {
+            lo = _mm256_loadu_ps(mn + e);
+            hi = _mm256_loadu_ps(mx + e);
+        }
+        for (; t < len; t++) {
+            __m256 kv = load8(k + (int64_t)t * d + e, bf16);
+            lo = _mm256_min_ps(lo, kv);
+            hi = _mm256_max_ps(hi, kv);
+        }
+        _mm256_storeu_ps(mn + e, lo);
+        _mm256_storeu_ps(mx + e, hi);
+    }
+}
+
+const fx_kernels fx_kernels_avx2 = {
+    "avx2", qk_avx2, pv_avx2, exp_neg_avx2, bound_avx2, minmax_avx2,
+};
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#endif

@@ -1,0 +1,90 @@
+/* Portable C kernels: the reference path, and the one used on CPUs without AVX2+F16C. */
+#include <math.h>
+#include <string.h>
+#include "fx_internal.h"
+
+float fx_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+    union { uint32_t u; float f; } c;
+    if (exp == 0x1fu) {                 /* inf / nan */
+        c.u = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {              /* normal */
+        c.u = sign | ((exp + 112u) << 23) | (man << 13);
+    } else if (man == 0) {              /* signed zero */
+        c.u = sign;
+    } else {                            /* subnormal: value = man * 2^-24 */
+        c.f = (float)man * 5.9604644775390625e-8f;
+        c.u |= sign;
+    }
+    return c.f;
+}
+
+static inline void row_to_f32(const uint16_t *src, int d, int bf16, float *dst) {
+    if (bf16) {
+        for (int e = 0; e < d; e++) dst[e] = fx_bf16_to_f32(src[e]);
+    } else {
+        for (int e = 0; e < d; e++) dst[e] = fx_f16_to_f32(src[e]);
+    }
+}
+
+static void qk_portable(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
+                        int ld) {
+    float kf[FX_MAX_DIM];
+    for (int t = 0; t < len; t++) {
+        row_to_f32(k + (int64_t)t * d, d, bf16, kf);
+        for (int j = 0; j < r; j++) {
+            const float *qj = q + (int64_t)j * d;
+            float acc = 0.0f;
+            for (int e = 0; e < d; e++) acc += qj[e] * kf[e];
+            s[j * ld + t] = acc * scale;
+        }
+    }
+}
+
+static void pv_portable(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc) {
+    float vf[FX_MAX_DIM];
+    for (int t = 0; t < len; t++) {
+        row_to_f32(v + (int64_t)t * d, d, bf16, vf);
+        for (int j = 0; j < r; j++) {
+            float pj = p[j * ld + t];
+            float *aj = acc + (int64_t)j * d;
+            for (int e = 0; e < d; e++) aj[e] += pj * vf[e];
+        }
+    }
+}
+
+static void exp_neg_portable(float *x, int n) {
+    for (int i = 0; i < n; i++) x[i] = x[i] < -87.0f ? 0.0f : expf(x[i]);
+}
+
+static void bound_portable(const float *qpos, const float *qneg, const float *s, int n, int d, float *score) {
+    for (int b = 0; b < n; b++) {
+        const float *mn = s + (int64_t)b * 2 * d;
+        const float *mx = mn + d;
+        float acc = 0.0f;
+        for (int e = 0; e < d; e++) acc += qpos[e] * mx[e] + qneg[e] * mn[e];
+        score[b] = acc;
+    }
+}
+
+static void minmax_portable(const uint16_t *k, int len, int d, int bf16, float *mn, float *mx, int init) {
+    float kf[FX_MAX_DIM];
+    for (int t = 0; t < len; t++) {
+        row_to_f32(k + (int64_t)t * d, d, bf16, kf);
+        if (init && t == 0) {
+            memcpy(mn, kf, sizeof(float) * (size_t)d);
+            memcpy(mx, kf, sizeof(float) * (size_t)d);
+            continue;
+        }
+        for (int e = 0; e < d; e++) {
+            mn[e] = kf[e] < mn[e] ? kf[e] : mn[e];
+            mx[e] = kf[e] > mx[e] ? kf[e] : mx[e];
+        }
+    }
+}
+
+const fx_kernels fx_kernels_portable = {
+    "portable", qk_portable, pv_portable, exp_neg_portable, bound_portable, minmax_portable,
+};
