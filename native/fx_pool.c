@@ -27,8 +27,9 @@ static struct {
     pthread_t workers[1024];
     int n_workers;
     int atfork_registered;
+    uint64_t start_generation; /* generation before the workers were created */
 } P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 1, 0,
-       {0}, 0, 0};
+       {0}, 0, 0, 0};
 
 static inline void cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -46,7 +47,7 @@ static int64_t now_ns(void) {
 
 static void *worker_main(void *arg) {
     int tid = (int)(intptr_t)arg;
-    uint64_t seen = atomic_load(&P.generation);
+    uint64_t seen = P.start_generation; /* not a fresh load: the first job may already have been posted */
     for (;;) {
         int64_t t0 = now_ns();
         int spins = 0;
@@ -94,6 +95,7 @@ static void start_workers(void) {
         P.atfork_registered = 1;
     }
     P.n_workers = 0;
+    P.start_generation = atomic_load(&P.generation);
     for (int i = 1; i < P.nthreads; i++) {
         if (pthread_create(&P.workers[P.n_workers], NULL, worker_main, (void *)(intptr_t)i) != 0) break;
         P.n_workers++;

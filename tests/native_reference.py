@@ -1,0 +1,48 @@
+"""float64 references for the native kernels, written straight from the definitions (no shared code with C)."""
+from __future__ import annotations
+
+import numpy as np
+
+
+def block_summaries(keys: np.ndarray, g: int) -> tuple[np.ndarray, np.ndarray]:
+    """keys [n, D] -> per-block (min, max), each [n_blocks, D]; the last block may be partial."""
+    n_blocks = -(-len(keys) // g)
+    mins = np.stack([keys[b * g:(b + 1) * g].min(axis=0) for b in range(n_blocks)])
+    maxs = np.stack([keys[b * g:(b + 1) * g].max(axis=0) for b in range(n_blocks)])
+    return mins, maxs
+
+
+def block_scores(q_group: np.ndarray, mins: np.ndarray, maxs: np.ndarray) -> np.ndarray:
+    """Quest upper bound summed over the group's heads: sum_j sum_d max(q_jd*min_d, q_jd*max_d).  -> [n_blocks]"""
+    q = q_group.astype(np.float64)[:, None, :]  # [r, 1, D]
+    return np.maximum(q * mins[None], q * maxs[None]).sum(axis=(0, 2))
+
+
+def eligible_blocks(n_tokens: int, g: int, exclude: list[tuple[int, int]]) -> np.ndarray:
+    """Block ids not intersecting any excluded token range [lo, hi)."""
+    ids = []
+    for b in range(-(-n_tokens // g)):
+        lo, hi = b * g, min((b + 1) * g, n_tokens)
+        if any(max(lo, a) < min(hi, z) for a, z in exclude):
+            continue
+        ids.append(b)
+    return np.array(ids, dtype=np.int64)
+
+
+def attention(q_group: np.ndarray, keys: np.ndarray, values: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Softmax attention of q_group [r, D] over keys/values [n, D]: (out [r, D], lse [r]) in float64."""
+    r, d = q_group.shape
+    if len(keys) == 0:
+        return np.zeros((r, d)), np.full(r, -np.inf)
+    logits = scale * q_group.astype(np.float64) @ keys.astype(np.float64).T  # [r, n]
+    m = logits.max(axis=1, keepdims=True)
+    w = np.exp(logits - m)
+    lse = (m[:, 0] + np.log(w.sum(axis=1)))
+    return (w / w.sum(axis=1, keepdims=True)) @ values.astype(np.float64), lse
+
+
+def block_tokens(ids: np.ndarray, g: int, n_tokens: int) -> np.ndarray:
+    """Token indices covered by the given blocks, in order."""
+    if len(ids) == 0:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([np.arange(b * g, min((b + 1) * g, n_tokens)) for b in ids])

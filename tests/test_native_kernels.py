@@ -1,0 +1,238 @@
+"""Every native kernel against float64 references, across head_dim, GQA ratio, granularity, dtype, ragged lengths,
+k from 1 to all, thread counts and every SIMD path this CPU supports."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import native_reference as ref
+from fluxion_lite import native
+from fluxion_lite.host_kv import HostKVStore
+
+PATHS = native.simd_supported()
+RATIOS = (1, 3, 4, 7, 8)
+N_THREADS = max(2, native.physical_cores())
+
+
+@dataclass(frozen=True)
+class Case:
+    simd: str
+    ratio: int
+    head_dim: int
+    g: int
+    dtype: torch.dtype
+    threads: int
+
+    def __str__(self) -> str:
+        dt = "bf16" if self.dtype == torch.bfloat16 else "fp16"
+        return f"{self.simd}-r{self.ratio}-d{self.head_dim}-g{self.g}-{dt}-t{self.threads}"
+
+
+def _cases() -> list[Case]:
+    # Every path sees every GQA ratio; head_dim, g, dtype and threads rotate so each path also sees each of them.
+    cases = []
+    rot = itertools.cycle(itertools.product((64, 128), (16, 32, 64, 128), (torch.float16, torch.bfloat16),
+                                            (1, N_THREADS)))
+    for simd in PATHS:
+        for ratio in RATIOS:
+            d, g, dt, th = next(rot)
+            cases.append(Case(simd, ratio, d, g, dt, th))
+        # make sure each path sees every granularity, both dtypes and both head_dims
+        for g, dt, d in ((16, torch.bfloat16, 128), (32, torch.float16, 64), (64, torch.bfloat16, 64),
+                         (128, torch.float16, 128)):
+            cases.append(Case(simd, 4, d, g, dt, N_THREADS))
+    return cases
+
+
+CASES = _cases()
+LENGTHS = (1000, 37, 513)  # ragged; every one ends in a partial block for every g
+N_KV = 2
+
+
+@pytest.fixture()
+def settings():
+    yield
+    native.set_simd("auto")
+    native.set_threads(native.physical_cores())
+
+
+def _store(case: Case, rng: np.random.Generator) -> tuple[HostKVStore, list[int], list[np.ndarray], list[np.ndarray]]:
+    """A store with three ragged sequences written as a prefill chunk plus single decode tokens."""
+    store = HostKVStore(1, N_KV, case.head_dim, dtype=case.dtype, max_seqs=4, page_tokens=256,
+                        initial_pages_per_seq=1)
+    slots, keys, values = [], [], []
+    for n in LENGTHS:
+        slot = store.allocate()
+        k = torch.from_numpy(rng.standard_normal((n, N_KV, case.head_dim), dtype=np.float32) + 0.3).to(case.dtype)
+        v = torch.from_numpy(rng.standard_normal((n, N_KV, case.head_dim), dtype=np.float32)).to(case.dtype)
+        split = n - 5  # prefill, then five decode steps (partial-block summary updates)
+        store.append(0, slot, k[:split], v[:split])
+        for i in range(split, n):
+            store.append_batch(0, [slot], k[i:i + 1], v[i:i + 1])
+        slots.append(slot)
+        keys.append(k.float().numpy().astype(np.float64))  # [n, Hkv, D]: the exact stored values
+        values.append(v.float().numpy().astype(np.float64))
+    return store, slots, keys, values
+
+
+@pytest.mark.parametrize("case", CASES, ids=str)
+def test_kernels_match_float64_reference(case: Case, settings: None) -> None:
+    native.set_simd(case.simd)
+    native.set_threads(case.threads)
+    rng = np.random.default_rng(hash(str(case)) % 2**32)
+    store, slots, keys, values = _store(case, rng)
+    view = store.view(0)
+    g, r, d = case.g, case.ratio, case.head_dim
+
+    # summaries: exact (min/max of exactly converted values), all kept granularities
+    for si, slot in enumerate(slots):
+        for gg in store.granularities:
+            got = store.summaries(0, slot, gg).numpy()  # [Hkv, nb, 2, D]
+            for h in range(N_KV):
+                mins, maxs = ref.block_summaries(keys[si][:, h], gg)
+                np.testing.assert_array_equal(got[h, :, 0], mins)
+                np.testing.assert_array_equal(got[h, :, 1], maxs)
+
+    q = rng.standard_normal((len(slots), N_KV * r, d), dtype=np.float32)
+    n_blocks = [-(-n // g) for n in LENGTHS]
+    for k in sorted({1, 3, max(n_blocks) // 2, max(n_blocks) + 5}):
+        excludes = [[(0, g), (n - 2 * g, n)] if si == 0 else [] for si, n in enumerate(LENGTHS)]
+        rows = [(si, h) for si in range(len(slots)) for h in range(N_KV)]
+        tasks = np.concatenate([
+            native.make_tasks(slots[si], si, h, g, k, exclude=excludes[si] or [(0, 0)]) for si, h in rows])
+        ids, scores, counts = native.group_topk(view, q, tasks)
+        for ti, (si, h) in enumerate(rows):
+            mins, maxs = ref.block_summaries(keys[si][:, h], g)
+            want_scores = ref.block_scores(q[si, h * r:(h + 1) * r], mins, maxs)
+            eligible = ref.eligible_blocks(LENGTHS[si], g, excludes[si])
+            chosen = ids[ti, :counts[ti]]
+            assert counts[ti] == min(k, len(eligible))
+            assert np.all(np.diff(chosen) > 0), "ids ascending and unique"
+            assert np.isin(chosen, eligible).all()
+            np.testing.assert_allclose(scores[ti, :counts[ti]], want_scores[chosen], rtol=1e-4, atol=1e-3)
+            rest = np.setdiff1d(eligible, chosen)
+            if len(rest) and len(chosen):
+                tol = 1e-4 * np.abs(want_scores).max()
+                assert want_scores[chosen].min() >= want_scores[rest].max() - tol
+
+        # sparse attention over the top-k selection, plus an empty selection on the last task
+        counts_att = counts.copy()
+        counts_att[-1] = 0
+        scale = 1.0 / np.sqrt(d)
+        out, lse = native.sparse_attention(view, q, tasks, ids, counts_att, scale)
+        for ti, (si, h) in enumerate(rows):
+            tok = ref.block_tokens(ids[ti, :counts_att[ti]], g, LENGTHS[si])
+            want_out, want_lse = ref.attention(q[si, h * r:(h + 1) * r], keys[si][tok, h], values[si][tok, h], scale)
+            np.testing.assert_allclose(out[ti], want_out, rtol=1e-4, atol=2e-5)
+            np.testing.assert_allclose(lse[ti], want_lse, rtol=1e-5, atol=1e-4)
+        assert np.isneginf(lse[-1]).all() and not np.isnan(out).any() and (out[-1] == 0).all()
+
+        # gather: exact copies of the selected blocks' valid tokens, packed per task
+        cap = int(counts.sum()) * g
+        k_out = torch.empty(cap, d, dtype=case.dtype)
+        v_out = torch.empty(cap, d, dtype=case.dtype)
+        offs, toks = native.gather(view, tasks, ids, counts, k_out, v_out)
+        for ti, (si, h) in enumerate(rows):
+            tok = ref.block_tokens(ids[ti, :counts[ti]], g, LENGTHS[si])
+            assert toks[ti] == len(tok)
+            np.testing.assert_array_equal(k_out[offs[ti]:offs[ti] + len(tok)].float().numpy(), keys[si][tok, h])
+            np.testing.assert_array_equal(v_out[offs[ti]:offs[ti] + len(tok)].float().numpy(), values[si][tok, h])
+
+
+@pytest.mark.parametrize("simd", PATHS)
+def test_random_selection_with_partial_block_in_the_middle(simd: str, settings: None) -> None:
+    """Selections in arbitrary order, partial last block not last, many blocks per task (split into chunks)."""
+    native.set_simd(simd)
+    native.set_threads(N_THREADS)
+    rng = np.random.default_rng(7)
+    store = HostKVStore(1, 1, 128, dtype=torch.float16, max_seqs=1, page_tokens=128)
+    slot = store.allocate()
+    n = 128 * 40 + 9
+    k = torch.from_numpy(rng.standard_normal((n, 1, 128), dtype=np.float32)).half()
+    v = torch.from_numpy(rng.standard_normal((n, 1, 128), dtype=np.float32)).half()
+    store.append(0, slot, k, v)
+    g, nb = 16, -(-n // 16)
+    sel = rng.permutation(nb)[:200].astype(np.int32)
+    sel[50] = nb - 1  # the partial block, mid-list
+    tasks = native.make_tasks(slot, 0, 0, g)
+    q = rng.standard_normal((1, 8, 128), dtype=np.float32)
+    out, lse = native.sparse_attention(store.view(0), q, tasks, sel[None], np.array([200], np.int32), 0.09)
+    tok = ref.block_tokens(sel, g, n)
+    want_out, want_lse = ref.attention(q[0], k.float().numpy()[tok, 0], v.float().numpy()[tok, 0], 0.09)
+    np.testing.assert_allclose(out[0], want_out, rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(lse[0], want_lse, rtol=1e-5, atol=1e-4)
+    k_out = torch.empty(len(tok) + 3, 128, dtype=torch.float16)
+    v_out = torch.empty_like(k_out)
+    offs, toks = native.gather(store.view(0), tasks, sel[None], np.array([200], np.int32), k_out, v_out,
+                               out_offset=np.array([3], np.int64))
+    assert toks[0] == len(tok)
+    assert torch.equal(k_out[3:], k[tok, 0]) and torch.equal(v_out[3:], v[tok, 0])
+
+
+def test_ties_prefer_lower_block_ids(settings: None) -> None:
+    """Identical blocks score identically: the lower ids must win, whatever the path."""
+    store = HostKVStore(1, 1, 64, dtype=torch.bfloat16, max_seqs=1)
+    slot = store.allocate()
+    pattern = torch.randn(16, 1, 64).to(torch.bfloat16)
+    store.append(0, slot, pattern.repeat(20, 1, 1), pattern.repeat(20, 1, 1))  # 20 identical 16-token blocks
+    q = np.random.default_rng(1).standard_normal((1, 2, 64), dtype=np.float32)
+    for simd in PATHS:
+        native.set_simd(simd)
+        ids, scores, counts = native.group_topk(store.view(0), q, native.make_tasks(slot, 0, 0, 16, 5,
+                                                                                 exclude=[(16, 48)]))
+        assert ids[0, :counts[0]].tolist() == [0, 3, 4, 5, 6]
+        assert len(set(scores[0].tolist())) == 1
+
+
+def test_k_zero_and_all_blocks_excluded(settings: None) -> None:
+    store = HostKVStore(1, 1, 64, dtype=torch.float16, max_seqs=1)
+    slot = store.allocate()
+    store.append(0, slot, torch.randn(100, 1, 64).half(), torch.randn(100, 1, 64).half())
+    q = np.ones((1, 1, 64), np.float32)
+    tasks = np.concatenate([native.make_tasks(slot, 0, 0, 32, 0),
+                            native.make_tasks(slot, 0, 0, 32, 4, exclude=[(0, 50), (50, 100)])])
+    ids, _, counts = native.group_topk(store.view(0), q, tasks, k_cap=4)
+    assert counts.tolist() == [0, 0]
+    out, lse = native.sparse_attention(store.view(0), q, tasks, ids, counts, 0.1)
+    assert (out == 0).all() and np.isneginf(lse).all()
+
+
+def test_numpy_only_view_matches_documented_layout(settings: None) -> None:
+    """Build pages by hand from the header's layout with numpy alone; the kernels must read them correctly."""
+    rng = np.random.default_rng(3)
+    H, D, P, n, grans = 2, 64, 128, 300, (32, 128)
+    page_bytes = native.page_bytes(H, D, P, grans)
+    assert page_bytes == 2 * H * P * D * 2 + H * (P // 32) * 2 * D * 4 + H * (P // 128) * 2 * D * 4
+    keys = rng.standard_normal((n, H, D)).astype(np.float16)
+    vals = rng.standard_normal((n, H, D)).astype(np.float16)
+    n_pages = -(-n // P)
+    pages = [np.zeros(page_bytes, np.uint8) for _ in range(n_pages)]
+    for p, page in enumerate(pages):
+        kv = page[: 2 * H * P * D * 2].view(np.float16).reshape(2, H, P, D)
+        chunk = slice(p * P, min((p + 1) * P, n))
+        rows = chunk.stop - chunk.start
+        kv[0, :, :rows] = keys[chunk].transpose(1, 0, 2)
+        kv[1, :, :rows] = vals[chunk].transpose(1, 0, 2)
+    table = np.zeros((1, 4), np.uint64)
+    table[0, :n_pages] = [pg.ctypes.data for pg in pages]
+    n_tokens = np.array([n], np.int64)
+    view = native.KVView(table, n_tokens, n_kv_heads=H, head_dim=D, page_tokens=P, dtype="float16",
+                         granularities=grans)
+    native.summaries_update(view, [0], [0])
+    s32 = np.concatenate([pg[2 * H * P * D * 2: 2 * H * P * D * 2 + H * (P // 32) * 2 * D * 4].view(np.float32)
+                          .reshape(H, P // 32, 2, D) for pg in pages], axis=1)
+    mins, maxs = ref.block_summaries(keys[:, 1].astype(np.float64), 32)
+    np.testing.assert_array_equal(s32[1, :len(mins), 0], mins)
+    np.testing.assert_array_equal(s32[1, :len(mins), 1], maxs)
+    q = rng.standard_normal((1, 2 * H, D)).astype(np.float32)
+    tasks = native.make_tasks(0, 0, 1, 128, 3)
+    ids, _, counts = native.group_topk(view, q, tasks)
+    assert counts[0] == 3 and ids[0].tolist() == [0, 1, 2]
+    out, lse = native.sparse_attention(view, q, tasks, ids, counts, 0.125)
+    want_out, want_lse = ref.attention(q[0, 2:4], keys[:, 1].astype(np.float64), vals[:, 1].astype(np.float64), 0.125)
+    np.testing.assert_allclose(out[0], want_out, rtol=1e-4, atol=2e-5)
+    np.testing.assert_allclose(lse[0], want_lse, rtol=1e-5, atol=1e-4)

@@ -1,0 +1,137 @@
+"""Runtime behaviour of the native library: GIL released, coexistence with torch's OpenMP, concurrent callers,
+settings from the environment, fork; and the HostKVStore's paging."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import torch
+
+import native_reference as ref
+from fluxion_lite import native
+from fluxion_lite.host_kv import HostKVStore
+
+
+def _filled_store(n: int = 2048, heads: int = 2, d: int = 128) -> tuple[HostKVStore, int, torch.Tensor, torch.Tensor]:
+    store = HostKVStore(1, heads, d, dtype=torch.bfloat16, max_seqs=2)
+    slot = store.allocate()
+    k = torch.randn(n, heads, d).bfloat16()
+    v = torch.randn(n, heads, d).bfloat16()
+    store.append(0, slot, k, v)
+    return store, slot, k, v
+
+
+def test_native_calls_release_the_gil() -> None:
+    native.set_threads(1)
+    try:
+        buf = np.ones(64 << 20, np.uint8)
+        done = threading.Event()
+        ticks = 0
+
+        def probe() -> None:
+            native.read_bandwidth_probe(buf, repeats=8)  # hundreds of ms inside one C call
+            done.set()
+
+        worker = threading.Thread(target=probe)
+        t0 = time.perf_counter()
+        worker.start()
+        while not done.is_set():
+            ticks += 1
+        worker.join()
+        elapsed = time.perf_counter() - t0
+    finally:
+        native.set_threads(native.physical_cores())
+    # With the GIL held for the whole call this loop could only run between switch intervals before/after it.
+    assert elapsed > 0.05 and ticks > 10_000, (elapsed, ticks)
+
+
+def test_coexists_with_torch_openmp_and_concurrent_callers() -> None:
+    """Two Python threads call the library while torch's OpenMP pool runs matmuls: all results stay correct."""
+    store, slot, k, v = _filled_store()
+    view = store.view(0)
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, 8, 128), dtype=np.float32)
+    tasks = native.make_tasks(slot, 0, [0, 1], 32, 16)
+    ids, _, counts = native.group_topk(view, q, tasks)
+    want, want_lse = native.sparse_attention(view, q, tasks, ids, counts, 0.088)
+    a = torch.randn(256, 256)
+    torch_ref = a @ a
+    errors: list[str] = []
+
+    def attend() -> None:
+        for _ in range(30):
+            out, lse = native.sparse_attention(view, q, tasks, ids, counts, 0.088)
+            if not (np.allclose(out, want, atol=1e-6) and np.allclose(lse, want_lse, atol=1e-6)):
+                errors.append("attention result changed under concurrency")
+
+    def matmul() -> None:
+        for _ in range(30):
+            if not torch.allclose(a @ a, torch_ref):
+                errors.append("torch matmul result changed")
+
+    threads = [threading.Thread(target=f) for f in (attend, attend, matmul)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    tok = ref.block_tokens(ids[1, :counts[1]], 32, 2048)
+    exp_out, _ = ref.attention(q[0, 4:8], k.float().numpy()[tok, 1], v.float().numpy()[tok, 1], 0.088)
+    np.testing.assert_allclose(want[1], exp_out, rtol=1e-4, atol=2e-5)
+
+
+def test_settings_from_environment() -> None:
+    code = ("from fluxion_lite import native; print(native.get_simd(), native.get_threads())")
+    for simd in native.simd_supported():
+        env = dict(os.environ, FLUXION_SIMD=simd, FLUXION_THREADS="3")
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.split() == [simd, "3"]
+    env = dict(os.environ, FLUXION_THREADS="lots")
+    bad = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert bad.returncode != 0 and "FLUXION_THREADS must be a positive integer" in bad.stderr
+
+
+def test_pool_survives_fork() -> None:
+    store, slot, _, _ = _filled_store(512)
+    q = np.ones((1, 2, 128), np.float32)
+    tasks = native.make_tasks(slot, 0, 0, 16, 4)
+    parent = native.group_topk(store.view(0), q, tasks)[0]
+    pid = os.fork()
+    if pid == 0:  # child: the parent's worker threads do not exist here
+        try:
+            child = native.group_topk(store.view(0), q, tasks)[0]
+            os._exit(0 if np.array_equal(child, parent) else 1)
+        except BaseException:
+            os._exit(2)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == 0
+
+
+def test_store_growth_release_and_batched_decode() -> None:
+    store = HostKVStore(2, 2, 64, dtype=torch.float16, max_seqs=3, page_tokens=128, initial_pages_per_seq=1)
+    a, b = store.allocate(), store.allocate()
+    ka, va = torch.randn(300, 2, 64).half(), torch.randn(300, 2, 64).half()
+    store.append(1, a, ka[:100], va[:100])
+    first_page = int(store.view(1).pages[a, 0])
+    store.append(1, a, ka[100:], va[100:])  # grows the page table past its initial width
+    assert int(store.view(1).pages[a, 0]) == first_page, "existing pages never move"
+    kb = torch.randn(5, 2, 64).half()
+    store.append(1, b, kb[:4], kb[:4])
+    # one decode step for both sequences in one call
+    step_k = torch.stack([ka[0], kb[4]])
+    store.append_batch(1, [a, b], step_k, step_k)
+    k_read, v_read = store.read(1, a)
+    assert k_read.shape == (301, 2, 64)
+    assert torch.equal(k_read[:300], ka) and torch.equal(v_read[:300], va) and torch.equal(k_read[300], ka[0])
+    assert torch.equal(store.read(1, b)[0], kb)
+    assert store.n_tokens(0, a) == 0 and store.n_tokens(1, a) == 301
+    used = store.bytes_used
+    assert used == store.page_bytes * (3 + 1)
+    store.release(a)
+    assert store.bytes_used == store.page_bytes * 1
+    assert store.n_tokens(1, a) == 0 and int(store.view(1).pages[a, 0]) == 0
+    assert store.allocate() == a  # reusable
