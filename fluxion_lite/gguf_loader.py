@@ -6,6 +6,7 @@ traceback for a bad model file.
 from __future__ import annotations
 
 import os
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,14 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], Any]:
     try:
         reader = gguf.GGUFReader(str(path), "r")
     except (ValueError, IndexError, OSError, KeyError, TypeError) as exc:  # the reader's own parse errors
-        raise ModelFileError(f"{path}: unreadable GGUF header ({exc}); the file may be truncated or corrupt") from exc
+        # The reader maps every tensor while parsing, so a file cut inside the tensor data fails here too (in its
+        # _build_tensors step), before our own bounds check below: say which part could not be read.
+        frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
+        part = "tensor data" if "_build_tensors" in frames else "header (metadata and tensor table)"
+        size = os.path.getsize(path)
+        raise ModelFileError(
+            f"{path}: truncated or corrupt GGUF file ({size:,} bytes): its {part} cannot be read ({exc})"
+        ) from exc
     metadata: dict[str, Any] = {}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "scores", "token_type", "merges")):
