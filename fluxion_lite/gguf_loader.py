@@ -5,6 +5,7 @@ traceback for a bad model file.
 """
 from __future__ import annotations
 
+import numbers
 import os
 import traceback
 from dataclasses import dataclass
@@ -20,6 +21,9 @@ from .errors import ModelFileError
 SUPPORTED_ARCHS = ("llama", "qwen2")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 GGUF_MAGIC = b"GGUF"
+NUMERIC_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+                "attention.head_count_kv", "attention.key_length", "attention.layer_norm_rms_epsilon", "vocab_size",
+                "rope.freq_base", "rope.dimension_count", "rope.scaling.factor")
 
 
 @dataclass
@@ -79,6 +83,11 @@ def config_from_metadata(path: Path, md: dict[str, Any], tensor_names: set[str])
     arch = md.get("general.architecture")
     if arch not in SUPPORTED_ARCHS:
         raise ModelFileError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    for key in NUMERIC_KEYS:  # a string or array where a number belongs must not escape as a raw ValueError below
+        value = md.get(f"{arch}.{key}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise ModelFileError(f"{path}: metadata key '{arch}.{key}' is {value!r}, expected a number")
 
     def need(key: str) -> Any:
         full = f"{arch}.{key}"
