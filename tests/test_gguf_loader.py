@@ -10,7 +10,7 @@ import torch
 
 from fluxion_lite.errors import ModelFileError
 from fluxion_lite.gguf_loader import load_gguf, read_metadata
-from gguf_fixtures import ALL_TYPES, QTYPE, TinySpec, write_tiny_model
+from gguf_fixtures import ALL_TYPES, QTYPE, TinySpec, make_weights, spec_metadata, write_gguf, write_tiny_model
 
 MATRICES = ("token_embd.weight", "output.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
             "attn_output.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
@@ -179,3 +179,24 @@ def test_wrong_tensor_shape(tmp_path: Path) -> None:
     path = tmp_path / "shape.gguf"
     write_tiny_model(path, spec, type_override={"blk.0.ffn_gate.weight": (payload, None)})  # type: ignore[dict-item]
     expect_error(path, "blk.0.ffn_gate.weight", "shape")
+
+
+@pytest.mark.parametrize("change,reason", [
+    ({"block_count": None}, "missing metadata key 'llama.block_count'"),
+    ({"attention.layer_norm_rms_epsilon": None}, "missing metadata key 'llama.attention.layer_norm_rms_epsilon'"),
+    ({"attention.head_count": "two"}, "'llama.attention.head_count' is 'two', expected a number"),
+    ({"rope.freq_base": "high"}, "'llama.rope.freq_base' is 'high', expected a number"),
+    ({"attention.head_count_kv": 3}, "inconsistent head counts"),
+    ({"rope.scaling.type": "yarn"}, "unsupported rope scaling 'yarn'"),
+])
+def test_bad_metadata(tmp_path: Path, change: dict[str, object], reason: str) -> None:
+    spec = small_spec()
+    metadata = spec_metadata(spec)
+    for key, value in change.items():
+        if value is None:
+            del metadata[key]
+        else:
+            metadata[key] = value  # type: ignore[assignment]
+    tensors = {n: (payload, raw) for n, (payload, raw, _) in make_weights(spec, 0).items()}
+    path = write_gguf(tmp_path / "meta.gguf", "llama", metadata, tensors)
+    expect_error(path, reason)
