@@ -206,8 +206,13 @@ def _arr(x: Any, name: str, dtype: type, ndim: int | None = None, shape: tuple[i
     return a
 
 
+_ARRAY_TYPE = {"float *": "float[]", "int32_t *": "int32_t[]", "int64_t *": "int64_t[]", "void *": "char[]",
+               "uint8_t **": "uint8_t *[]"}
+
+
 def _ptr(a: np.ndarray, ctype: str) -> Any:
-    return ffi.cast(ctype, a.ctypes.data)
+    """A C pointer into a contiguous numpy array's memory (no copy; the array must outlive the call)."""
+    return ffi.from_buffer(_ARRAY_TYPE[ctype], a)
 
 
 def _dtype_code(dtype: Any) -> int:
@@ -283,22 +288,8 @@ def make_tasks(slots: Any, q_rows: Any, kv_heads: Any, g: Any, k: Any = 0,
 _FIELD_NAMES = ("slot", "q_row", "kv_head", "g")
 
 
-def _check_tasks(view: KVView, tasks: Any, q_rows: int | None, need_kept: bool) -> np.ndarray:
-    t = _arr(tasks, "tasks", np.int32, ndim=2, shape=(None, TASK_FIELDS))
-    limits = (view.n_slots, q_rows, view.n_kv_heads)
-    for col, limit in enumerate(limits):
-        if limit is None or len(t) == 0:
-            continue
-        bad = np.flatnonzero((t[:, col] < 0) | (t[:, col] >= limit))
-        if bad.size:
-            i = int(bad[0])
-            raise ValueError(f"tasks[{i}].{_FIELD_NAMES[col]}={int(t[i, col])} out of range [0, {limit})")
-    allowed = view.granularities if need_kept else GRANULARITIES
-    bad = np.flatnonzero(~np.isin(t[:, 3], allowed))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"tasks[{i}].g={int(t[i, 3])} is not one of {allowed}")
-    return t
+def _tasks_array(tasks: Any) -> np.ndarray:
+    return _arr(tasks, "tasks", np.int32, ndim=2, shape=(None, TASK_FIELDS))
 
 
 def _check_q(view: KVView, q: Any) -> tuple[np.ndarray, int]:
@@ -314,24 +305,42 @@ def _check_q(view: KVView, q: Any) -> tuple[np.ndarray, int]:
     return a, r
 
 
-def _check_selection(view: KVView, t: np.ndarray, ids: Any, counts: Any) -> tuple[np.ndarray, np.ndarray]:
+def _selection_arrays(t: np.ndarray, ids: Any, counts: Any) -> tuple[np.ndarray, np.ndarray]:
     ids_a = _arr(ids, "ids", np.int32, ndim=2, shape=(len(t), None))
     counts_a = _arr(counts, "counts", np.int32, ndim=1, shape=(len(t),))
-    if len(t) == 0:
-        return ids_a, counts_a
-    k_cap = ids_a.shape[1]
-    bad = np.flatnonzero((counts_a < 0) | (counts_a > k_cap))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"counts[{i}]={int(counts_a[i])} out of range [0, {k_cap}]")
-    n_blocks = (view.n_tokens[t[:, 0]] + t[:, 3] - 1) // t[:, 3]  # [T]
-    used = np.arange(k_cap)[None, :] < counts_a[:, None]  # [T, k_cap]
-    bad_ids = used & ((ids_a < 0) | (ids_a >= n_blocks[:, None]))
-    if bad_ids.any():
-        i, j = (int(v) for v in np.argwhere(bad_ids)[0])
-        raise ValueError(f"ids[{i}, {j}]={int(ids_a[i, j])} out of range [0, {int(n_blocks[i])}) "
-                         f"(slot {int(t[i, 0])}, g={int(t[i, 3])})")
     return ids_a, counts_a
+
+
+def _native_error(rc: int, err_index: Any, what: str, view: KVView, t: np.ndarray, *, q_rows: int | None = None,
+                  k_cap: int | None = None, ids: np.ndarray | None = None, counts: np.ndarray | None = None,
+                  kept_only: bool = False) -> ValueError:
+    """Turn the C library's (code, task index) into a message naming the offending argument and value.
+
+    Range checks run in C (one pass, no Python per task); this only runs once something was rejected."""
+    i = int(err_index[0])
+    if i < 0 or rc not in (2, 3, 4, 5, 6, 7, 8, 9):
+        return ValueError(f"{what}: {_ERRORS.get(rc, f'native error {rc}')}")
+    limits = {2: view.n_slots, 3: q_rows, 4: view.n_kv_heads}
+    if rc in limits:
+        col = rc - 2
+        return ValueError(f"{what}: tasks[{i}].{_FIELD_NAMES[col]}={int(t[i, col])} out of range [0, {limits[rc]})")
+    if rc == 5:
+        allowed = view.granularities if kept_only else GRANULARITIES
+        return ValueError(f"{what}: tasks[{i}].g={int(t[i, 3])} is not one of {allowed}")
+    if rc == 6:
+        if counts is None:
+            return ValueError(f"{what}: tasks[{i}].k={int(t[i, 4])} out of range [0, {k_cap}]")
+        return ValueError(f"{what}: counts[{i}]={int(counts[i])} out of range [0, {k_cap}]")
+    slot, g = int(t[i, 0]), int(t[i, 3])
+    n_tok = int(view.n_tokens[slot])
+    if rc == 7 and ids is not None and counts is not None:
+        n_blocks = -(-n_tok // g)
+        row = ids[i, :counts[i]]
+        j = int(np.flatnonzero((row < 0) | (row >= n_blocks))[0])
+        return ValueError(f"{what}: ids[{i}, {j}]={int(row[j])} out of range [0, {n_blocks}) (slot {slot}, g={g})")
+    if rc == 8:
+        return ValueError(f"{what}: tasks[{i}]: slot {slot} holds {n_tok} tokens but a page holding them is missing")
+    return ValueError(f"{what}: {_ERRORS[rc]} (task {i})")
 
 
 # ------------------------------------------------------------------------------------------------------ kernels --
@@ -381,12 +390,9 @@ def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
     out: optional preallocated (ids, scores, counts).
     """
     qa, _ = _check_q(view, q)
-    t = _check_tasks(view, tasks, qa.shape[0], need_kept=True)
+    t = _tasks_array(tasks)
     if k_cap is None:
-        k_cap = int(t[:, 4].max()) if len(t) else 0
-    if len(t) and ((t[:, 4] < 0) | (t[:, 4] > k_cap)).any():
-        i = int(np.flatnonzero((t[:, 4] < 0) | (t[:, 4] > k_cap))[0])
-        raise ValueError(f"tasks[{i}].k={int(t[i, 4])} out of range [0, {k_cap}]")
+        k_cap = max(0, int(t[:, 4].max())) if len(t) else 0
     if out is None:
         ids = np.empty((len(t), k_cap), np.int32)
         scores = np.empty((len(t), k_cap), np.float32)
@@ -398,7 +404,8 @@ def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
     err = ffi.new("int64_t[1]")
     rc = lib.fx_group_topk(view.struct, _ptr(qa, "float *"), qa.shape[0], qa.shape[1], _ptr(t, "int32_t *"), len(t),
                            k_cap, _ptr(ids, "int32_t *"), _ptr(scores, "float *"), _ptr(counts, "int32_t *"), err)
-    _raise_for(rc, err, "group_topk")
+    if rc:
+        raise _native_error(rc, err, "group_topk", view, t, q_rows=qa.shape[0], k_cap=k_cap, kept_only=True)
     return ids, scores, counts
 
 
@@ -421,9 +428,9 @@ def sparse_attention(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, sc
     merged with another partial attention.
     """
     qa, r = _check_q(view, q)
-    t = _check_tasks(view, tasks, qa.shape[0], need_kept=False)
-    ids_a, counts_a = _check_selection(view, t, ids, counts)
-    if not np.isfinite(scale) or scale <= 0:
+    t = _tasks_array(tasks)
+    ids_a, counts_a = _selection_arrays(t, ids, counts)
+    if not (0.0 < scale < float("inf")):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     d = view.head_dim
     out_a = np.empty((len(t), r, d), np.float32) if out is None else _arr(out, "out", np.float32, ndim=3,
@@ -436,7 +443,9 @@ def sparse_attention(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, sc
                                  len(t), _ptr(ids_a, "int32_t *"), _ptr(counts_a, "int32_t *"), ids_a.shape[1],
                                  float(scale), _ptr(out_a, "float *"), _ptr(lse_a, "float *"), _ptr(ws, "float *"),
                                  ws.size, err)
-    _raise_for(rc, err, "sparse_attention")
+    if rc:
+        raise _native_error(rc, err, "sparse_attention", view, t, q_rows=qa.shape[0], k_cap=ids_a.shape[1],
+                            ids=ids_a, counts=counts_a)
     return out_a, lse_a
 
 
@@ -447,8 +456,8 @@ def gather(view: KVView, tasks: Any, ids: Any, counts: Any, k_out: Any, v_out: A
     out_offset: int64 [T] first row per task; default packs tasks back to back (assuming full blocks).
     Returns (out_offset, out_tokens int32 [T]).
     """
-    t = _check_tasks(view, tasks, None, need_kept=False)
-    ids_a, counts_a = _check_selection(view, t, ids, counts)
+    t = _tasks_array(tasks)
+    ids_a, counts_a = _selection_arrays(t, ids, counts)
     ko = _arr(k_out, "k_out", np.uint16, ndim=2, shape=(None, view.head_dim), writable=True)
     vo = _arr(v_out, "v_out", np.uint16, ndim=2, shape=ko.shape, writable=True)
     if out_offset is None:
@@ -463,7 +472,12 @@ def gather(view: KVView, tasks: Any, ids: Any, counts: Any, k_out: Any, v_out: A
     rc = lib.fx_gather(view.struct, _ptr(t, "int32_t *"), len(t), _ptr(ids_a, "int32_t *"),
                        _ptr(counts_a, "int32_t *"), ids_a.shape[1], _ptr(offs, "int64_t *"), ko.shape[0],
                        _ptr(ko, "void *"), _ptr(vo, "void *"), _ptr(tokens, "int32_t *"), err)
-    _raise_for(rc, err, "gather (k_out/v_out capacity or out_offset)" if rc == 9 else "gather")
+    if rc == 9:
+        i = int(err[0])
+        raise ValueError(f"gather: task {i} does not fit: out_offset={int(offs[i])} plus its tokens exceeds the "
+                         f"k_out/v_out capacity of {ko.shape[0]} rows")
+    if rc:
+        raise _native_error(rc, err, "gather", view, t, k_cap=ids_a.shape[1], ids=ids_a, counts=counts_a)
     return offs, tokens
 
 

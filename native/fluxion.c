@@ -491,11 +491,6 @@ typedef struct {
     const fx_kernels *kern;
 } attn_job;
 
-static inline void prefetch_rows(const uint16_t *p, int64_t bytes) {
-    const char *c = (const char *)p;
-    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(c + o, 0, 2);
-}
-
 /* Attend the group's r heads over selected blocks ids[b0..b1) of one task; write normalised acc and lse. */
 static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int32_t b0, int32_t b1, float *acc,
                          float *lse) {
@@ -516,36 +511,27 @@ static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int3
         int64_t t0 = (int64_t)ids[bi] * g;
         int len = (int)(n_tok - t0 < g ? n_tok - t0 : g);
         const uint16_t *kb = k_row(kv, slot, h, t0);
-        if (bi + 1 < b1) { /* pull the next block towards L2 while this one computes */
+        const uint16_t *kn = NULL; /* next block: prefetched while this one computes */
+        int64_t pf_lines = 0;
+        if (bi + 1 < b1) {
             int64_t tn = (int64_t)ids[bi + 1] * g;
-            int64_t ln = n_tok - tn < g ? n_tok - tn : g;
-            const uint16_t *kn = k_row(kv, slot, h, tn);
-            prefetch_rows(kn, ln * D * 2);
-            prefetch_rows(kn + voff, ln * D * 2);
+            kn = k_row(kv, slot, h, tn);
+            pf_lines = ((n_tok - tn < g ? n_tok - tn : g) * D * 2 + 63) / 64;
         }
-        K->qk(q, r, kb, len, D, bf16, J->scale, s, len);
+        K->qk(q, r, kb, len, D, bf16, J->scale, s, len, kn, pf_lines);
         for (int j = 0; j < r; j++) {
             float *sj = s + j * len;
-            float mb = sj[0];
-            for (int i = 1; i < len; i++) mb = sj[i] > mb ? sj[i] : mb;
+            float mb = K->row_max(sj, len);
             float mn = mb > m[j] ? mb : m[j];
             float corr = m[j] == -INFINITY ? 0.0f : expf(m[j] - mn);
-            for (int i = 0; i < len; i++) sj[i] -= mn;
             m[j] = mn;
-            l[j] *= corr;
+            l[j] = l[j] * corr + K->exp_sum(sj, len, mn);
             if (corr != 1.0f) {
                 float *aj = acc + (int64_t)j * D;
                 for (int e = 0; e < D; e++) aj[e] *= corr;
             }
         }
-        K->exp_neg(s, r * len);
-        for (int j = 0; j < r; j++) {
-            float sum = 0.0f;
-            const float *sj = s + j * len;
-            for (int i = 0; i < len; i++) sum += sj[i];
-            l[j] += sum;
-        }
-        K->pv(s, r, len, kb + voff, len, D, bf16, acc);
+        K->pv(s, r, len, kb + voff, len, D, bf16, acc, kn ? kn + voff : NULL, pf_lines);
     }
     for (int j = 0; j < r; j++) {
         if (l[j] > 0.0f) {
@@ -653,6 +639,7 @@ typedef struct {
     const int64_t *out_offset;
     uint16_t *k_out, *v_out;
     _Atomic int64_t next;
+    const fx_kernels *kern;
 } gather_job;
 
 static inline int64_t block_len(const fx_kv_view *kv, int slot, int g, int32_t id) {
@@ -669,7 +656,7 @@ static void gather_worker(void *ctx, int tid, int nthreads) {
     cursor c = {0, 0, 0};
     for (;;) {
         int64_t item = atomic_fetch_add(&J->next, 1);
-        if (!cursor_seek(&c, item, J->counts, J->n_tasks, J->cb)) return;
+        if (!cursor_seek(&c, item, J->counts, J->n_tasks, J->cb)) break;
         const int32_t *t = J->tasks + c.task * FX_TASK_FIELDS;
         const int32_t *ids = J->ids + c.task * J->k_cap;
         int slot = t[0], h = t[2], g = t[3];
@@ -680,11 +667,14 @@ static void gather_worker(void *ctx, int tid, int nthreads) {
         for (int32_t b = b0; b < b1; b++) {
             int64_t len = block_len(kv, slot, g, ids[b]);
             const uint16_t *src = k_row(kv, slot, h, (int64_t)ids[b] * g);
-            memcpy(J->k_out + row * D, src, (size_t)(len * D * 2));
-            memcpy(J->v_out + row * D, src + voff, (size_t)(len * D * 2));
+            const uint16_t *next = b + 1 < b1 ? k_row(kv, slot, h, (int64_t)ids[b + 1] * g) : NULL;
+            int64_t next_lines = next ? (block_len(kv, slot, g, ids[b + 1]) * D * 2 + 63) / 64 : 0;
+            J->kern->stage_copy(J->k_out + row * D, src, len * D * 2, next, next_lines);
+            J->kern->stage_copy(J->v_out + row * D, src + voff, len * D * 2, next ? next + voff : NULL, next_lines);
             row += len;
         }
     }
+    J->kern->fence();
 }
 
 int fx_gather(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const int32_t *ids,
@@ -708,7 +698,8 @@ int fx_gather(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const
         out_tokens[i] = (int32_t)rows;
     }
     *err_index = -1;
-    gather_job J = {kv, tasks, ids, counts, n_tasks, k_cap, chunk_blocks(counts, n_tasks), out_offset, k_out, v_out, 0};
+    gather_job J = {kv, tasks, ids, counts, n_tasks, k_cap, chunk_blocks(counts, n_tasks), out_offset, k_out, v_out, 0,
+                    kern()};
     fx_pool_run(gather_worker, &J);
     return FX_OK;
 }

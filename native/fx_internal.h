@@ -10,12 +10,24 @@
  * indirect call costs nothing next to the block's memory traffic. */
 typedef struct fx_kernels {
     const char *name;
-    /* s[j*ld + t] = scale * dot(q[j*D ..], K[t*D ..]) for j < r, t < len.  K is 16-bit (bf16 != 0: bf16). */
-    void (*qk)(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s, int ld);
-    /* acc[j*D + e] += sum_t p[j*ld + t] * V[t*D + e] for j < r. */
-    void (*pv)(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc);
+    /* s[j*ld + t] = scale * dot(q[j*D ..], K[t*D ..]) for j < r, t < len.  K is 16-bit (bf16 != 0: bf16).
+     * pf/pf_lines: cache lines of the NEXT block to prefetch, spread over this block's tokens so the memory
+     * system stays busy while this block computes (a burst of prefetches would stall on full miss buffers). */
+    void (*qk)(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s, int ld,
+               const void *pf, int64_t pf_lines);
+    /* acc[j*D + e] += sum_t p[j*ld + t] * V[t*D + e] for j < r.  pf/pf_lines as for qk. */
+    void (*pv)(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
+               const void *pf, int64_t pf_lines);
     /* x[i] = exp(x[i]) for x[i] <= 0; values below about -87 become 0 (no denormals, no NaN). */
     void (*exp_neg)(float *x, int n);
+    /* max of x[0..n), n >= 1 */
+    float (*row_max)(const float *x, int n);
+    /* x[i] = exp(x[i] - m) (x[i] <= m), returns the sum */
+    float (*exp_sum)(float *x, int n, float m);
+    /* copy n bytes to a staging buffer that the CPU will not read back (non-temporal stores where possible);
+     * the job that uses it calls fence() before finishing */
+    void (*stage_copy)(void *dst, const void *src, int64_t n, const void *pf, int64_t pf_lines);
+    void (*fence)(void);
     /* score[b] = sum_e qpos[e]*S[b][1][e] + qneg[e]*S[b][0][e] for b < n; S: [n][2][D] fp32.
      * (sum_j max(q_j*mn, q_j*mx) == (sum_j max(q_j,0))*mx + (sum_j min(q_j,0))*mn because mn <= mx.) */
     void (*bound)(const float *qpos, const float *qneg, const float *s, int n, int d, float *score);
@@ -41,5 +53,12 @@ static inline float fx_bf16_to_f32(uint16_t h) {
     return c.f;
 }
 float fx_f16_to_f32(uint16_t h);
+
+/* Prefetch (towards L2) part `part` of `parts` equal shares of `lines` cache lines starting at pf. */
+static inline void fx_prefetch_share(const void *pf, int64_t lines, int64_t part, int64_t parts) {
+    if (!pf) return;
+    for (int64_t l = part * lines / parts, e = (part + 1) * lines / parts; l < e; l++)
+        __builtin_prefetch((const char *)pf + l * 64, 0, 2);
+}
 
 #endif

@@ -7,6 +7,8 @@
 #endif
 
 #include <immintrin.h>
+#include <math.h>
+#include <string.h>
 #include "fx_internal.h"
 
 #define FX_INLINE static inline __attribute__((always_inline))
@@ -25,8 +27,9 @@ FX_INLINE float hsum8(__m256 v) {
 }
 
 FX_INLINE void qk_group(const float *q, int R, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
-                        int ld) {
+                        int ld, const void *pf, int64_t pf_lines) {
     for (int t = 0; t < len; t++) {
+        fx_prefetch_share(pf, pf_lines, t, len);
         const uint16_t *kt = k + (int64_t)t * d;
         __m256 acc[8];
         for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
@@ -39,29 +42,31 @@ FX_INLINE void qk_group(const float *q, int R, const uint16_t *k, int len, int d
 }
 
 static void qk_avx2(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
-                    int ld) {
+                    int ld, const void *pf, int64_t pf_lines) {
     for (int j0 = 0; j0 < r; j0 += 8) {
         int rj = r - j0 < 8 ? r - j0 : 8;
         const float *qj = q + (int64_t)j0 * d;
         float *sj = s + j0 * ld;
         switch (rj) {
-            case 1: qk_group(qj, 1, k, len, d, bf16, scale, sj, ld); break;
-            case 2: qk_group(qj, 2, k, len, d, bf16, scale, sj, ld); break;
-            case 3: qk_group(qj, 3, k, len, d, bf16, scale, sj, ld); break;
-            case 4: qk_group(qj, 4, k, len, d, bf16, scale, sj, ld); break;
-            case 5: qk_group(qj, 5, k, len, d, bf16, scale, sj, ld); break;
-            case 6: qk_group(qj, 6, k, len, d, bf16, scale, sj, ld); break;
-            case 7: qk_group(qj, 7, k, len, d, bf16, scale, sj, ld); break;
-            default: qk_group(qj, 8, k, len, d, bf16, scale, sj, ld); break;
+            case 1: qk_group(qj, 1, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
+            case 2: qk_group(qj, 2, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
+            case 3: qk_group(qj, 3, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
+            case 4: qk_group(qj, 4, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
+            case 5: qk_group(qj, 5, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
+            case 6: qk_group(qj, 6, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
+            case 7: qk_group(qj, 7, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
+            default: qk_group(qj, 8, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
         }
     }
 }
 
-FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int len, int d, int bf16, float *acc) {
+FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
+                        const void *pf, int64_t pf_lines) {
     for (int e = 0; e < d; e += 8) {
         __m256 a[8];
         for (int j = 0; j < R; j++) a[j] = _mm256_loadu_ps(acc + j * d + e);
         for (int t = 0; t < len; t++) {
+            if (e == 0) fx_prefetch_share(pf, pf_lines, t, len);
             __m256 vv = load8(v + (int64_t)t * d + e, bf16);
             for (int j = 0; j < R; j++) a[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * ld + t]), vv, a[j]);
         }
@@ -69,20 +74,21 @@ FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int le
     }
 }
 
-static void pv_avx2(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc) {
+static void pv_avx2(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
+                    const void *pf, int64_t pf_lines) {
     for (int j0 = 0; j0 < r; j0 += 8) {
         int rj = r - j0 < 8 ? r - j0 : 8;
         const float *pj = p + j0 * ld;
         float *aj = acc + (int64_t)j0 * d;
         switch (rj) {
-            case 1: pv_group(pj, 1, ld, v, len, d, bf16, aj); break;
-            case 2: pv_group(pj, 2, ld, v, len, d, bf16, aj); break;
-            case 3: pv_group(pj, 3, ld, v, len, d, bf16, aj); break;
-            case 4: pv_group(pj, 4, ld, v, len, d, bf16, aj); break;
-            case 5: pv_group(pj, 5, ld, v, len, d, bf16, aj); break;
-            case 6: pv_group(pj, 6, ld, v, len, d, bf16, aj); break;
-            case 7: pv_group(pj, 7, ld, v, len, d, bf16, aj); break;
-            default: pv_group(pj, 8, ld, v, len, d, bf16, aj); break;
+            case 1: pv_group(pj, 1, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
+            case 2: pv_group(pj, 2, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
+            case 3: pv_group(pj, 3, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
+            case 4: pv_group(pj, 4, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
+            case 5: pv_group(pj, 5, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
+            case 6: pv_group(pj, 6, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
+            case 7: pv_group(pj, 7, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
+            default: pv_group(pj, 8, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
         }
     }
 }
@@ -117,6 +123,57 @@ static void exp_neg_avx2(float *x, int n) {
         for (int t = i; t < n; t++) x[t] = tail[t - i];
     }
 }
+
+static float row_max_avx2(const float *x, int n) {
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_max_ss(h, _mm_movehdup_ps(h));
+    float r = _mm_cvtss_f32(h);
+    for (; i < n; i++) r = x[i] > r ? x[i] : r;
+    return r;
+}
+
+static float exp_sum_avx2(float *x, int n, float m) {
+    __m256 mv = _mm256_set1_ps(m), acc = _mm256_setzero_ps();
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 e = exp_neg8(_mm256_sub_ps(_mm256_loadu_ps(x + i), mv));
+        _mm256_storeu_ps(x + i, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float sum = hsum8(acc);
+    if (i < n) {
+        float tail[8];
+        for (int t = 0; t < 8; t++) tail[t] = i + t < n ? x[i + t] - m : -100.0f;
+        _mm256_storeu_ps(tail, exp_neg8(_mm256_loadu_ps(tail)));
+        for (int t = i; t < n; t++) {
+            x[t] = tail[t - i];
+            sum += x[t];
+        }
+    }
+    return sum;
+}
+
+static void stage_copy_avx2(void *dst, const void *src, int64_t n, const void *pf, int64_t pf_lines) {
+    char *d = dst;
+    const char *s = src;
+    if (((uintptr_t)d & 31) || (n & 63)) {
+        fx_prefetch_share(pf, pf_lines, 0, 1);
+        memcpy(dst, src, (size_t)n);
+        return;
+    }
+    int64_t lines = n / 64;
+    for (int64_t l = 0; l < lines; l++) {
+        fx_prefetch_share(pf, pf_lines, l, lines);
+        _mm256_stream_si256((__m256i *)(d + 64 * l), _mm256_loadu_si256((const __m256i *)(s + 64 * l)));
+        _mm256_stream_si256((__m256i *)(d + 64 * l + 32), _mm256_loadu_si256((const __m256i *)(s + 64 * l + 32)));
+    }
+}
+
+static void fence_avx2(void) { _mm_sfence(); }
 
 static void bound_avx2(const float *qpos, const float *qneg, const float *s, int n, int d, float *score) {
     for (int b = 0; b < n; b++) {
@@ -153,7 +210,8 @@ static void minmax_avx2(const uint16_t *k, int len, int d, int bf16, float *mn, 
 }
 
 const fx_kernels fx_kernels_avx2 = {
-    "avx2", qk_avx2, pv_avx2, exp_neg_avx2, bound_avx2, minmax_avx2,
+    "avx2", qk_avx2, pv_avx2, exp_neg_avx2, row_max_avx2, exp_sum_avx2, stage_copy_avx2, fence_avx2, bound_avx2,
+    minmax_avx2,
 };
 
 #if defined(__clang__)

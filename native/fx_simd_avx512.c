@@ -11,6 +11,8 @@
 #endif
 
 #include <immintrin.h>
+#include <math.h>
+#include <string.h>
 #include "fx_internal.h"
 
 #define FX_INLINE static inline __attribute__((always_inline))
@@ -21,10 +23,124 @@ FX_INLINE __m512 load16(const uint16_t *p, int bf16) {
     return _mm512_cvtph_ps(h);
 }
 
-/* R query heads against one K row at a time; R is a compile-time constant so acc[] stays in registers. */
+/* ---- 32-element chunks (head_dim % 32 == 0), the fast path ----
+ * A 64-byte row chunk becomes two fp32 vectors without any cross-lane shuffle: bf16 gives the even and the odd
+ * elements (a shift and a mask of the same 512 bits); fp16 gives the first and the second 16 elements.  Dot
+ * products do not care about element order as long as q (and the V accumulators) are split the same way. */
+FX_INLINE void load32(const uint16_t *p, int bf16, __m512 *a, __m512 *b) {
+    if (bf16) {
+        __m512i x = _mm512_loadu_si512((const void *)p);
+        *a = _mm512_castsi512_ps(_mm512_slli_epi32(x, 16));
+        *b = _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32((int)0xFFFF0000u)));
+    } else {
+        *a = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+        *b = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 16)));
+    }
+}
+
+/* The same split for 32 fp32 values, and its inverse. */
+FX_INLINE void split32(const float *x, int bf16, __m512 *a, __m512 *b) {
+    __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+    if (bf16) {
+        const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+        const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+        *a = _mm512_permutex2var_ps(lo, even, hi);
+        *b = _mm512_permutex2var_ps(lo, odd, hi);
+    } else {
+        *a = lo;
+        *b = hi;
+    }
+}
+
+FX_INLINE void merge32(float *x, int bf16, __m512 a, __m512 b) {
+    if (bf16) {
+        const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+        const __m512i hi = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+        _mm512_storeu_ps(x, _mm512_permutex2var_ps(a, lo, b));
+        _mm512_storeu_ps(x + 16, _mm512_permutex2var_ps(a, hi, b));
+    } else {
+        _mm512_storeu_ps(x, a);
+        _mm512_storeu_ps(x + 16, b);
+    }
+}
+
+/* Horizontal sums of four vectors at once: [sum a, sum b, sum c, sum d]. */
+FX_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* lane: a02 b02 a13 b13 */
+    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
+                                _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
+    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
+                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* R (<= 4) heads x 4 tokens per step: each K chunk is converted once and feeds 2R FMAs; sums reduced 4 at a time. */
+FX_INLINE void qk_tile(const float *qs, int R, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
+                       int ld, const void *pf, int64_t pf_lines) {
+    const __m128 sc = _mm_set1_ps(scale);
+    int t = 0;
+    for (; t + 4 <= len; t += 4) {
+        fx_prefetch_share(pf, pf_lines, t / 4, (len + 3) / 4);
+        __m512 acc[4][4];
+        for (int j = 0; j < R; j++)
+            for (int u = 0; u < 4; u++) acc[j][u] = _mm512_setzero_ps();
+        for (int c = 0; c < d; c += 32) {
+            __m512 ka[4], kb[4];
+            for (int u = 0; u < 4; u++) load32(k + (int64_t)(t + u) * d + c, bf16, &ka[u], &kb[u]);
+            for (int j = 0; j < R; j++) {
+                __m512 qa = _mm512_load_ps(qs + j * d + c), qb = _mm512_load_ps(qs + j * d + c + 16);
+                for (int u = 0; u < 4; u++) {
+                    acc[j][u] = _mm512_fmadd_ps(qa, ka[u], acc[j][u]);
+                    acc[j][u] = _mm512_fmadd_ps(qb, kb[u], acc[j][u]);
+                }
+            }
+        }
+        for (int j = 0; j < R; j++)
+            _mm_storeu_ps(s + j * ld + t, _mm_mul_ps(sc, reduce4(acc[j][0], acc[j][1], acc[j][2], acc[j][3])));
+    }
+    if (t < len) fx_prefetch_share(pf, pf_lines, t / 4, (len + 3) / 4);
+    for (; t < len; t++) {
+        __m512 acc[4];
+        for (int j = 0; j < R; j++) acc[j] = _mm512_setzero_ps();
+        for (int c = 0; c < d; c += 32) {
+            __m512 ka, kb;
+            load32(k + (int64_t)t * d + c, bf16, &ka, &kb);
+            for (int j = 0; j < R; j++) {
+                acc[j] = _mm512_fmadd_ps(_mm512_load_ps(qs + j * d + c), ka, acc[j]);
+                acc[j] = _mm512_fmadd_ps(_mm512_load_ps(qs + j * d + c + 16), kb, acc[j]);
+            }
+        }
+        for (int j = 0; j < R; j++) s[j * ld + t] = _mm512_reduce_add_ps(acc[j]) * scale;
+    }
+}
+
+/* R (<= 8) heads, one 32-wide column strip at a time: the 2R accumulators stay in registers over all tokens. */
+FX_INLINE void pv_tile(const float *p, int R, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
+                       const void *pf, int64_t pf_lines) {
+    for (int c = 0; c < d; c += 32) {
+        __m512 aa[8], ab[8];
+        for (int j = 0; j < R; j++) split32(acc + j * d + c, bf16, &aa[j], &ab[j]);
+        for (int t = 0; t < len; t++) {
+            if (c == 0) fx_prefetch_share(pf, pf_lines, t, len);
+            __m512 va, vb;
+            load32(v + (int64_t)t * d + c, bf16, &va, &vb);
+            for (int j = 0; j < R; j++) {
+                __m512 pj = _mm512_set1_ps(p[j * ld + t]);
+                aa[j] = _mm512_fmadd_ps(pj, va, aa[j]);
+                ab[j] = _mm512_fmadd_ps(pj, vb, ab[j]);
+            }
+        }
+        for (int j = 0; j < R; j++) merge32(acc + j * d + c, bf16, aa[j], ab[j]);
+    }
+}
+
+/* ---- 16-element fallback (head_dim % 32 == 16) ---- */
+
 FX_INLINE void qk_group(const float *q, int R, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
-                        int ld) {
+                        int ld, const void *pf, int64_t pf_lines) {
     for (int t = 0; t < len; t++) {
+        fx_prefetch_share(pf, pf_lines, t, len);
         const uint16_t *kt = k + (int64_t)t * d;
         __m512 acc[8];
         for (int j = 0; j < R; j++) acc[j] = _mm512_setzero_ps();
@@ -36,31 +152,13 @@ FX_INLINE void qk_group(const float *q, int R, const uint16_t *k, int len, int d
     }
 }
 
-static void qk_avx512(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
-                      int ld) {
-    for (int j0 = 0; j0 < r; j0 += 8) {
-        int rj = r - j0 < 8 ? r - j0 : 8;
-        const float *qj = q + (int64_t)j0 * d;
-        float *sj = s + j0 * ld;
-        switch (rj) {
-            case 1: qk_group(qj, 1, k, len, d, bf16, scale, sj, ld); break;
-            case 2: qk_group(qj, 2, k, len, d, bf16, scale, sj, ld); break;
-            case 3: qk_group(qj, 3, k, len, d, bf16, scale, sj, ld); break;
-            case 4: qk_group(qj, 4, k, len, d, bf16, scale, sj, ld); break;
-            case 5: qk_group(qj, 5, k, len, d, bf16, scale, sj, ld); break;
-            case 6: qk_group(qj, 6, k, len, d, bf16, scale, sj, ld); break;
-            case 7: qk_group(qj, 7, k, len, d, bf16, scale, sj, ld); break;
-            default: qk_group(qj, 8, k, len, d, bf16, scale, sj, ld); break;
-        }
-    }
-}
-
-/* One 16-wide column strip of V at a time: the R accumulators for that strip stay in registers over all tokens. */
-FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int len, int d, int bf16, float *acc) {
+FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
+                        const void *pf, int64_t pf_lines) {
     for (int e = 0; e < d; e += 16) {
         __m512 a[8];
         for (int j = 0; j < R; j++) a[j] = _mm512_loadu_ps(acc + j * d + e);
         for (int t = 0; t < len; t++) {
+            if (e == 0) fx_prefetch_share(pf, pf_lines, t, len);
             __m512 vv = load16(v + (int64_t)t * d + e, bf16);
             for (int j = 0; j < R; j++) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * ld + t]), vv, a[j]);
         }
@@ -68,21 +166,67 @@ FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int le
     }
 }
 
-static void pv_avx512(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc) {
+/* Dispatch a head count 1..MAXR to a compile-time R so the accumulator arrays live in registers. */
+#define FX_SWITCH_R(rj, CALL) \
+    switch (rj) {             \
+        case 1: CALL(1); break; \
+        case 2: CALL(2); break; \
+        case 3: CALL(3); break; \
+        case 4: CALL(4); break; \
+        case 5: CALL(5); break; \
+        case 6: CALL(6); break; \
+        case 7: CALL(7); break; \
+        default: CALL(8); break; \
+    }
+
+static void qk_avx512(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
+                      int ld, const void *pf, int64_t pf_lines) {
+    if (d % 32 == 0) {
+        float qs[FX_MAX_GROUP * FX_MAX_DIM] __attribute__((aligned(64)));
+        for (int j = 0; j < r; j++)
+            for (int c = 0; c < d; c += 32) {
+                __m512 a, b;
+                split32(q + j * d + c, bf16, &a, &b);
+                _mm512_store_ps(qs + j * d + c, a);
+                _mm512_store_ps(qs + j * d + c + 16, b);
+            }
+        for (int j0 = 0; j0 < r; j0 += 4) {
+            int rj = r - j0 < 4 ? r - j0 : 4;
+#define QK_TILE(R) qk_tile(qs + j0 * d, R, k, len, d, bf16, scale, s + j0 * ld, ld, j0 ? NULL : pf, pf_lines)
+            switch (rj) {
+                case 1: QK_TILE(1); break;
+                case 2: QK_TILE(2); break;
+                case 3: QK_TILE(3); break;
+                default: QK_TILE(4); break;
+            }
+#undef QK_TILE
+        }
+        return;
+    }
+    for (int j0 = 0; j0 < r; j0 += 8) {
+        int rj = r - j0 < 8 ? r - j0 : 8;
+#define QK_GROUP(R) \
+    qk_group(q + (int64_t)j0 * d, R, k, len, d, bf16, scale, s + j0 * ld, ld, j0 ? NULL : pf, pf_lines)
+        FX_SWITCH_R(rj, QK_GROUP)
+#undef QK_GROUP
+    }
+}
+
+static void pv_avx512(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
+                      const void *pf, int64_t pf_lines) {
     for (int j0 = 0; j0 < r; j0 += 8) {
         int rj = r - j0 < 8 ? r - j0 : 8;
         const float *pj = p + j0 * ld;
         float *aj = acc + (int64_t)j0 * d;
-        switch (rj) {
-            case 1: pv_group(pj, 1, ld, v, len, d, bf16, aj); break;
-            case 2: pv_group(pj, 2, ld, v, len, d, bf16, aj); break;
-            case 3: pv_group(pj, 3, ld, v, len, d, bf16, aj); break;
-            case 4: pv_group(pj, 4, ld, v, len, d, bf16, aj); break;
-            case 5: pv_group(pj, 5, ld, v, len, d, bf16, aj); break;
-            case 6: pv_group(pj, 6, ld, v, len, d, bf16, aj); break;
-            case 7: pv_group(pj, 7, ld, v, len, d, bf16, aj); break;
-            default: pv_group(pj, 8, ld, v, len, d, bf16, aj); break;
+#define PV_TILE(R) pv_tile(pj, R, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines)
+#define PV_GROUP(R) pv_group(pj, R, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines)
+        if (d % 32 == 0) {
+            FX_SWITCH_R(rj, PV_TILE)
+        } else {
+            FX_SWITCH_R(rj, PV_GROUP)
         }
+#undef PV_TILE
+#undef PV_GROUP
     }
 }
 
@@ -114,6 +258,51 @@ static void exp_neg_avx512(float *x, int n) {
         _mm512_mask_storeu_ps(x + i, m, exp_neg16(_mm512_maskz_loadu_ps(m, x + i)));
     }
 }
+
+static float row_max_avx512(const float *x, int n) {
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    int i = 0;
+    for (; i + 16 <= n; i += 16) m = _mm512_max_ps(m, _mm512_loadu_ps(x + i));
+    if (i < n) {
+        __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+        m = _mm512_max_ps(m, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, x + i));
+    }
+    return _mm512_reduce_max_ps(m);
+}
+
+static float exp_sum_avx512(float *x, int n, float m) {
+    __m512 mv = _mm512_set1_ps(m), acc = _mm512_setzero_ps();
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(x + i), mv));
+        _mm512_storeu_ps(x + i, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    if (i < n) {
+        __mmask16 k = (__mmask16)((1u << (n - i)) - 1u);
+        __m512 e = _mm512_maskz_mov_ps(k, exp_neg16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + i), mv)));
+        _mm512_mask_storeu_ps(x + i, k, e);
+        acc = _mm512_add_ps(acc, e);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+static void stage_copy_avx512(void *dst, const void *src, int64_t n, const void *pf, int64_t pf_lines) {
+    char *d = dst;
+    const char *s = src;
+    if (((uintptr_t)d & 63) || (n & 63)) {
+        fx_prefetch_share(pf, pf_lines, 0, 1);
+        memcpy(dst, src, (size_t)n);
+        return;
+    }
+    int64_t lines = n / 64;
+    for (int64_t l = 0; l < lines; l++) {
+        fx_prefetch_share(pf, pf_lines, l, lines);
+        _mm512_stream_si512((void *)(d + 64 * l), _mm512_loadu_si512((const void *)(s + 64 * l)));
+    }
+}
+
+static void fence_avx512(void) { _mm_sfence(); }
 
 static void bound_avx512(const float *qpos, const float *qneg, const float *s, int n, int d, float *score) {
     for (int b = 0; b < n; b++) {
@@ -150,7 +339,8 @@ static void minmax_avx512(const uint16_t *k, int len, int d, int bf16, float *mn
 }
 
 const fx_kernels fx_kernels_avx512 = {
-    "avx512", qk_avx512, pv_avx512, exp_neg_avx512, bound_avx512, minmax_avx512,
+    "avx512", qk_avx512, pv_avx512, exp_neg_avx512, row_max_avx512, exp_sum_avx512, stage_copy_avx512,
+    fence_avx512, bound_avx512, minmax_avx512,
 };
 
 #if defined(__clang__)

@@ -30,9 +30,10 @@ static inline void row_to_f32(const uint16_t *src, int d, int bf16, float *dst) 
 }
 
 static void qk_portable(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
-                        int ld) {
+                        int ld, const void *pf, int64_t pf_lines) {
     float kf[FX_MAX_DIM];
     for (int t = 0; t < len; t++) {
+        fx_prefetch_share(pf, pf_lines, t, len);
         row_to_f32(k + (int64_t)t * d, d, bf16, kf);
         for (int j = 0; j < r; j++) {
             const float *qj = q + (int64_t)j * d;
@@ -43,9 +44,11 @@ static void qk_portable(const float *q, int r, const uint16_t *k, int len, int d
     }
 }
 
-static void pv_portable(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc) {
+static void pv_portable(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
+                        const void *pf, int64_t pf_lines) {
     float vf[FX_MAX_DIM];
     for (int t = 0; t < len; t++) {
+        fx_prefetch_share(pf, pf_lines, t, len);
         row_to_f32(v + (int64_t)t * d, d, bf16, vf);
         for (int j = 0; j < r; j++) {
             float pj = p[j * ld + t];
@@ -58,6 +61,28 @@ static void pv_portable(const float *p, int r, int ld, const uint16_t *v, int le
 static void exp_neg_portable(float *x, int n) {
     for (int i = 0; i < n; i++) x[i] = x[i] < -87.0f ? 0.0f : expf(x[i]);
 }
+
+static float row_max_portable(const float *x, int n) {
+    float m = x[0];
+    for (int i = 1; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
+static float exp_sum_portable(float *x, int n, float m) {
+    float sum = 0.0f;
+    for (int i = 0; i < n; i++) {
+        float d = x[i] - m;
+        x[i] = d < -87.0f ? 0.0f : expf(d);
+        sum += x[i];
+    }
+    return sum;
+}
+
+static void stage_copy_portable(void *dst, const void *src, int64_t n, const void *pf, int64_t pf_lines) {
+    fx_prefetch_share(pf, pf_lines, 0, 1);
+    memcpy(dst, src, (size_t)n);
+}
+static void fence_portable(void) {}
 
 static void bound_portable(const float *qpos, const float *qneg, const float *s, int n, int d, float *score) {
     for (int b = 0; b < n; b++) {
@@ -86,5 +111,6 @@ static void minmax_portable(const uint16_t *k, int len, int d, int bf16, float *
 }
 
 const fx_kernels fx_kernels_portable = {
-    "portable", qk_portable, pv_portable, exp_neg_portable, bound_portable, minmax_portable,
+    "portable", qk_portable, pv_portable, exp_neg_portable, row_max_portable, exp_sum_portable,
+    stage_copy_portable, fence_portable, bound_portable, minmax_portable,
 };

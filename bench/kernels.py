@@ -1,0 +1,249 @@
+"""Native kernel bandwidth: sparse attention, top-k scoring, gather -- next to this machine's measured read bandwidth.
+
+One run prints a table per thread count and writes bench/results/kernels-<host>.json:
+  * read bandwidth: a STREAM-like read of a large buffer on the same thread pool (the ceiling),
+  * sparse attention GB/s: bytes of K and V in the selected blocks / time of one per-layer call for all tasks,
+  * top-k GB/s: bytes of block summaries scanned / time,
+  * gather GB/s: bytes of K and V copied into the (pinned if CUDA) staging buffer / time (bytes read),
+  * torch CPU: the same attention with index_select + matmul in torch, same thread count, for comparison.
+Layers rotate from call to call and the store (default 8 layers x 32K tokens, Llama-3.1-8B KV shape: 8 KV heads,
+GQA 4, head_dim 128, bf16) is far larger than the last-level cache, so the numbers are memory-bound reads.
+
+Usage: python bench/kernels.py [--threads 1,all] [--tokens 32768] [--layers 8] [--batch 1] [--budget 0.1]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from fluxion_lite import native  # noqa: E402
+from fluxion_lite.host_kv import HostKVStore  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def timed(fn, repeats: int) -> float:
+    """Median seconds of fn() over `repeats` calls after one warm-up."""
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def build_store(args: argparse.Namespace) -> tuple[HostKVStore, list[int], list[torch.Tensor], list[torch.Tensor]]:
+    store = HostKVStore(args.layers, args.kv_heads, args.head_dim, dtype=torch.bfloat16, max_seqs=args.batch,
+                        page_tokens=1024, granularities=(args.topk_g, args.g),
+                        initial_pages_per_seq=-(-args.tokens // 1024))
+    slots = [store.allocate() for _ in range(args.batch)]
+    # torch copies [Hkv, B*N, D] per layer for the torch baseline (contiguous per head, like the store)
+    torch_k, torch_v = [], []
+    chunk = 4096
+    for layer in range(args.layers):
+        tk = torch.empty(args.kv_heads, args.batch * args.tokens, args.head_dim, dtype=torch.bfloat16)
+        tv = torch.empty_like(tk)
+        for si, slot in enumerate(slots):
+            for start in range(0, args.tokens, chunk):
+                n = min(chunk, args.tokens - start)
+                k = torch.randn(n, args.kv_heads, args.head_dim).bfloat16()
+                v = torch.randn(n, args.kv_heads, args.head_dim).bfloat16()
+                store.append(layer, slot, k, v)
+                base = si * args.tokens + start
+                tk[:, base:base + n] = k.transpose(0, 1)
+                tv[:, base:base + n] = v.transpose(0, 1)
+        torch_k.append(tk)
+        torch_v.append(tv)
+    return store, slots, torch_k, torch_v
+
+
+def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[int], torch_k: list[torch.Tensor],
+        torch_v: list[torch.Tensor], probe_buf: np.ndarray) -> dict:
+    native.set_threads(threads)
+    torch.set_num_threads(threads)
+    H, r, D, g, N, B = args.kv_heads, args.group, args.head_dim, args.g, args.tokens, args.batch
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, H * r, D), dtype=np.float32)
+    scale = 1.0 / np.sqrt(D)
+    n_blocks = N // g
+    k_sel = max(1, int(args.budget * n_blocks))
+    # Selections: the top-k of random queries over random keys is a near-uniform scatter of blocks.
+    tasks = native.make_tasks(np.repeat(slots, H), np.repeat(np.arange(B), H), np.tile(np.arange(H), B), g, k_sel)
+    ids_per_layer = []
+    for layer in range(args.layers):
+        ids, _, counts = native.group_topk(store.view(layer), q, tasks)
+        ids_per_layer.append((ids, counts))
+    n_tasks = len(tasks)
+    kv_bytes = n_tasks * k_sel * g * D * 2 * 2  # K and V of the selected blocks
+
+    # (0) read bandwidth ceiling
+    reps = 3
+    t_read = timed(lambda: native.read_bandwidth_probe(probe_buf, reps), 5)
+    read_gbs = probe_buf.nbytes * reps / t_read / 1e9
+
+    layer_cycle = {"i": 0}
+
+    def next_layer() -> int:
+        layer_cycle["i"] = (layer_cycle["i"] + 1) % args.layers
+        return layer_cycle["i"]
+
+    # (a) sparse attention
+    out = np.empty((n_tasks, r, D), np.float32)
+    lse = np.empty((n_tasks, r), np.float32)
+
+    def attend() -> None:
+        layer = next_layer()
+        ids, counts = ids_per_layer[layer]
+        native.sparse_attention(store.view(layer), q, tasks, ids, counts, scale, out=out, lse=lse)
+
+    t_attn = timed(attend, args.repeats)
+
+    # (b) top-k over g=topk_g summaries (all blocks of every task scanned)
+    topk_tasks = tasks.copy()
+    topk_tasks[:, 3] = args.topk_g
+    topk_tasks[:, 4] = max(1, int(args.budget * (N // args.topk_g)))
+    k_cap = int(topk_tasks[0, 4])
+    topk_out = (np.empty((n_tasks, k_cap), np.int32), np.empty((n_tasks, k_cap), np.float32),
+                np.empty(n_tasks, np.int32))
+    summary_bytes = n_tasks * (N // args.topk_g) * 2 * D * 4
+
+    def topk() -> None:
+        native.group_topk(store.view(next_layer()), q, topk_tasks, k_cap=k_cap, out=topk_out)
+
+    t_topk = timed(topk, args.repeats)
+
+    # (c) gather into a staging buffer
+    pin = torch.cuda.is_available()
+    stage_k = torch.empty(n_tasks * k_sel * g, D, dtype=torch.bfloat16, pin_memory=pin)
+    stage_v = torch.empty_like(stage_k, pin_memory=pin) if pin else torch.empty_like(stage_k)
+    offsets = (np.arange(n_tasks, dtype=np.int64) * k_sel * g)
+
+    def gather() -> None:
+        layer = next_layer()
+        ids, counts = ids_per_layer[layer]
+        native.gather(store.view(layer), tasks, ids, counts, stage_k, stage_v, out_offset=offsets)
+
+    t_gather = timed(gather, args.repeats)
+
+    # torch CPU baseline: index_select the selected tokens, then matmul / softmax / matmul, all tasks batched
+    tok_idx = []
+    for layer in range(args.layers):
+        ids, _ = ids_per_layer[layer]
+        per_task = (ids[:, :, None].astype(np.int64) * g + np.arange(g)).reshape(n_tasks, -1)  # [T, k*g]
+        seq_of_task = np.repeat(np.arange(B), H)
+        tok_idx.append(torch.from_numpy(per_task + (seq_of_task * N)[:, None]))
+    head_of_task = torch.from_numpy(np.tile(np.arange(H), B))
+    q_t = torch.from_numpy(q).view(B * H, r, D)
+
+    def torch_attend() -> None:
+        layer = next_layer()
+        idx = tok_idx[layer]  # [T, S]
+        kk = torch.stack([torch_k[layer][head_of_task[t]].index_select(0, idx[t]) for t in range(n_tasks)])
+        vv = torch.stack([torch_v[layer][head_of_task[t]].index_select(0, idx[t]) for t in range(n_tasks)])
+        logits = torch.matmul(q_t, kk.float().transpose(1, 2)) * scale  # [T, r, S]
+        lse_t = torch.logsumexp(logits, -1)
+        torch.matmul(torch.softmax(logits, -1), vv.float()), lse_t
+
+    t_torch = timed(torch_attend, max(3, args.repeats // 4))
+
+    # sanity: native result matches torch on one layer
+    layer = 0
+    ids, counts = ids_per_layer[layer]
+    native.sparse_attention(store.view(layer), q, tasks, ids, counts, scale, out=out, lse=lse)
+    idx = tok_idx[layer]
+    kk = torch.stack([torch_k[layer][head_of_task[t]].index_select(0, idx[t]) for t in range(n_tasks)]).float()
+    vv = torch.stack([torch_v[layer][head_of_task[t]].index_select(0, idx[t]) for t in range(n_tasks)]).float()
+    ref = torch.softmax(torch.matmul(q_t, kk.transpose(1, 2)) * scale, -1) @ vv
+    max_err = float((torch.from_numpy(out) - ref).abs().max())
+
+    gbs = lambda nbytes, t: nbytes / t / 1e9  # noqa: E731
+    return {
+        "threads": threads,
+        "simd": native.get_simd(),
+        "read_GBps": read_gbs,
+        "sparse_attention": {"GBps": gbs(kv_bytes, t_attn), "ms": t_attn * 1e3, "bytes": kv_bytes,
+                             "ratio_to_read": gbs(kv_bytes, t_attn) / read_gbs},
+        "topk": {"GBps": gbs(summary_bytes, t_topk), "ms": t_topk * 1e3, "bytes": summary_bytes,
+                 "ratio_to_read": gbs(summary_bytes, t_topk) / read_gbs},
+        "gather": {"GBps": gbs(kv_bytes, t_gather), "ms": t_gather * 1e3, "bytes": kv_bytes,
+                   "ratio_to_read": gbs(kv_bytes, t_gather) / read_gbs, "pinned": pin},
+        "torch_attention": {"GBps": gbs(kv_bytes, t_torch), "ms": t_torch * 1e3,
+                            "native_speedup": t_torch / t_attn},
+        "native_vs_torch_max_abs_err": max_err,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--threads", default="1,all", help="comma list; 'all' = physical cores")
+    p.add_argument("--tokens", type=int, default=32768)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--group", type=int, default=4)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--g", type=int, default=64, help="granularity of the attention / gather selection")
+    p.add_argument("--topk-g", type=int, default=16, help="granularity scanned by the top-k benchmark")
+    p.add_argument("--budget", type=float, default=0.1, help="fraction of blocks selected")
+    p.add_argument("--repeats", type=int, default=40)
+    p.add_argument("--probe-mib", type=int, default=1024, help="size of the read-bandwidth buffer")
+    p.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<host>.json)")
+    args = p.parse_args()
+    cores = native.physical_cores()
+    thread_list = [cores if t == "all" else int(t) for t in args.threads.split(",")]
+
+    t0 = time.perf_counter()
+    store, slots, torch_k, torch_v = build_store(args)
+    probe_buf = np.ones(args.probe_mib << 20, np.uint8)
+    print(f"store: {args.layers} layers x {args.batch} seq x {args.tokens} tokens, {store.bytes_used / 2**30:.2f} GiB "
+          f"(built in {time.perf_counter() - t0:.1f}s); Hkv={args.kv_heads} r={args.group} D={args.head_dim} bf16, "
+          f"g={args.g}, budget={args.budget:.0%}, physical cores={cores}", flush=True)
+    rows = []
+    for threads in thread_list:
+        rows.append(run(args, threads, store, slots, torch_k, torch_v, probe_buf))
+        res = rows[-1]
+        print(f"\nthreads={threads} simd={res['simd']}  measured read bandwidth {res['read_GBps']:.1f} GB/s")
+        print(f"  {'kernel':<22}{'GB/s':>8}{'ms/call':>10}{'of read bw':>12}")
+        for name in ("sparse_attention", "topk", "gather"):
+            r = res[name]
+            print(f"  {name:<22}{r['GBps']:>8.1f}{r['ms']:>10.3f}{r['ratio_to_read']:>11.0%}")
+        tr = res["torch_attention"]
+        print(f"  {'torch index_select+mm':<22}{tr['GBps']:>8.1f}{tr['ms']:>10.3f}"
+              f"   native is {tr['native_speedup']:.1f}x faster (max |diff| {res['native_vs_torch_max_abs_err']:.1e})",
+              flush=True)
+
+    host = platform.node() or "host"
+    out = Path(args.out) if args.out else RESULTS / f"kernels-{host}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {
+        "host": host, "cpu": _cpu_name(), "physical_cores": cores, "torch": torch.__version__,
+        "config": vars(args), "results": rows,
+    }
+    out.write_text(json.dumps(payload, indent=2))
+    print(f"\nwrote {out}")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()
