@@ -381,6 +381,18 @@ def summaries_update(view: KVView, slots: Any, from_token: Any) -> None:
     _raise_for(rc, err, "summaries_update")
 
 
+# Scratch for the C kernels, one per Python thread (concurrent calls must not share it); grown, never shrunk.
+_workspace = threading.local()
+
+
+def _workspace_for(n_floats: int) -> np.ndarray:
+    ws = getattr(_workspace, "buf", None)
+    if ws is None or ws.size < n_floats:
+        ws = np.empty(max(n_floats, 1 << 16), np.float32)
+        _workspace.buf = ws
+    return ws
+
+
 def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
                out: tuple[Any, Any, Any] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per task, the k highest-scoring eligible blocks (Quest bound summed over the group's query heads).
@@ -401,23 +413,20 @@ def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
         ids = _arr(out[0], "out[0] (ids)", np.int32, ndim=2, shape=(len(t), k_cap), writable=True)
         scores = _arr(out[1], "out[1] (scores)", np.float32, ndim=2, shape=(len(t), k_cap), writable=True)
         counts = _arr(out[2], "out[2] (counts)", np.int32, ndim=1, shape=(len(t),), writable=True)
+    if len(t):
+        slots = np.clip(t[:, 0], 0, view.n_slots - 1)
+        g = np.where(np.isin(t[:, 3], GRANULARITIES), t[:, 3], 16)
+        max_blocks = int(((view.n_tokens[slots] + g - 1) // g).max())
+    else:
+        max_blocks = 1
+    ws = _workspace_for(int(lib.fx_topk_workspace_floats(max(1, max_blocks))))
     err = ffi.new("int64_t[1]")
     rc = lib.fx_group_topk(view.struct, _ptr(qa, "float *"), qa.shape[0], qa.shape[1], _ptr(t, "int32_t *"), len(t),
-                           k_cap, _ptr(ids, "int32_t *"), _ptr(scores, "float *"), _ptr(counts, "int32_t *"), err)
+                           k_cap, _ptr(ids, "int32_t *"), _ptr(scores, "float *"), _ptr(counts, "int32_t *"),
+                           _ptr(ws, "float *"), ws.size, err)
     if rc:
         raise _native_error(rc, err, "group_topk", view, t, q_rows=qa.shape[0], k_cap=k_cap, kept_only=True)
     return ids, scores, counts
-
-
-_workspace = threading.local()
-
-
-def _workspace_for(n_floats: int) -> np.ndarray:
-    ws = getattr(_workspace, "buf", None)
-    if ws is None or ws.size < n_floats:
-        ws = np.empty(max(n_floats, 1 << 16), np.float32)
-        _workspace.buf = ws
-    return ws
 
 
 def sparse_attention(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, scale: float,

@@ -324,32 +324,45 @@ typedef struct {
     int32_t *ids;
     float *scores;
     int32_t *counts;
+    float *ws;            /* per participant: max_blocks scores then max_blocks ids */
+    int64_t max_blocks;
     _Atomic int64_t next;
     const fx_kernels *kern;
 } topk_job;
 
-/* a is worse than b: lower score, or equal score and higher id (so ties keep the lower id). */
-static inline int worse(float sa, int32_t ia, float sb, int32_t ib) { return sa < sb || (sa == sb && ia > ib); }
+/* a ranks above b: higher score, or equal score and lower id (so ties keep the lower id).  A strict total order
+ * because ids are distinct, which makes the selection independent of the algorithm's visiting order. */
+static inline int better(float sa, int32_t ia, float sb, int32_t ib) { return sa > sb || (sa == sb && ia < ib); }
 
-static void heap_sift_down(float *s, int32_t *id, int64_t n, int64_t i) {
-    for (;;) {
-        int64_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < n && worse(s[l], id[l], s[m], id[m])) m = l;
-        if (r < n && worse(s[r], id[r], s[m], id[m])) m = r;
-        if (m == i) return;
-        float ts = s[i]; s[i] = s[m]; s[m] = ts;
-        int32_t ti = id[i]; id[i] = id[m]; id[m] = ti;
-        i = m;
-    }
+static inline void swap_pair(float *s, int32_t *id, int64_t a, int64_t b) {
+    float ts = s[a]; s[a] = s[b]; s[b] = ts;
+    int32_t ti = id[a]; id[a] = id[b]; id[b] = ti;
 }
 
-static void heap_sift_up(float *s, int32_t *id, int64_t i) {
-    while (i > 0) {
-        int64_t p = (i - 1) / 2;
-        if (!worse(s[i], id[i], s[p], id[p])) return;
-        float ts = s[i]; s[i] = s[p]; s[p] = ts;
-        int32_t ti = id[i]; id[i] = id[p]; id[p] = ti;
-        i = p;
+/* Quickselect: afterwards s/id[0..k) hold the k best pairs (in no particular order).  Expected O(n). */
+static void select_best(float *s, int32_t *id, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, target = k - 1;
+    while (hi > lo) {
+        int64_t mid = lo + (hi - lo) / 2;
+        /* median of three as pivot */
+        if (better(s[mid], id[mid], s[lo], id[lo])) swap_pair(s, id, mid, lo);
+        if (better(s[hi], id[hi], s[lo], id[lo])) swap_pair(s, id, hi, lo);
+        if (better(s[hi], id[hi], s[mid], id[mid])) swap_pair(s, id, hi, mid);
+        float ps = s[mid];
+        int32_t pid = id[mid];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (better(s[i], id[i], ps, pid)) i++;
+            while (better(ps, pid, s[j], id[j])) j--;
+            if (i <= j) {
+                swap_pair(s, id, i, j);
+                i++;
+                j--;
+            }
+        }
+        if (target <= j) hi = j;
+        else if (target >= i) lo = i;
+        else return;
     }
 }
 
@@ -381,14 +394,14 @@ static void sort_by_id(float *s, int32_t *id, int64_t n) {
     }
 }
 
-static void topk_task(topk_job *J, int64_t ti) {
+static void topk_task(topk_job *J, int64_t ti, int tid) {
     const fx_kv_view *kv = J->kv;
     const int32_t *t = J->tasks + ti * FX_TASK_FIELDS;
     int slot = t[0], h = t[2], g = t[3], k = t[4];
     int D = kv->head_dim, r = J->n_q_heads / kv->n_kv_heads, gi = gran_index(g);
     int64_t P = kv->page_tokens, n_tok = kv->n_tokens[slot], nb = (n_tok + g - 1) / g;
-    int32_t *ids = J->ids + ti * J->k_cap;
-    float *sc = J->scores + ti * J->k_cap;
+    float *all_s = J->ws + (int64_t)tid * 2 * J->max_blocks;
+    int32_t *all_id = (int32_t *)(all_s + J->max_blocks);
 
     /* The group's bound collapses to two vectors: sum_j max(q_j,0) and sum_j min(q_j,0). */
     float qpos[FX_MAX_DIM], qneg[FX_MAX_DIM];
@@ -411,62 +424,67 @@ static void topk_task(topk_job *J, int64_t ti) {
         ex_hi[x] = (hi - 1) / g + 1;
     }
 
-    int64_t n = 0;
-    float score[FX_MAX_BLOCK];
-    int64_t per_page = P / g;
+    /* score every eligible block; a run of blocks inside one page is contiguous in S_g */
+    int64_t n = 0, per_page = P / g;
     for (int64_t b0 = 0, run = 0; b0 < nb && k > 0; b0 += run) {
-        /* a run of blocks inside one page is contiguous in S_g */
-        run = nb - b0 < FX_MAX_BLOCK ? nb - b0 : FX_MAX_BLOCK;
-        int64_t to_page_end = per_page - b0 % per_page;
-        if (run > to_page_end) run = to_page_end;
-        J->kern->bound(qpos, qneg, summary(kv, slot, h, gi, b0), (int)run, D, score);
+        run = per_page - b0 % per_page;
+        if (run > nb - b0) run = nb - b0;
+        int64_t n_start = n;
+        J->kern->bound(qpos, qneg, summary(kv, slot, h, gi, b0), (int)run, D, all_s + n_start);
         for (int64_t i = 0; i < run; i++) {
             int64_t b = b0 + i;
             if ((b >= ex_lo[0] && b < ex_hi[0]) || (b >= ex_lo[1] && b < ex_hi[1])) continue;
-            if (n < k) {
-                sc[n] = score[i];
-                ids[n] = (int32_t)b;
-                heap_sift_up(sc, ids, n);
-                n++;
-            } else if (worse(sc[0], ids[0], score[i], (int32_t)b)) {
-                sc[0] = score[i];
-                ids[0] = (int32_t)b;
-                heap_sift_down(sc, ids, n, 0);
-            }
+            all_s[n] = all_s[n_start + i]; /* compact in place (n <= n_start + i) */
+            all_id[n] = (int32_t)b;
+            n++;
         }
     }
+    if (n > k) {
+        select_best(all_s, all_id, n, k);
+        n = k;
+    }
+    int32_t *ids = J->ids + ti * J->k_cap;
+    float *sc = J->scores + ti * J->k_cap;
+    memcpy(ids, all_id, sizeof(int32_t) * (size_t)n);
+    memcpy(sc, all_s, sizeof(float) * (size_t)n);
     sort_by_id(sc, ids, n);
     J->counts[ti] = (int32_t)n;
 }
 
 static void topk_worker(void *ctx, int tid, int nthreads) {
-    (void)tid;
     (void)nthreads;
     topk_job *J = ctx;
     for (;;) {
         int64_t i = atomic_fetch_add(&J->next, 1);
         if (i >= J->n_tasks) return;
-        topk_task(J, i);
+        topk_task(J, i, tid);
     }
 }
 
+int64_t fx_topk_workspace_floats(int64_t max_blocks) { return 2 * max_blocks * (int64_t)fx_pool_threads(); }
+
 int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
                   int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
-                  int64_t *err_index) {
+                  float *workspace, int64_t workspace_floats, int64_t *err_index) {
     *err_index = -1;
     int rc = check_view(kv);
     if (!rc) rc = check_group(kv, n_q_heads);
     if (rc) return rc;
     if (k_cap < 0) return FX_E_K;
+    int64_t max_blocks = 1;
     for (int64_t i = 0; i < n_tasks; i++) {
         const int32_t *t = tasks + i * FX_TASK_FIELDS;
         *err_index = i;
         rc = check_task(kv, t, q_rows, 1); /* O(tasks + pages): always on */
         if (rc) return rc;
         if (t[4] < 0 || t[4] > k_cap) return FX_E_K;
+        int64_t nb = (kv->n_tokens[t[0]] + t[3] - 1) / t[3];
+        max_blocks = nb > max_blocks ? nb : max_blocks;
     }
     *err_index = -1;
-    topk_job J = {kv, q, n_q_heads, k_cap, tasks, n_tasks, out_ids, out_scores, out_counts, 0, kern()};
+    if (fx_topk_workspace_floats(max_blocks) > workspace_floats) return FX_E_OUTPUT;
+    topk_job J = {kv, q, n_q_heads, k_cap, tasks, n_tasks, out_ids, out_scores, out_counts, workspace, max_blocks, 0,
+                  kern()};
     fx_pool_run(topk_worker, &J);
     return FX_OK;
 }
