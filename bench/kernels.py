@@ -4,7 +4,8 @@ One run prints a table per thread count and writes bench/results/kernels-<host>.
   * read bandwidth: a STREAM-like read of a large buffer on the same thread pool (the ceiling),
   * sparse attention GB/s: bytes of K and V in the selected blocks / time of one per-layer call for all tasks,
   * top-k GB/s: bytes of block summaries scanned / time,
-  * gather GB/s: bytes of K and V copied into the (pinned if CUDA) staging buffer / time (bytes read),
+  * gather GB/s: bytes of K and V copied into the (pinned if CUDA) staging buffer / time (bytes read; a copy
+    also writes as many), with non-temporal stores (default) and with plain cached stores,
   * torch CPU: the same attention with index_select + matmul in torch, same thread count, for comparison.
 Layers rotate from call to call and the store (default 8 layers x 32K tokens, Llama-3.1-8B KV shape: 8 KV heads,
 GQA 4, head_dim 128, bf16) is far larger than the last-level cache, so the numbers are memory-bound reads.
@@ -130,13 +131,20 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
         native.gather(store.view(layer), tasks, ids, counts, stage_k, stage_v, out_offset=offsets)
 
     # The machine may be shared: measure the ceiling and the kernels in alternating rounds, report medians.
-    rounds: dict[str, list[float]] = {"read": [], "attn": [], "topk": [], "gather": []}
+    def gather_cached() -> None:
+        native.set_stream_stores(False)
+        gather()
+        native.set_stream_stores(True)
+
+    rounds: dict[str, list[float]] = {"read": [], "attn": [], "topk": [], "gather": [], "gather_cached": []}
     for _ in range(args.rounds):
         rounds["read"].append(timed(lambda: native.read_bandwidth_probe(probe_buf, reps), 3))
         rounds["attn"].append(timed(attend, args.repeats))
         rounds["topk"].append(timed(topk, args.repeats))
         rounds["gather"].append(timed(gather, args.repeats))
-    t_read, t_attn, t_topk, t_gather = (statistics.median(rounds[k]) for k in ("read", "attn", "topk", "gather"))
+        rounds["gather_cached"].append(timed(gather_cached, args.repeats))
+    t_read, t_attn, t_topk, t_gather, t_gather_c = (
+        statistics.median(rounds[k]) for k in ("read", "attn", "topk", "gather", "gather_cached"))
     read_gbs = probe_buf.nbytes * reps / t_read / 1e9
 
     # torch CPU baseline: index_select the selected tokens, then matmul / softmax / matmul, all tasks batched
@@ -181,6 +189,8 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
                  "ratio_to_read": gbs(summary_bytes, t_topk) / read_gbs},
         "gather": {"GBps": gbs(kv_bytes, t_gather), "ms": t_gather * 1e3, "bytes": kv_bytes,
                    "ratio_to_read": gbs(kv_bytes, t_gather) / read_gbs, "pinned": pin},
+        "gather_cached_stores": {"GBps": gbs(kv_bytes, t_gather_c), "ms": t_gather_c * 1e3, "bytes": kv_bytes,
+                                 "ratio_to_read": gbs(kv_bytes, t_gather_c) / read_gbs, "pinned": pin},
         "torch_attention": {"GBps": gbs(kv_bytes, t_torch), "ms": t_torch * 1e3,
                             "native_speedup": t_torch / t_attn},
         "native_vs_torch_max_abs_err": max_err,
@@ -219,7 +229,7 @@ def main() -> None:
         res = rows[-1]
         print(f"\nthreads={threads} simd={res['simd']}  measured read bandwidth {res['read_GBps']:.1f} GB/s")
         print(f"  {'kernel':<22}{'GB/s':>8}{'ms/call':>10}{'of read bw':>12}")
-        for name in ("sparse_attention", "topk", "gather"):
+        for name in ("sparse_attention", "topk", "gather", "gather_cached_stores"):
             r = res[name]
             print(f"  {name:<22}{r['GBps']:>8.1f}{r['ms']:>10.3f}{r['ratio_to_read']:>11.0%}")
         tr = res["torch_attention"]

@@ -7,7 +7,7 @@ checked here and mistakes raise ValueError naming the argument; the C side valid
 Arrays may be numpy arrays or CPU torch tensors; nothing is copied (pointers go straight to C).
 
 Settings: set_threads(n) / env FLUXION_THREADS (default: physical cores), set_simd(path) / env FLUXION_SIMD
-(portable | avx2 | avx512 | auto), set_checks(on).  Env FLUXION_NATIVE_SO loads another build of the extension
+(portable | avx2 | avx512 | auto), set_checks(on), set_stream_stores(on) / env FLUXION_STREAM_STORES (0 | 1).  Env FLUXION_NATIVE_SO loads another build of the extension
 (the AddressSanitizer build of native/asan_check.py).
 """
 from __future__ import annotations
@@ -134,6 +134,11 @@ def set_checks(on: bool) -> None:
     lib.fx_set_checks(1 if on else 0)
 
 
+def set_stream_stores(on: bool) -> None:
+    """gather: non-temporal stores into the staging buffer (default) or plain cached stores."""
+    lib.fx_set_stream_stores(1 if on else 0)
+
+
 def gran_mask(granularities: Sequence[int]) -> int:
     mask = 0
     for g in granularities:
@@ -159,6 +164,11 @@ def _init_from_env() -> None:
     else:
         set_threads(physical_cores())
     set_simd(os.environ.get("FLUXION_SIMD") or "auto")
+    stream = os.environ.get("FLUXION_STREAM_STORES")
+    if stream is not None:
+        if stream not in ("0", "1"):
+            raise ValueError(f"FLUXION_STREAM_STORES must be 0 or 1, got {stream!r}")
+        set_stream_stores(stream == "1")
 
 
 _init_from_env()
@@ -501,5 +511,5 @@ def read_bandwidth_probe(buf: Any, repeats: int = 1) -> float:
 __all__ = [
     "TASK_FIELDS", "GRANULARITIES", "SIMD_PATHS", "KVView", "make_tasks", "append", "summaries_update",
     "group_topk", "sparse_attention", "gather", "read_bandwidth_probe", "set_threads", "get_threads",
-    "set_simd", "get_simd", "simd_supported", "set_checks", "physical_cores", "page_bytes", "gran_mask",
+    "set_simd", "get_simd", "simd_supported", "set_checks", "set_stream_stores", "physical_cores", "page_bytes", "gran_mask",
 ]

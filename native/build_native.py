@@ -39,6 +39,7 @@ int fx_set_simd(int path);
 int fx_get_simd(void);
 int fx_simd_supported(int path);
 void fx_set_checks(int on);
+void fx_set_stream_stores(int on);
 int64_t fx_page_bytes(int32_t n_kv_heads, int32_t head_dim, int32_t page_tokens, int32_t gran_mask);
 int fx_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *row_start, const int64_t *row_count,
               int64_t n_items, const void *src_k, const void *src_v, int64_t n_rows, int64_t *err_index);

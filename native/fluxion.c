@@ -491,10 +491,11 @@ int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t 
 
 /* ------------------------------------------------------------------------------------------ sparse attention -- */
 
-/* Per work item the workspace holds acc [r][D] (normalised output of that chunk) then lse [r]. */
+/* Per work item the workspace holds acc [r][D] (normalised output of that chunk) then lse [r]; after all items,
+ * one int32 completion counter per task. */
 int64_t fx_attention_workspace_floats(int64_t n_tasks, int32_t group, int32_t head_dim) {
     int64_t items = n_tasks + 4 * (int64_t)fx_pool_threads();
-    return items * (int64_t)group * (head_dim + 1);
+    return items * (int64_t)group * (head_dim + 1) + n_tasks; /* + per-task completion counters */
 }
 
 typedef struct {
@@ -505,13 +506,14 @@ typedef struct {
     int64_t n_tasks;
     float scale;
     float *out, *lse, *ws;
+    _Atomic int32_t *done;   /* per task: chunks finished (the last finisher merges) */
     _Atomic int64_t next;
     const fx_kernels *kern;
 } attn_job;
 
 /* Attend the group's r heads over selected blocks ids[b0..b1) of one task; write normalised acc and lse. */
 static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int32_t b0, int32_t b1, float *acc,
-                         float *lse) {
+                         float *lse, const uint16_t *after, int64_t after_lines) {
     const fx_kv_view *kv = J->kv;
     const fx_kernels *K = J->kern;
     int slot = t[0], h = t[2], g = t[3];
@@ -529,8 +531,9 @@ static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int3
         int64_t t0 = (int64_t)ids[bi] * g;
         int len = (int)(n_tok - t0 < g ? n_tok - t0 : g);
         const uint16_t *kb = k_row(kv, slot, h, t0);
-        const uint16_t *kn = NULL; /* next block: prefetched while this one computes */
-        int64_t pf_lines = 0;
+        /* next block (or the first block of this thread's next work item): prefetched while this one computes */
+        const uint16_t *kn = after;
+        int64_t pf_lines = after_lines;
         if (bi + 1 < b1) {
             int64_t tn = (int64_t)ids[bi + 1] * g;
             kn = k_row(kv, slot, h, tn);
@@ -562,6 +565,47 @@ static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int3
     }
 }
 
+/* Merge one task's chunk results (items first .. first+nc-1 of the workspace) by log-sum-exp into out/lse. */
+static void merge_task(attn_job *J, int64_t ti, int64_t first, int64_t nc) {
+    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
+    int64_t stride = (int64_t)r * (D + 1);
+    float *out = J->out + ti * r * D, *lse = J->lse + ti * r;
+    for (int j = 0; j < r; j++) {
+        float mx = -INFINITY;
+        for (int64_t c = 0; c < nc; c++) {
+            float v = J->ws[(first + c) * stride + (int64_t)r * D + j];
+            mx = v > mx ? v : mx;
+        }
+        float *o = out + (int64_t)j * D;
+        memset(o, 0, sizeof(float) * (size_t)D);
+        if (mx == -INFINITY) {
+            lse[j] = -INFINITY;
+            continue;
+        }
+        float wsum = 0.0f;
+        for (int64_t c = 0; c < nc; c++) {
+            const float *part = J->ws + (first + c) * stride;
+            float w = expf(part[(int64_t)r * D + j] - mx);
+            wsum += w;
+            for (int e = 0; e < D; e++) o[e] += w * part[(int64_t)j * D + e];
+        }
+        float inv = 1.0f / wsum;
+        for (int e = 0; e < D; e++) o[e] *= inv;
+        lse[j] = mx + logf(wsum);
+    }
+}
+
+/* K row of a work item's first block and its cache-line count (to prefetch across items). */
+static const uint16_t *item_first_block(attn_job *J, const cursor *c, int64_t *lines) {
+    const int32_t *t = J->tasks + c->task * FX_TASK_FIELDS;
+    int32_t id = J->ids[c->task * J->k_cap + c->chunk * J->cb];
+    int64_t n_tok = J->kv->n_tokens[t[0]], t0 = (int64_t)id * t[3];
+    *lines = ((n_tok - t0 < t[3] ? n_tok - t0 : t[3]) * J->kv->head_dim * 2 + 63) / 64;
+    return k_row(J->kv, t[0], t[2], t0);
+}
+
+/* Each participant claims its next item before working on the current one, so the current item's last block can
+ * prefetch the next item's first block; whoever finishes a task's last chunk merges that task. */
 static void attn_worker(void *ctx, int tid, int nthreads) {
     (void)tid;
     (void)nthreads;
@@ -569,52 +613,27 @@ static void attn_worker(void *ctx, int tid, int nthreads) {
     int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
     int64_t stride = (int64_t)r * (D + 1);
     cursor c = {0, 0, 0};
+    int64_t item = atomic_fetch_add(&J->next, 1);
+    if (!cursor_seek(&c, item, J->counts, J->n_tasks, J->cb)) return;
     for (;;) {
-        int64_t item = atomic_fetch_add(&J->next, 1);
-        if (!cursor_seek(&c, item, J->counts, J->n_tasks, J->cb)) return;
+        cursor nc = c;
+        int64_t next_item = atomic_fetch_add(&J->next, 1);
+        int has_next = cursor_seek(&nc, next_item, J->counts, J->n_tasks, J->cb);
+        int64_t after_lines = 0;
+        const uint16_t *after = has_next ? item_first_block(J, &nc, &after_lines) : NULL;
+
         const int32_t *t = J->tasks + c.task * FX_TASK_FIELDS;
         const int32_t *ids = J->ids + c.task * J->k_cap;
         int32_t b0 = (int32_t)(c.chunk * J->cb);
         int32_t b1 = b0 + J->cb < J->counts[c.task] ? b0 + J->cb : J->counts[c.task];
-        float *slot = J->ws + item * stride;
-        attend_chunk(J, t, ids, b0, b1, slot, slot + (int64_t)r * D);
-    }
-}
+        float *part = J->ws + item * stride;
+        attend_chunk(J, t, ids, b0, b1, part, part + (int64_t)r * D, after, after_lines);
+        int64_t n_chunks = chunks_of(J->counts[c.task], J->cb);
+        if (atomic_fetch_add(&J->done[c.task], 1) == n_chunks - 1) merge_task(J, c.task, item - c.chunk, n_chunks);
 
-/* Merge each task's chunk results by log-sum-exp into out/lse. */
-static void merge_worker(void *ctx, int tid, int nthreads) {
-    attn_job *J = ctx;
-    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
-    int64_t stride = (int64_t)r * (D + 1), first = 0;
-    for (int64_t ti = 0; ti < J->n_tasks; ti++) {
-        int64_t nc = chunks_of(J->counts[ti], J->cb);
-        if (ti % nthreads == tid) {
-            float *out = J->out + ti * r * D, *lse = J->lse + ti * r;
-            for (int j = 0; j < r; j++) {
-                float mx = -INFINITY;
-                for (int64_t c = 0; c < nc; c++) {
-                    float v = J->ws[(first + c) * stride + (int64_t)r * D + j];
-                    mx = v > mx ? v : mx;
-                }
-                float *o = out + (int64_t)j * D;
-                memset(o, 0, sizeof(float) * (size_t)D);
-                if (mx == -INFINITY) {
-                    lse[j] = -INFINITY;
-                    continue;
-                }
-                float wsum = 0.0f;
-                for (int64_t c = 0; c < nc; c++) {
-                    const float *part = J->ws + (first + c) * stride;
-                    float w = expf(part[(int64_t)r * D + j] - mx);
-                    wsum += w;
-                    for (int e = 0; e < D; e++) o[e] += w * part[(int64_t)j * D + e];
-                }
-                float inv = 1.0f / wsum;
-                for (int e = 0; e < D; e++) o[e] *= inv;
-                lse[j] = mx + logf(wsum);
-            }
-        }
-        first += nc;
+        if (!has_next) return;
+        c = nc;
+        item = next_item;
     }
 }
 
@@ -640,10 +659,19 @@ int fx_sparse_attention(const fx_kv_view *kv, const float *q, int64_t q_rows, in
     int32_t cb = chunk_blocks(counts, n_tasks);
     int64_t items = 0;
     for (int64_t i = 0; i < n_tasks; i++) items += chunks_of(counts[i], cb);
-    if (items * r * (kv->head_dim + 1) > workspace_floats) return FX_E_OUTPUT;
-    attn_job J = {kv, q, n_q_heads, k_cap, cb, tasks, ids, counts, n_tasks, scale, out, lse, workspace, 0, kern()};
+    int64_t stride = (int64_t)r * (kv->head_dim + 1);
+    if (items * stride + n_tasks > workspace_floats) return FX_E_OUTPUT;
+    _Atomic int32_t *done = (_Atomic int32_t *)(workspace + items * stride);
+    for (int64_t i = 0; i < n_tasks; i++) {
+        atomic_init(&done[i], 0);
+        if (counts[i] == 0) { /* no work item will merge an empty task */
+            memset(out + i * r * kv->head_dim, 0, sizeof(float) * (size_t)r * kv->head_dim);
+            for (int j = 0; j < r; j++) lse[i * r + j] = -INFINITY;
+        }
+    }
+    attn_job J = {kv, q, n_q_heads, k_cap, cb, tasks, ids, counts, n_tasks, scale, out, lse, workspace, done, 0,
+                  kern()};
     fx_pool_run(attn_worker, &J);
-    fx_pool_run(merge_worker, &J);
     return FX_OK;
 }
 
@@ -665,16 +693,35 @@ static inline int64_t block_len(const fx_kv_view *kv, int slot, int g, int32_t i
     return rest < g ? rest : g;
 }
 
+/* Plain stores keep the staging buffer in the last-level cache (good when it fits and the GPU's DMA reads from
+ * there); non-temporal stores skip the cache (good when it does not). fx_set_stream_stores picks. */
+static int g_stream_stores = 1;
+void fx_set_stream_stores(int on) { g_stream_stores = on != 0; }
+
+static void plain_copy(void *dst, const void *src, int64_t n, const void *pf, int64_t pf_lines) {
+    enum { PARTS = 4 };
+    for (int p = 0; p < PARTS; p++) {
+        int64_t lo = n * p / PARTS / 64 * 64, hi = p == PARTS - 1 ? n : n * (p + 1) / PARTS / 64 * 64;
+        fx_prefetch_share(pf, pf_lines, p, PARTS);
+        memcpy((char *)dst + lo, (const char *)src + lo, (size_t)(hi - lo));
+    }
+}
+
 static void gather_worker(void *ctx, int tid, int nthreads) {
     (void)tid;
     (void)nthreads;
     gather_job *J = ctx;
     const fx_kv_view *kv = J->kv;
     int64_t D = kv->head_dim, voff = v_offset(kv);
+    void (*copy)(void *, const void *, int64_t, const void *, int64_t) =
+        g_stream_stores ? J->kern->stage_copy : plain_copy;
     cursor c = {0, 0, 0};
+    int64_t item = atomic_fetch_add(&J->next, 1);
+    if (!cursor_seek(&c, item, J->counts, J->n_tasks, J->cb)) return;
     for (;;) {
-        int64_t item = atomic_fetch_add(&J->next, 1);
-        if (!cursor_seek(&c, item, J->counts, J->n_tasks, J->cb)) break;
+        /* claim the next item first so the last block here can prefetch its first block */
+        cursor nc = c;
+        int has_next = cursor_seek(&nc, atomic_fetch_add(&J->next, 1), J->counts, J->n_tasks, J->cb);
         const int32_t *t = J->tasks + c.task * FX_TASK_FIELDS;
         const int32_t *ids = J->ids + c.task * J->k_cap;
         int slot = t[0], h = t[2], g = t[3];
@@ -685,12 +732,23 @@ static void gather_worker(void *ctx, int tid, int nthreads) {
         for (int32_t b = b0; b < b1; b++) {
             int64_t len = block_len(kv, slot, g, ids[b]);
             const uint16_t *src = k_row(kv, slot, h, (int64_t)ids[b] * g);
-            const uint16_t *next = b + 1 < b1 ? k_row(kv, slot, h, (int64_t)ids[b + 1] * g) : NULL;
-            int64_t next_lines = next ? (block_len(kv, slot, g, ids[b + 1]) * D * 2 + 63) / 64 : 0;
-            J->kern->stage_copy(J->k_out + row * D, src, len * D * 2, next, next_lines);
-            J->kern->stage_copy(J->v_out + row * D, src + voff, len * D * 2, next ? next + voff : NULL, next_lines);
+            const uint16_t *next = NULL;
+            int64_t next_lines = 0;
+            if (b + 1 < b1) {
+                next = k_row(kv, slot, h, (int64_t)ids[b + 1] * g);
+                next_lines = (block_len(kv, slot, g, ids[b + 1]) * D * 2 + 63) / 64;
+            } else if (has_next) {
+                const int32_t *nt = J->tasks + nc.task * FX_TASK_FIELDS;
+                int32_t nid = J->ids[nc.task * J->k_cap + nc.chunk * J->cb];
+                next = k_row(kv, nt[0], nt[2], (int64_t)nid * nt[3]);
+                next_lines = (block_len(kv, nt[0], nt[3], nid) * D * 2 + 63) / 64;
+            }
+            copy(J->k_out + row * D, src, len * D * 2, next, next_lines);
+            copy(J->v_out + row * D, src + voff, len * D * 2, next ? next + voff : NULL, next_lines);
             row += len;
         }
+        if (!has_next) break;
+        c = nc;
     }
     J->kern->fence();
 }

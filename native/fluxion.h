@@ -89,6 +89,7 @@ int fx_set_simd(int path);          /* FX_SIMD_*; returns the path now used, or 
 int fx_get_simd(void);
 int fx_simd_supported(int path);    /* 1 if this CPU (and build) can run the path */
 void fx_set_checks(int on);         /* index validation (default on) */
+void fx_set_stream_stores(int on);  /* gather: non-temporal stores into staging (default on) */
 int64_t fx_page_bytes(int32_t n_kv_heads, int32_t head_dim, int32_t page_tokens, int32_t gran_mask);
 
 /* ---- append + summaries ----
