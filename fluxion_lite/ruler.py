@@ -467,31 +467,26 @@ def _fit(plan: _Plan, budget: int, count: TokenCounter, render: PromptRenderer, 
         raise FluxionError(
             f"{task}: the prompt takes {size(0)} tokens without any haystack, more than the {budget} tokens available"
         )
-    lo, hi = 0, plan.max_units + 1  # size(lo) <= budget; hi: first count known (or assumed) to overflow
-    if plan.max_units > 0 and size(plan.max_units) <= budget:
-        lo = hi = plan.max_units
-    # Guess from the tokens per unit of a small probe, then bracket the guess: a few tokenisations, not log2(max_units).
-    probe = min(plan.max_units, 64)
-    if lo < hi and probe > 0:
-        per_unit = max(1e-3, (size(probe) - size(0)) / probe)
-        guess = min(plan.max_units, max(0, int((budget - size(0)) / per_unit)))
-        for step in (0.02, 0.1, 0.5):
-            below = max(0, int(guess * (1 - step)))
-            above = min(plan.max_units, int(guess * (1 + step)) + 1)
-            if size(below) <= budget:
-                lo = max(lo, below)
-                if size(above) > budget:
-                    hi = min(hi, above)
-                    break
-                lo = max(lo, above)
-            else:
-                hi = min(hi, below)
-        while hi - lo > 1:
+    lo, hi = 0, plan.max_units  # invariant: size(lo) <= budget < size(hi)
+    if size(hi) <= budget:
+        return cache[hi][1], size(hi), hi
+    # Interpolation on tokens-per-unit converges in a few tokenisations; bisect whenever the same side moved twice in
+    # a row (the one-sided creep of plain regula falsi), so it never takes more than about twice log2(max_units).
+    last_side = ""
+    repeats = 0
+    while hi - lo > 1:
+        if repeats >= 2:
             mid = (lo + hi) // 2
-            if size(mid) <= budget:
-                lo = mid
-            else:
-                hi = mid
+        else:
+            mid = lo + int((budget - size(lo)) * (hi - lo) / max(1, size(hi) - size(lo)))
+            mid = min(max(mid, lo + 1), hi - 1)
+        side = "lo" if size(mid) <= budget else "hi"
+        if side == "lo":
+            lo = mid
+        else:
+            hi = mid
+        repeats = repeats + 1 if side == last_side else 1
+        last_side = side
     tokens, prompt = size(lo), cache[lo][1]
     return prompt, tokens, lo
 
