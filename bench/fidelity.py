@@ -44,7 +44,9 @@ def prefill_chunks(n: int, chunk: int) -> list[tuple[int, int]]:
     return pieces
 
 
-def decode_logprobs(model: Transformer, attn: AttentionBackend, tokens: list[int], n_decode: int, chunk: int) -> torch.Tensor:
+def decode_logprobs(
+    model: Transformer, attn: AttentionBackend, tokens: list[int], n_decode: int, chunk: int
+) -> torch.Tensor:
     """Log-probabilities [n_decode, V]: row i is the prediction after token len(tokens) - n_decode + i, computed by a
     single-token decode step over the KV of everything before it."""
     n_prefix = len(tokens) - n_decode
@@ -85,7 +87,7 @@ def backend_for(mode: str, full: Engine, args: argparse.Namespace) -> tuple[Tran
     factory = getattr(engine_mod, "make_attention", None)
     if factory is not None:
         try:
-            attn = factory(mode, full.config, engine_mod.DTYPES[args.dtype], torch.device("cpu"), max_seqs=2,
+            attn = factory(mode, full.config, engine_mod.DTYPES[args.dtype], torch.device(args.device), max_seqs=2,
                            model_name=full.model_name)
             return full.model, attn
         except FluxionError as exc:
@@ -93,8 +95,8 @@ def backend_for(mode: str, full: Engine, args: argparse.Namespace) -> tuple[Tran
         except TypeError as exc:  # the factory's signature changed: fall through to a second engine
             print(f"[info] make_attention signature differs ({exc}); loading a second engine", file=sys.stderr)
     try:
-        eng = Engine(args.model, attention=mode, dtype=args.dtype, max_context=args.context, prefix_cache_entries=0,
-                     load_tokenizer=False)
+        eng = Engine(args.model, attention=mode, device=args.device, dtype=args.dtype, max_context=args.context + 1,
+                     prefix_cache_entries=0, load_tokenizer=False)
         return eng.model, eng.attn
     except RequestError as exc:
         return str(exc)
@@ -109,6 +111,7 @@ def main() -> None:
     ap.add_argument("--text-offset", type=int, default=0, help="character offset into the essays")
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--out", default=None, help="default bench/results/fidelity_<model>_<context>.json")
     args = ap.parse_args()
     if not 1 <= args.positions <= args.context - 2:
@@ -116,8 +119,8 @@ def main() -> None:
     modes = ["full"] + [m for m in args.modes if m != "full"]  # full is the reference: always first
 
     try:
-        full = Engine(args.model, attention="full", dtype=args.dtype, max_context=args.context + 1,
-                      prefix_cache_entries=0)
+        full = Engine(args.model, attention="full", device=args.device, dtype=args.dtype,
+                      max_context=args.context + 1, prefix_cache_entries=0)
     except FluxionError as exc:
         sys.exit(f"error: {exc}")
     assert full.tokenizer is not None
@@ -153,7 +156,8 @@ def main() -> None:
         print(f"[{mode}] done in {seconds:.1f} s", file=sys.stderr)
 
     print(f"\nfidelity of {args.model}: {args.context} tokens, last {args.positions} decoded one at a time, vs full")
-    print(f"{'mode':<10}{'KL mean':>9}{'KL p90':>9}{'KL max':>9}{'top-1':>8}{'NLL':>8}{'KV read/step':>14}{'streaming':>11}")
+    header = ["KL mean", "KL p90", "KL max", "top-1", "NLL", "KV read/step", "streaming"]
+    print(f"{'mode':<10}" + "".join(f"{h:>{w}}" for h, w in zip(header, (9, 9, 9, 8, 8, 14, 11))))
     for mode, r in result["modes"].items():
         if "skipped" in r:
             print(f"{mode:<10}  skipped: {r['skipped']}")

@@ -8,7 +8,8 @@ groups, seconds per sample) and writes bench/results/ruler_<model>_<length>.json
 Cost on a 2-core CPU: qwen2.5-coder-0.5b prefills ~300-600 tokens/s, so one 4K sample is ~10 s and the full
 13 tasks x 20 samples x 3 modes at 4K is ~2-3 hours; smoke-test with --samples 1 --tasks a few --lengths 1024.
 
-Usage: python bench/ruler.py --model qwen2.5-coder-0.5b --lengths 4096 --samples 20 --modes full fixed fluxion --tasks all
+Usage: python bench/ruler.py --model qwen2.5-coder-0.5b --lengths 4096 --samples 20 \
+           --modes full fixed fluxion --tasks all
 """
 from __future__ import annotations
 
@@ -28,10 +29,12 @@ from fluxion_lite.ruler import TASKS, PromptRenderer, Sample, chat_prompt, gener
 from fluxion_lite.sampling import SamplingParams
 
 
-def load_engine(model: str, mode: str, max_context: int, prefill_chunk: int) -> tuple[Engine | None, str]:
+def load_engine(
+    model: str, mode: str, max_context: int, prefill_chunk: int, device: str
+) -> tuple[Engine | None, str]:
     """(the engine for one mode, "") or (None, why) when this build or model does not offer the mode."""
     try:
-        engine = Engine(model, attention=mode, max_context=max_context, prefill_chunk=prefill_chunk,
+        engine = Engine(model, attention=mode, device=device, max_context=max_context, prefill_chunk=prefill_chunk,
                         prefix_cache_entries=0)
         return engine, ""
     except RequestError as exc:
@@ -95,6 +98,11 @@ def _mean(values: list[float]) -> float | None:
     return statistics.fmean(values) if values else None
 
 
+def _mean_counter(records: list[dict[str, Any]], key: str) -> float | None:
+    """Mean of a sparse counter over the records that have it (none for dense attention)."""
+    return _mean([r["sparse"][key] for r in records if key in r["sparse"]])
+
+
 def summarise(records: list[dict[str, Any]], tasks: list[str]) -> dict[str, Any]:
     per_task: dict[str, Any] = {}
     for task in tasks:
@@ -102,20 +110,16 @@ def summarise(records: list[dict[str, Any]], tasks: list[str]) -> dict[str, Any]
         per_task[task] = {
             "accuracy": _mean([r["score"] for r in rows]),
             "samples": len(rows),
-            "kv_read_fraction": _mean([r["sparse"]["kv_read_fraction"] for r in rows if "kv_read_fraction" in r["sparse"]]),
-            "streaming_fraction": _mean(
-                [r["sparse"]["streaming_fraction"] for r in rows if "streaming_fraction" in r["sparse"]]
-            ),
+            "kv_read_fraction": _mean_counter(rows, "kv_read_fraction"),
+            "streaming_fraction": _mean_counter(rows, "streaming_fraction"),
             "seconds_per_sample": _mean([r["seconds"] for r in rows]),
         }
     accs = [v["accuracy"] for v in per_task.values() if v["accuracy"] is not None]
     return {
         "mean_accuracy": _mean(accs),  # RULER's average: tasks weigh equally
         "samples": len(records),
-        "kv_read_fraction": _mean([r["sparse"]["kv_read_fraction"] for r in records if "kv_read_fraction" in r["sparse"]]),
-        "streaming_fraction": _mean(
-            [r["sparse"]["streaming_fraction"] for r in records if "streaming_fraction" in r["sparse"]]
-        ),
+        "kv_read_fraction": _mean_counter(records, "kv_read_fraction"),
+        "streaming_fraction": _mean_counter(records, "streaming_fraction"),
         "seconds_per_sample": _mean([r["seconds"] for r in records]),
         "tasks": per_task,
     }
@@ -154,6 +158,7 @@ def main() -> None:
     ap.add_argument("--tasks", nargs="+", default=["all"], help=f"'all' or some of: {' '.join(TASKS)}")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--prefill-chunk", type=int, default=512)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--plain", action="store_true", help="plain prompts even if the model has a chat template")
     ap.add_argument("--out-dir", default="bench/results")
     args = ap.parse_args()
@@ -173,7 +178,7 @@ def main() -> None:
     }
     samples: dict[int, list[Sample]] = {}
     for mode in args.modes:
-        engine, why = load_engine(args.model, mode, max(args.lengths), args.prefill_chunk)
+        engine, why = load_engine(args.model, mode, max(args.lengths), args.prefill_chunk, args.device)
         if engine is None:
             for length in args.lengths:
                 results[length]["modes"][mode] = {"skipped": why}
@@ -189,8 +194,8 @@ def main() -> None:
                 rec = run_sample(engine, sample)
                 records.append(rec)
                 print(
-                    f"[{mode} {length}] {k}/{len(samples[length])} {sample.task}#{sample.index} score {rec['score']:.2f} "
-                    f"{rec['seconds']:.1f} s  -> {rec['output'][:60]!r}",
+                    f"[{mode} {length}] {k}/{len(samples[length])} {sample.task}#{sample.index} "
+                    f"score {rec['score']:.2f} {rec['seconds']:.1f} s  -> {rec['output'][:60]!r}",
                     file=sys.stderr,
                 )
             results[length]["modes"][mode] = summarise(records, tasks) | {"records": records}

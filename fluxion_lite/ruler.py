@@ -119,12 +119,15 @@ def chat_prompt(apply_chat_template: Callable[[list[dict[str, str]]], str]) -> P
 
 
 def default_tolerance(budget: int) -> int:
-    """How far below the budget a prompt may end: one coarse filler unit (a uuid line is ~60 tokens) or 2%."""
-    return max(64, budget // 50)
+    """How far below the budget a prompt may end: the coarsest filler unit (a uuid key/value line is ~80 tokens in
+    SmolLM2's and Qwen2.5's tokenisers) or 2% of the budget, whichever is larger."""
+    return max(96, budget // 50)
 
 
 # ---- data ---------------------------------------------------------------------------------------------------------
-NOISE_SENTENCES = ("The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again.")
+NOISE_SENTENCES = (
+    "The grass is green.", "The sky is blue.", "The sun is yellow.", "Here we go.", "There and back again."
+)
 _SENTENCE_END = re.compile(r"[.!?][\"')\]]*$")
 
 
@@ -308,25 +311,26 @@ def _plan_niah(task: str, rng: random.Random, budget: int) -> _Plan:
     rng.shuffle(needle_texts)  # the asked needle is not always the first one
     several_values = task == "niah_multivalue"
 
-    if task in ("niah_single_1",):
+    max_units = budget  # every unit is at least one token
+    if task == "niah_single_1":
         units: Callable[[int], list[str]] = _noise_units
     elif task in ("niah_multikey_2", "niah_multikey_3"):
         # the haystack is made of needle-like lines for other keys: distractors drawn once for the largest haystack
-        cap = budget // 8
+        cap = max_units = budget // 8  # a needle line is well over 8 tokens
         if task == "niah_multikey_2":
             other_keys = [k for k in _word_keys(rng, cap + 4) if k not in keys][:cap]
-            lines = [_needle("number", k, v) for k, v in zip(other_keys, _numbers(rng, cap))]
+            other_values = [v for v in _numbers(rng, cap + 4) if v not in answers][:cap]
+            lines = [_needle("number", k, v) for k, v in zip(other_keys, other_values)]
         else:
             lines = [_needle("uuid", k, v) for k, v in zip(_uuids(rng, cap), _uuids(rng, cap))]
-        units = lambda n: lines[:n]  # noqa: E731
+        units = lambda n: lines[:n]  # noqa: E731 (one line per unit)
     else:
         units = _essay_units(rng)
 
     def build(n: int) -> tuple[str, str]:
         return _niah_prompt(value_kind, _insert_at_depths(units(n), needle_texts, depths), asked, several_values)
 
-    cap = budget // 8 if task in ("niah_multikey_2", "niah_multikey_3") else budget
-    return _Plan(build, answers, cap)
+    return _Plan(build, answers, max_units)
 
 
 # ---- variable tracking --------------------------------------------------------------------------------------------
@@ -424,7 +428,8 @@ def _plan_qa(task: str, rng: random.Random, budget: int, seed: int) -> _Plan:
     gold = set(item.gold)
     stream: list[str] = []
     words = 0
-    for para in list(item.own_distractors) + [paragraphs[i] for i in rng.sample(range(len(paragraphs)), len(paragraphs))]:
+    shuffled = [paragraphs[i] for i in rng.sample(range(len(paragraphs)), len(paragraphs))]
+    for para in list(item.own_distractors) + shuffled:
         if para in gold or para in stream:
             continue
         stream.append(para)
@@ -446,13 +451,16 @@ def _plan_qa(task: str, rng: random.Random, budget: int, seed: int) -> _Plan:
             docs.insert(order.randint(0, len(docs)), g)
         body = "\n\n".join(f"Document {i}:\n{d}" for i, d in enumerate(docs, 1))
         instruction = "Answer the question based on the given documents. Give only the answer, no other words."
-        user = f"{instruction}\n\nThe following are the given documents.\n\n{body}\n\n{instruction}\n\nQuestion: {item.question}"
+        user = (
+            f"{instruction}\n\nThe following are the given documents.\n\n{body}\n\n{instruction}\n\n"
+            f"Question: {item.question}"
+        )
         return user, "Answer:"
 
     return _Plan(build, item.answers, min(words, budget))
 
 
-# ---- fitting to a token length ----------------------------------------------------------------------------------------
+# ---- fitting to a token length --------------------------------------------------------------------------------------
 def _fit(plan: _Plan, budget: int, count: TokenCounter, render: PromptRenderer, task: str) -> tuple[str, int, int]:
     """The prompt with the most filler whose token count is <= budget: (prompt, tokens, filler units)."""
     cache: dict[int, tuple[int, str]] = {}
