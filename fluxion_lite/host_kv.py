@@ -76,7 +76,8 @@ class HostKVStore:
 
     def append(self, layer: int, slot: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Append a prefill chunk or decode token(s) of one sequence: k, v [T, Hkv, D]."""
-        self.append_batch(layer, [slot], k, v, counts=[k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else 0])
+        rows = k.shape[0] if isinstance(k, torch.Tensor) and k.dim() == 3 else 0  # bad shapes: append_batch says why
+        self.append_batch(layer, [slot], k, v, counts=[rows])
 
     def append_batch(self, layer: int, slots: Sequence[int], k: torch.Tensor, v: torch.Tensor,
                      counts: Sequence[int] | None = None) -> None:

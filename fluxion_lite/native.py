@@ -7,8 +7,8 @@ checked here and mistakes raise ValueError naming the argument; the C side valid
 Arrays may be numpy arrays or CPU torch tensors; nothing is copied (pointers go straight to C).
 
 Settings: set_threads(n) / env FLUXION_THREADS (default: physical cores), set_simd(path) / env FLUXION_SIMD
-(portable | avx2 | avx512 | auto), set_checks(on), set_stream_stores(on) / env FLUXION_STREAM_STORES (0 | 1).  Env FLUXION_NATIVE_SO loads another build of the extension
-(the AddressSanitizer build of native/asan_check.py).
+(portable | avx2 | avx512 | auto), set_checks(on), set_stream_stores(on) / env FLUXION_STREAM_STORES (0 | 1).
+Env FLUXION_NATIVE_SO loads another build of the extension (the AddressSanitizer build of native/asan_check.py).
 """
 from __future__ import annotations
 
@@ -429,7 +429,7 @@ def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
         max_blocks = int(((view.n_tokens[slots] + g - 1) // g).max())
     else:
         max_blocks = 1
-    ws = _workspace_for(int(lib.fx_topk_workspace_floats(max(1, max_blocks))))
+    ws = _workspace_for(int(lib.fx_topk_workspace_floats(len(t), max(1, max_blocks))))
     err = ffi.new("int64_t[1]")
     rc = lib.fx_group_topk(view.struct, _ptr(qa, "float *"), qa.shape[0], qa.shape[1], _ptr(t, "int32_t *"), len(t),
                            k_cap, _ptr(ids, "int32_t *"), _ptr(scores, "float *"), _ptr(counts, "int32_t *"),
@@ -511,5 +511,6 @@ def read_bandwidth_probe(buf: Any, repeats: int = 1) -> float:
 __all__ = [
     "TASK_FIELDS", "GRANULARITIES", "SIMD_PATHS", "KVView", "make_tasks", "append", "summaries_update",
     "group_topk", "sparse_attention", "gather", "read_bandwidth_probe", "set_threads", "get_threads",
-    "set_simd", "get_simd", "simd_supported", "set_checks", "set_stream_stores", "physical_cores", "page_bytes", "gran_mask",
+    "set_simd", "get_simd", "simd_supported", "set_checks", "set_stream_stores", "physical_cores", "page_bytes",
+    "gran_mask",
 ]

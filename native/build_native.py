@@ -45,7 +45,7 @@ int fx_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *row_sta
               int64_t n_items, const void *src_k, const void *src_v, int64_t n_rows, int64_t *err_index);
 int fx_summaries_update(const fx_kv_view *kv, const int32_t *slots, const int64_t *from_token, int64_t n_items,
                         int64_t *err_index);
-int64_t fx_topk_workspace_floats(int64_t max_blocks);
+int64_t fx_topk_workspace_floats(int64_t n_tasks, int64_t max_blocks);
 int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
                   int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
                   float *workspace, int64_t workspace_floats, int64_t *err_index);

@@ -324,8 +324,11 @@ typedef struct {
     int32_t *ids;
     float *scores;
     int32_t *counts;
-    float *ws;            /* per participant: max_blocks scores then max_blocks ids */
+    float *ws;            /* see fx_topk_workspace_floats */
     int64_t max_blocks;
+    int32_t *nb;          /* blocks to score per task */
+    _Atomic int32_t *done;
+    int32_t cb;           /* blocks per work item */
     _Atomic int64_t next;
     const fx_kernels *kern;
 } topk_job;
@@ -394,26 +397,15 @@ static void sort_by_id(float *s, int32_t *id, int64_t n) {
     }
 }
 
-static void topk_task(topk_job *J, int64_t ti, int tid) {
-    const fx_kv_view *kv = J->kv;
+/* Work items are (task, chunk of blocks) so a few long sequences still use every thread.  Each item writes the
+ * scores of its blocks at their block index in the task's workspace row; whoever finishes a task's last chunk
+ * drops the excluded blocks, selects the k best and sorts them by id. */
+static void topk_select(topk_job *J, int64_t ti) {
     const int32_t *t = J->tasks + ti * FX_TASK_FIELDS;
-    int slot = t[0], h = t[2], g = t[3], k = t[4];
-    int D = kv->head_dim, r = J->n_q_heads / kv->n_kv_heads, gi = gran_index(g);
-    int64_t P = kv->page_tokens, n_tok = kv->n_tokens[slot], nb = (n_tok + g - 1) / g;
-    float *all_s = J->ws + (int64_t)tid * 2 * J->max_blocks;
-    int32_t *all_id = (int32_t *)(all_s + J->max_blocks);
-
-    /* The group's bound collapses to two vectors: sum_j max(q_j,0) and sum_j min(q_j,0). */
-    float qpos[FX_MAX_DIM], qneg[FX_MAX_DIM];
-    const float *q = J->q + ((int64_t)t[1] * J->n_q_heads + (int64_t)h * r) * D;
-    for (int e = 0; e < D; e++) qpos[e] = qneg[e] = 0.0f;
-    for (int j = 0; j < r; j++)
-        for (int e = 0; e < D; e++) {
-            float v = q[(int64_t)j * D + e];
-            if (v > 0) qpos[e] += v; else qneg[e] += v;
-        }
-
-    /* excluded block ranges */
+    int g = t[3], k = t[4];
+    int64_t n_tok = J->kv->n_tokens[t[0]], nb = J->nb[ti];
+    float *all_s = J->ws + ti * J->max_blocks;
+    int32_t *all_id = (int32_t *)(J->ws + J->n_tasks * J->max_blocks) + ti * J->max_blocks;
     int64_t ex_lo[2], ex_hi[2];
     for (int x = 0; x < 2; x++) {
         int64_t lo = t[5 + 2 * x], hi = t[6 + 2 * x];
@@ -423,21 +415,12 @@ static void topk_task(topk_job *J, int64_t ti, int tid) {
         ex_lo[x] = lo / g;
         ex_hi[x] = (hi - 1) / g + 1;
     }
-
-    /* score every eligible block; a run of blocks inside one page is contiguous in S_g */
-    int64_t n = 0, per_page = P / g;
-    for (int64_t b0 = 0, run = 0; b0 < nb && k > 0; b0 += run) {
-        run = per_page - b0 % per_page;
-        if (run > nb - b0) run = nb - b0;
-        int64_t n_start = n;
-        J->kern->bound(qpos, qneg, summary(kv, slot, h, gi, b0), (int)run, D, all_s + n_start);
-        for (int64_t i = 0; i < run; i++) {
-            int64_t b = b0 + i;
-            if ((b >= ex_lo[0] && b < ex_hi[0]) || (b >= ex_lo[1] && b < ex_hi[1])) continue;
-            all_s[n] = all_s[n_start + i]; /* compact in place (n <= n_start + i) */
-            all_id[n] = (int32_t)b;
-            n++;
-        }
+    int64_t n = 0;
+    for (int64_t b = 0; b < nb; b++) {
+        if ((b >= ex_lo[0] && b < ex_hi[0]) || (b >= ex_lo[1] && b < ex_hi[1])) continue;
+        all_s[n] = all_s[b]; /* compact in place (n <= b) */
+        all_id[n] = (int32_t)b;
+        n++;
     }
     if (n > k) {
         select_best(all_s, all_id, n, k);
@@ -451,17 +434,47 @@ static void topk_task(topk_job *J, int64_t ti, int tid) {
     J->counts[ti] = (int32_t)n;
 }
 
-static void topk_worker(void *ctx, int tid, int nthreads) {
-    (void)nthreads;
-    topk_job *J = ctx;
-    for (;;) {
-        int64_t i = atomic_fetch_add(&J->next, 1);
-        if (i >= J->n_tasks) return;
-        topk_task(J, i, tid);
+static void topk_score_chunk(topk_job *J, int64_t ti, int64_t b0, int64_t b1) {
+    const fx_kv_view *kv = J->kv;
+    const int32_t *t = J->tasks + ti * FX_TASK_FIELDS;
+    int slot = t[0], h = t[2], g = t[3];
+    int D = kv->head_dim, r = J->n_q_heads / kv->n_kv_heads, gi = gran_index(g);
+    int64_t per_page = kv->page_tokens / g;
+    float *all_s = J->ws + ti * J->max_blocks;
+
+    /* The group's bound collapses to two vectors: sum_j max(q_j,0) and sum_j min(q_j,0). */
+    float qpos[FX_MAX_DIM], qneg[FX_MAX_DIM];
+    const float *q = J->q + ((int64_t)t[1] * J->n_q_heads + (int64_t)h * r) * D;
+    for (int e = 0; e < D; e++) qpos[e] = qneg[e] = 0.0f;
+    for (int j = 0; j < r; j++)
+        for (int e = 0; e < D; e++) {
+            float v = q[(int64_t)j * D + e];
+            if (v > 0) qpos[e] += v; else qneg[e] += v;
+        }
+    /* a run of blocks inside one page is contiguous in S_g */
+    for (int64_t b = b0, run = 0; b < b1; b += run) {
+        run = per_page - b % per_page;
+        if (run > b1 - b) run = b1 - b;
+        J->kern->bound(qpos, qneg, summary(kv, slot, h, gi, b), (int)run, D, all_s + b);
     }
 }
 
-int64_t fx_topk_workspace_floats(int64_t max_blocks) { return 2 * max_blocks * (int64_t)fx_pool_threads(); }
+static void topk_worker(void *ctx, int tid, int nthreads) {
+    (void)tid;
+    (void)nthreads;
+    topk_job *J = ctx;
+    cursor c = {0, 0, 0};
+    for (;;) {
+        int64_t item = atomic_fetch_add(&J->next, 1);
+        if (!cursor_seek(&c, item, J->nb, J->n_tasks, J->cb)) return;
+        int64_t b0 = c.chunk * J->cb, b1 = b0 + J->cb < J->nb[c.task] ? b0 + J->cb : J->nb[c.task];
+        topk_score_chunk(J, c.task, b0, b1);
+        if (atomic_fetch_add(&J->done[c.task], 1) == chunks_of(J->nb[c.task], J->cb) - 1) topk_select(J, c.task);
+    }
+}
+
+/* scores [n_tasks][max_blocks], ids [n_tasks][max_blocks], blocks per task [n_tasks], counters [n_tasks] */
+int64_t fx_topk_workspace_floats(int64_t n_tasks, int64_t max_blocks) { return n_tasks * (2 * max_blocks + 2); }
 
 int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
                   int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
@@ -471,7 +484,7 @@ int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t 
     if (!rc) rc = check_group(kv, n_q_heads);
     if (rc) return rc;
     if (k_cap < 0) return FX_E_K;
-    int64_t max_blocks = 1;
+    int64_t max_blocks = 1, total = 0;
     for (int64_t i = 0; i < n_tasks; i++) {
         const int32_t *t = tasks + i * FX_TASK_FIELDS;
         *err_index = i;
@@ -480,11 +493,22 @@ int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t 
         if (t[4] < 0 || t[4] > k_cap) return FX_E_K;
         int64_t nb = (kv->n_tokens[t[0]] + t[3] - 1) / t[3];
         max_blocks = nb > max_blocks ? nb : max_blocks;
+        total += nb;
     }
     *err_index = -1;
-    if (fx_topk_workspace_floats(max_blocks) > workspace_floats) return FX_E_OUTPUT;
-    topk_job J = {kv, q, n_q_heads, k_cap, tasks, n_tasks, out_ids, out_scores, out_counts, workspace, max_blocks, 0,
-                  kern()};
+    if (fx_topk_workspace_floats(n_tasks, max_blocks) > workspace_floats) return FX_E_OUTPUT;
+    int32_t *nb = (int32_t *)(workspace + 2 * n_tasks * max_blocks);
+    _Atomic int32_t *done = (_Atomic int32_t *)(nb + n_tasks);
+    for (int64_t i = 0; i < n_tasks; i++) {
+        const int32_t *t = tasks + i * FX_TASK_FIELDS;
+        nb[i] = t[4] > 0 ? (int32_t)((kv->n_tokens[t[0]] + t[3] - 1) / t[3]) : 0; /* k = 0: nothing to score */
+        atomic_init(&done[i], 0);
+        if (nb[i] == 0) out_counts[i] = 0;
+    }
+    int64_t target = 4 * (int64_t)fx_pool_threads(), cb = (total + target - 1) / target;
+    if (cb < 64) cb = 64;
+    topk_job J = {kv, q, n_q_heads, k_cap, tasks, n_tasks, out_ids, out_scores, out_counts, workspace, max_blocks,
+                  nb, done, (int32_t)cb, 0, kern()};
     fx_pool_run(topk_worker, &J);
     return FX_OK;
 }

@@ -109,8 +109,8 @@ int fx_summaries_update(const fx_kv_view *kv, const int32_t *slots, const int64_
  * score(block) = sum over the group's query heads j and dims d of max(q_jd*min_d, q_jd*max_d).
  * Returns the k best eligible blocks per task (all of them when fewer): ids ascending by block id, scores
  * alongside, counts[i] how many.  Ties: the lower block id wins.  out_ids/out_scores: [n_tasks][k_cap].
- * workspace: >= fx_topk_workspace_floats(largest n_blocks among the tasks) floats (scores of every block). */
-int64_t fx_topk_workspace_floats(int64_t max_blocks);
+ * workspace: >= fx_topk_workspace_floats(n_tasks, largest n_blocks among the tasks) floats. */
+int64_t fx_topk_workspace_floats(int64_t n_tasks, int64_t max_blocks);
 int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
                   int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
                   float *workspace, int64_t workspace_floats, int64_t *err_index);

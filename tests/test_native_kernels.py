@@ -145,7 +145,8 @@ def test_kernels_match_float64_reference(case: Case, settings: None) -> None:
 
 @pytest.mark.parametrize("simd", PATHS)
 def test_random_selection_with_partial_block_in_the_middle(simd: str, settings: None) -> None:
-    """Selections in arbitrary order, partial last block not last, many blocks per task (split into chunks)."""
+    """Selections in arbitrary order, partial last block not last, many blocks per task (split into chunks);
+    top-k over a task long enough to be split into several work items."""
     native.set_simd(simd)
     native.set_threads(N_THREADS)
     rng = np.random.default_rng(7)
@@ -155,6 +156,7 @@ def test_random_selection_with_partial_block_in_the_middle(simd: str, settings: 
     k = torch.from_numpy(rng.standard_normal((n, 1, 128), dtype=np.float32)).half()
     v = torch.from_numpy(rng.standard_normal((n, 1, 128), dtype=np.float32)).half()
     store.append(0, slot, k, v)
+    keys64 = k.float().numpy()[:, 0].astype(np.float64)
     g, nb = 16, -(-n // 16)
     sel = rng.permutation(nb)[:200].astype(np.int32)
     sel[50] = nb - 1  # the partial block, mid-list
@@ -165,6 +167,21 @@ def test_random_selection_with_partial_block_in_the_middle(simd: str, settings: 
     want_out, want_lse = ref.attention(q[0], k.float().numpy()[tok, 0], v.float().numpy()[tok, 0], 0.09)
     np.testing.assert_allclose(out[0], want_out, rtol=1e-4, atol=2e-5)
     np.testing.assert_allclose(lse[0], want_lse, rtol=1e-5, atol=1e-4)
+    # top-k over 321 blocks: several work items per task (split scoring, one selection)
+    for k_sel in (1, 37, nb):
+        exclude = [(0, 64), (n - 100, n)]
+        ids, scores, counts = native.group_topk(store.view(0), q,
+                                                native.make_tasks(slot, 0, 0, g, k_sel, exclude=exclude))
+        mins, maxs = ref.block_summaries(keys64, g)
+        want = ref.block_scores(q[0], mins, maxs)
+        eligible = ref.eligible_blocks(n, g, exclude)
+        chosen = ids[0, :counts[0]]
+        assert counts[0] == min(k_sel, len(eligible))
+        assert np.all(np.diff(chosen) > 0) and np.isin(chosen, eligible).all()
+        rest = np.setdiff1d(eligible, chosen)
+        if len(rest):
+            assert want[chosen].min() >= want[rest].max() - 1e-4 * np.abs(want).max()
+        np.testing.assert_allclose(scores[0, :counts[0]], want[chosen], rtol=1e-4, atol=1e-3)
     k_out = torch.empty(len(tok) + 3, 128, dtype=torch.float16)
     v_out = torch.empty_like(k_out)
     offs, toks = native.gather(store.view(0), tasks, sel[None], np.array([200], np.int32), k_out, v_out,
