@@ -8,6 +8,7 @@ Ctrl-C exits 130 without a traceback. torch and the engine are imported only by 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -26,7 +27,6 @@ EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
-ATTENTION_MODES = ("full",)  # extend as attention backends land
 EXIT_COMMANDS = ("/exit", "/quit", "/bye")
 
 
@@ -36,7 +36,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs (default: cpu)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
-    parser.add_argument("--attention", choices=ATTENTION_MODES, default="full", help="attention mode (default: full)")
+    # No argparse choices: the engine owns the list of modes and rejects unknown ones before loading weights.
+    parser.add_argument("--attention", default="full", help="attention mode (default: full)")
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
 
 
@@ -89,6 +90,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key", default=os.environ.get("FLUXION_API_KEY"), help="require this bearer token (env FLUXION_API_KEY)"
     )
+    serve.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (default: 16)")
+    serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (default: 64)")
+    serve.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill step")
+    serve.add_argument("--default-max-tokens", type=int, default=None, help="max_tokens when a request omits it")
+    serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(handler=cmd_serve)
     return parser
 
@@ -273,7 +279,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:
         raise FluxionError(f"--port {args.port}: must be in 1..65535")
     try:
-        from fluxion_lite.server import app
+        app = importlib.import_module("fluxion_lite.server.app")
     except ModuleNotFoundError as exc:
         if exc.name in ("fluxion_lite.server.app", "fluxion_lite.server"):
             raise FluxionError("the HTTP server is not available in this install (fluxion_lite.server.app)") from exc
@@ -285,6 +291,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not hasattr(app, "serve"):
         raise FluxionError("fluxion_lite.server.app has no serve(args) function")
     _check_device(args.device)
+    for flag in ("max_batch", "max_queue", "prefill_chunk", "default_max_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise FluxionError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
+    # The server loads the model in the background; resolve (and pull, with progress) now so a bad name fails here.
+    args.model = args.model or default_model_name()
+    resolve_model(args.model)
     result = app.serve(args)
     return int(result) if isinstance(result, int) else 0
 
