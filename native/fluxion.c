@@ -169,11 +169,13 @@ static int cursor_seek(cursor *c, int64_t target, const int32_t *counts, int64_t
     return 0;
 }
 
-/* Blocks per work item: enough items to keep every participant busy (about 4 each), at least 4 blocks each. */
+/* Blocks per work item: about FX_ITEMS_PER_THREAD items per participant, at least 4 blocks each.  Dynamic claiming
+ * balances the load to within one item, so smaller items shorten the tail where some threads already idle. */
+#define FX_ITEMS_PER_THREAD 8
 static int32_t chunk_blocks(const int32_t *counts, int64_t n_tasks) {
     int64_t total = 0;
     for (int64_t i = 0; i < n_tasks; i++) total += counts[i];
-    int64_t target = 4 * (int64_t)fx_pool_threads();
+    int64_t target = FX_ITEMS_PER_THREAD * (int64_t)fx_pool_threads();
     int64_t cb = (total + target - 1) / target;
     if (cb < 4) cb = 4;
     if (cb > (1 << 30)) cb = 1 << 30;
@@ -505,8 +507,8 @@ int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t 
         atomic_init(&done[i], 0);
         if (nb[i] == 0) out_counts[i] = 0;
     }
-    int64_t target = 4 * (int64_t)fx_pool_threads(), cb = (total + target - 1) / target;
-    if (cb < 64) cb = 64;
+    int64_t target = FX_ITEMS_PER_THREAD * (int64_t)fx_pool_threads(), cb = (total + target - 1) / target;
+    if (cb < 32) cb = 32;
     topk_job J = {kv, q, n_q_heads, k_cap, tasks, n_tasks, out_ids, out_scores, out_counts, workspace, max_blocks,
                   nb, done, (int32_t)cb, 0, kern()};
     fx_pool_run(topk_worker, &J);
@@ -518,7 +520,7 @@ int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t 
 /* Per work item the workspace holds acc [r][D] (normalised output of that chunk) then lse [r]; after all items,
  * one int32 completion counter per task. */
 int64_t fx_attention_workspace_floats(int64_t n_tasks, int32_t group, int32_t head_dim) {
-    int64_t items = n_tasks + 4 * (int64_t)fx_pool_threads();
+    int64_t items = n_tasks + FX_ITEMS_PER_THREAD * (int64_t)fx_pool_threads(); /* bound from chunk_blocks */
     return items * (int64_t)group * (head_dim + 1) + n_tasks; /* + per-task completion counters */
 }
 
