@@ -133,3 +133,16 @@ def test_store_growth_release_and_batched_decode() -> None:
     assert store.bytes_used == store.page_bytes * 1
     assert store.n_tokens(1, a) == 0 and int(store.view(1).pages[a, 0]) == 0
     assert store.allocate() == a  # reusable
+
+
+def test_batched_prefill_chunks_update_summaries() -> None:
+    """append_batch with per-slot counts: rows land in the right slots and summaries match the stored keys."""
+    store = HostKVStore(1, 1, 32, dtype=torch.bfloat16, max_seqs=2, page_tokens=128, granularities=(16,))
+    a, b = store.allocate(), store.allocate()
+    k = torch.randn(40 + 150, 1, 32).bfloat16()
+    store.append_batch(0, [a, b], k, k, counts=[40, 150])
+    assert torch.equal(store.read(0, a)[0], k[:40]) and torch.equal(store.read(0, b)[0], k[40:])
+    mins, maxs = ref.block_summaries(k[40:, 0].float().numpy().astype(np.float64), 16)
+    got = store.summaries(0, b, 16).numpy()
+    np.testing.assert_array_equal(got[0, :, 0], mins)
+    np.testing.assert_array_equal(got[0, :, 1], maxs)
