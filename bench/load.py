@@ -183,13 +183,16 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: str, max_batch: int, api_key: str) -> tuple[subprocess.Popen[str], str]:
+def start_server(model: str, max_batch: int, api_key: str, threads: int | None) -> tuple[subprocess.Popen[str], str]:
     port = _free_port()
+    env = dict(os.environ)
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)  # torch's intra-op pool size in the server process
     log = open(RESULTS / "load_server.log.tmp", "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "fluxion_lite.cli", "serve", "--model", model, "--port", str(port), "--max-batch",
          str(max_batch), "--max-queue", "128", "--api-key", api_key, "--log-level", "warning"],
-        stdout=log, stderr=subprocess.STDOUT, text=True)
+        stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:
@@ -222,6 +225,7 @@ async def main_async(args: argparse.Namespace, url: str, headers: dict[str, str]
     speedup = phases[1].aggregate_tokens_per_s / phases[0].aggregate_tokens_per_s
     return {
         "model": args.model, "max_tokens": args.max_tokens, "max_batch": args.max_batch, "props": props,
+        "server_threads": args.server_threads or "torch default", "load_average_at_end": os.getloadavg(),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version()},
         "phases": [asdict(p) for p in phases],
         "batching_speedup_8_vs_1": speedup,
@@ -260,6 +264,9 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=4, help="requests per client in the main phase")
     parser.add_argument("--baseline-requests", type=int, default=3, help="requests per client, 1- and 8-client phases")
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--server-threads", type=int, default=1,
+                        help="torch threads in the server (0 = torch's default). On 2 shared cores, 1 avoids OpenMP "
+                             "stalls: the server's event loop and these clients need CPU too")
     parser.add_argument("--phase-timeout", type=float, default=300.0, help="seconds; a phase past this fails")
     parser.add_argument("--out", default=str(RESULTS / "load.json"))
     args = parser.parse_args()
@@ -268,7 +275,7 @@ def main() -> int:
     proc = None
     url = args.url
     if url is None:
-        proc, url = start_server(args.model, args.max_batch, args.api_key)
+        proc, url = start_server(args.model, args.max_batch, args.api_key, args.server_threads or None)
     headers = {"Authorization": f"Bearer {args.api_key}"}
     try:
         report = asyncio.run(main_async(args, url, headers))

@@ -513,6 +513,14 @@ def build_engine_loader(args: Any) -> Callable[[], Any]:
     def load() -> Any:
         from fluxion_lite.engine import Engine
 
+        threads = getattr(args, "threads", None)
+        if threads:
+            # torch's intra-op pool is process-wide. On a small, shared CPU fewer threads than cores can be much
+            # faster: OpenMP barriers stall whenever one of its threads is descheduled.
+            import torch
+
+            torch.set_num_threads(int(threads))
+
         kwargs: dict[str, Any] = {
             "device": getattr(args, "device", None) or "cpu",
             "dtype": getattr(args, "dtype", None) or "float32",
@@ -574,6 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--max-context", type=int, default=None)
     parser.add_argument("--prefill-chunk", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's)")
     parser.add_argument("--default-max-tokens", type=int, default=None)
     parser.add_argument("--log-level", default="info")
     return serve(parser.parse_args(argv))
