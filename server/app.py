@@ -256,16 +256,32 @@ class ChatServer:
             e2e_s=now - gen.t_arrival)
 
     async def _collect(self, request: Request, gen: _Generation) -> None:
-        """Non-streaming: run to completion, aborting if the client disconnects meanwhile."""
-        while True:
-            out = await gen.stream.next(timeout=0.25)
-            if out is None:
-                if await request.is_disconnected():
-                    return  # _finish aborts it
-                continue
-            gen.absorb(out)
-            if out.finished:
-                return
+        """Non-streaming: run to completion, returning early (so _finish aborts it) if the client disconnects.
+
+        The watcher must really await receive(): uvicorn stops reading the socket once the body is in and only
+        resumes inside receive(), so a non-blocking is_disconnected() poll never sees the client leave.
+        """
+
+        async def run() -> None:
+            while True:
+                out = await gen.stream.next()
+                gen.absorb(out)
+                if out.finished:
+                    return
+
+        async def client_gone() -> None:
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+
+        tasks = [asyncio.ensure_future(run()), asyncio.ensure_future(client_gone())]
+        try:
+            done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks[0] in done:
+            tasks[0].result()  # re-raise an engine failure
 
     def _streaming(self, gen: _Generation, first: dict[str, Any] | None,
                    chunk: Callable[[str | None, str | None], dict[str, Any]],

@@ -339,7 +339,8 @@ def live_server(engine: Any) -> Iterator[Any]:
     def start(**kw: Any) -> tuple[str, AsyncEngine]:
         app, bridge = make_app(engine, **kw)
         port = _free_port()
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
+                                               timeout_graceful_shutdown=5))
         thread = threading.Thread(target=server.run, daemon=True)
         thread.start()
         servers.append((server, thread))
@@ -390,6 +391,17 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(live_server: Any, engine: Any
     with httpx.Client(timeout=30) as http:
         metrics = http.get(f"{base}/metrics").text
     assert "fluxion_requests_aborted_total 1" in metrics
+
+
+def test_disconnect_during_non_stream_request_aborts_it(live_server: Any, engine: Any) -> None:
+    base, bridge = live_server()
+    aborts_before = bridge.stats()["aborts_done"]
+    body = {"prompt": "Write a very long story about dragons.", "max_tokens": 2000, "ignore_eos": True}
+    with httpx.Client(timeout=httpx.Timeout(30, read=1.5)) as http:
+        with pytest.raises(httpx.ReadTimeout):
+            http.post(f"{base}/v1/completions", json=body)  # gives up after 1.5 s and closes the connection
+    assert _wait_for(lambda: bridge.stats()["aborts_done"] == aborts_before + 1, 10), bridge.stats()
+    assert bridge.stats()["running"] == 0 and bridge.in_flight == 0 and not engine.has_unfinished()
 
 
 def test_full_queue_answers_503_with_retry_after(live_server: Any) -> None:
