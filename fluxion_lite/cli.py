@@ -39,6 +39,8 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     # No argparse choices: the engine owns the list of modes and rejects unknown ones before loading weights.
     parser.add_argument("--attention", default="full", help="attention mode (default: full)")
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
+    parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
+    parser.add_argument("--explain", action="store_true", help="print the sparse-attention plan after loading")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -96,6 +98,21 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--default-max-tokens", type=int, default=None, help="max_tokens when a request omits it")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     serve.set_defaults(handler=cmd_serve)
+
+    calibrate = commands.add_parser(
+        "calibrate", help="measure per-group sparse-attention error and write the model's fluxion plan"
+    )
+    calibrate.add_argument("model", help="catalog name or .gguf path")
+    calibrate.add_argument("--samples", type=int, default=3, help="calibration prompts (default: 3)")
+    calibrate.add_argument("--context", type=int, default=4096, help="tokens per prompt (default: 4096)")
+    calibrate.add_argument("--positions", type=int, default=32, help="query positions measured per prompt (default: 32)")
+    calibrate.add_argument("--sink", type=int, default=16)
+    calibrate.add_argument("--window", type=int, default=64)
+    calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.add_argument("--epsilon", type=float, default=None, help="error bound of the selector (default: policy's)")
+    calibrate.add_argument("--from-labels", action="store_true", help="reuse the saved labels; only re-select the plan")
+    calibrate.add_argument("--out-dir", default=None, help="where labels and plan go (default: the package's models/)")
+    calibrate.set_defaults(handler=cmd_calibrate)
     return parser
 
 
@@ -137,7 +154,16 @@ def _load_llm(args: argparse.Namespace) -> LLM:
         raise FluxionError(f"--max-context {args.max_context}: must be >= 1")
     _check_device(args.device)
     model = args.model or default_model_name()
-    return LLM(model, device=args.device, dtype=args.dtype, attention=args.attention, max_context=args.max_context)
+    if args.threads is not None:
+        if args.threads < 1:
+            raise FluxionError(f"--threads {args.threads}: must be >= 1")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    llm = LLM(model, device=args.device, dtype=args.dtype, attention=args.attention, max_context=args.max_context)
+    if args.explain:
+        print(llm.engine.explain(), file=sys.stderr)
+    return llm
 
 
 def _write_stream(pieces: Iterable[str]) -> str:
@@ -300,6 +326,40 @@ def cmd_serve(args: argparse.Namespace) -> int:
     resolve_model(args.model)
     result = app.serve(args)
     return int(result) if isinstance(result, int) else 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from importlib.resources import files
+    from pathlib import Path
+
+    from fluxion_lite.calibration import run_calibration
+    from fluxion_lite.policy import DEFAULT_EPSILON, load_labels, save_labels, select_plan
+
+    for name in ("samples", "context", "positions"):
+        if getattr(args, name) < 1:
+            raise FluxionError(f"--{name} {getattr(args, name)}: must be >= 1")
+    if args.positions >= args.context:
+        raise FluxionError(f"--positions {args.positions} must be smaller than --context {args.context}")
+    out_dir = Path(args.out_dir) if args.out_dir else Path(str(files("fluxion_lite.models")))
+    name = Path(args.model).stem if args.model.endswith(".gguf") else args.model
+    labels_path, plan_path = out_dir / f"{name}.calib.json", out_dir / f"{name}.plan.json"
+    if args.from_labels:
+        if not labels_path.is_file():
+            raise FluxionError(f"{labels_path}: no saved labels; run calibrate without --from-labels first")
+        labels, meta = load_labels(labels_path)
+    else:
+        labels, meta = run_calibration(args.model, samples=args.samples, context=args.context, positions=args.positions,
+                                       sink=args.sink, window=args.window, seed=args.seed)
+        save_labels(labels_path, labels, meta)
+        print(f"wrote {labels_path}")
+    epsilon = DEFAULT_EPSILON if args.epsilon is None else args.epsilon
+    plan = select_plan(labels, int(meta["n_layers"]), int(meta["n_groups"]), epsilon, int(meta["context"]),
+                       int(meta["sink"]), int(meta["window"]), int(meta["head_dim"]),
+                       source=f"calibrated on {meta['samples']} x {meta['context']} tokens, epsilon={epsilon:g}")
+    plan.save(plan_path)
+    print(plan.explain())
+    print(f"wrote {plan_path}")
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,13 +19,17 @@ from pathlib import Path
 import torch
 
 from .attention import AttentionBackend, DenseAttention, SeqChunk
+from .config import ModelConfig
 from .errors import CapacityError, RequestError
 from .gguf_loader import load_gguf
 from .model import Transformer
 from .sampling import SamplingParams, sample_token
+from .sparse_attention import SparseAttention
+from .sparse_plan import SparsePlan
 from .tokenizer import IncrementalDecoder, Tokenizer
 
-ATTENTION_MODES = ("full",)
+ATTENTION_MODES = ("full", "fixed", "fluxion")
+FIXED_SINK, FIXED_WINDOW = 16, 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -109,9 +113,11 @@ class Engine:
         self.context_length = min(max_context or self.config.context_length, self.config.context_length)
         self.attention_mode = attention
         cfg = self.config
-        self.attn: AttentionBackend = DenseAttention(
-            cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, DTYPES[dtype], torch.device(device)
+        self.attn: AttentionBackend = make_attention(
+            attention, cfg, DTYPES[dtype], torch.device(device), max_seqs=max_batch + 4, model_name=self.model_name
         )
+        if not isinstance(self.attn, DenseAttention):
+            prefix_cache_entries = 0  # the host store cannot truncate a sequence yet, so no prefix reuse
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(torch.tensor([], dtype=DTYPES[dtype]).element_size())
         self.kv_budget_bytes = kv_budget_bytes
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
@@ -185,6 +191,12 @@ class Engine:
             self.attn.free(seq.slot)  # an aborted request's KV is not worth keeping: free it at once
             seq.slot = -1
         self._pending_outputs.append(self._output(seq, [], "", "abort"))
+
+    def explain(self) -> str:
+        """The attention plan in words (per layer: streaming vs retrieval groups, g and budget)."""
+        if isinstance(self.attn, SparseAttention):
+            return self.attn.plan.explain()
+        return f"attention {self.attention_mode}: dense over all {self.context_length} positions"
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._pending_outputs)
@@ -312,6 +324,37 @@ class Engine:
             completion_tokens=len(seq.output_ids),
             cached_tokens=seq.cached_tokens,
         )
+
+
+def make_attention(
+    mode: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_seqs: int, model_name: str,
+    plan: SparsePlan | None = None,
+) -> AttentionBackend:
+    """The attention backend for a mode: `full` dense on the device; `fixed` and `fluxion` sparse over host KV."""
+    if mode == "full":
+        return DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype, device)
+    if plan is None:
+        plan = fixed_plan(cfg) if mode == "fixed" else load_fluxion_plan(model_name, cfg)
+    return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs)
+
+
+def fixed_plan(cfg: ModelConfig) -> SparsePlan:
+    """The paper's strongest hybrid baseline: every group retrieves, g = 16, 5% of the context, plus sink and window."""
+    return SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.05, sink=FIXED_SINK, window=FIXED_WINDOW)
+
+
+def load_fluxion_plan(model_name: str, cfg: ModelConfig) -> SparsePlan:
+    from importlib.resources import files
+
+    path = Path(str(files("fluxion_lite.models"))) / f"{model_name}.plan.json"
+    if not path.is_file():
+        raise RequestError(
+            f"attention='fluxion' needs a calibrated plan for {model_name!r} ({path.name} in models/); "
+            f"run `fluxion-lite calibrate {model_name}` or use attention='fixed'"
+        )
+    plan = SparsePlan.load(path)
+    plan.validate(cfg.n_layers, cfg.n_kv_heads)
+    return plan
 
 
 def _resolve(model: str) -> Path:

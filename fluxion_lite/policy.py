@@ -1,0 +1,79 @@
+"""Selector: per KV group, the cheapest configuration whose calibrated effective error stays under epsilon.
+
+Cost is bytes touched per decode step for one group: K+V (bf16) of the sink, the window and the selected blocks, plus the
+block summaries (fp32 min and max per dimension) that top-k scans. Small blocks select precisely but scan more
+summaries; large blocks scan little but read more KV: the selector trades the two per group.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from .calibration import Config, all_configs, budget_tokens
+from .sparse_plan import GroupPlan, SparsePlan
+
+Labels = dict[tuple[int, int, str], tuple[float, float]]
+DEFAULT_EPSILON = 0.02
+
+
+def bytes_per_step(cfg: Config, n: int, sink: int, window: int, head_dim: int) -> float:
+    kv_per_token = 2 * head_dim * 2  # K and V in bf16
+    near = min(n, sink + window)
+    if cfg.streaming:
+        return near * kv_per_token
+    summaries = (n / cfg.g) * 2 * head_dim * 4
+    return (near + budget_tokens(cfg.budget, n, cfg.g)) * kv_per_token + summaries
+
+
+def select_plan(labels: Labels, n_layers: int, n_groups: int, epsilon: float, n_ref: int, sink: int, window: int,
+                head_dim: int, source: str = "") -> SparsePlan:
+    """Cheapest feasible configuration per group; where none meets epsilon, the lowest-error one."""
+    configs = all_configs()
+    groups: list[list[GroupPlan]] = []
+    for layer in range(n_layers):
+        row = []
+        for h in range(n_groups):
+            scored = [(labels[(layer, h, c.key)][0], bytes_per_step(c, n_ref, sink, window, head_dim), c) for c in configs]
+            feasible = [s for s in scored if s[0] <= epsilon]
+            # ties in bytes go to the lower error, then to the configuration listed first (deterministic)
+            err, _, best = min(feasible, key=lambda s: (s[1], s[0])) if feasible else min(scored, key=lambda s: (s[0], s[1]))
+            row.append(GroupPlan(best.streaming, best.g if not best.streaming else 16, best.budget))
+        groups.append(row)
+    return SparsePlan(sink, window, groups, source=source or f"calibrated epsilon={epsilon}")
+
+
+def plan_bytes_fraction(plan: SparsePlan, n: int, head_dim: int) -> tuple[float, float]:
+    """(KV read fraction, bytes-touched fraction incl. summaries) of a plan at context n, averaged over groups."""
+    full = n * 2 * head_dim * 2
+    kv, touched = 0.0, 0.0
+    flat = [gp for row in plan.groups for gp in row]
+    for gp in flat:
+        c = Config(gp.streaming, gp.g, gp.budget)
+        b = bytes_per_step(c, n, plan.sink, plan.window, head_dim)
+        meta = 0.0 if gp.streaming else (n / gp.g) * 2 * head_dim * 4
+        kv += (b - meta) / full
+        touched += b / full
+    return kv / len(flat), touched / len(flat)
+
+
+def save_labels(path: Path, labels: Labels, meta: dict[str, object]) -> None:
+    rows = [{"layer": k[0], "group": k[1], "config": k[2], "error": v[0], "read_fraction": v[1]} for k, v in labels.items()]
+    path.write_text(json.dumps({"meta": meta, "labels": rows}))
+
+
+def load_labels(path: Path) -> tuple[Labels, dict[str, object]]:
+    data = json.loads(Path(path).read_text())
+    labels = {(r["layer"], r["group"], r["config"]): (r["error"], r["read_fraction"]) for r in data["labels"]}
+    return labels, data["meta"]
+
+
+def progress(i: int, n: int, t0: float, what: str) -> None:
+    done = i / n
+    bar = "#" * int(30 * done)
+    eta = (time.time() - t0) / max(i, 1) * (n - i)
+    sys.stderr.write(f"\r{what} [{bar:<30}] {i}/{n} eta {eta:5.0f}s")
+    if i == n:
+        sys.stderr.write("\n")
+    sys.stderr.flush()

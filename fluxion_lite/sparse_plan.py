@@ -1,0 +1,65 @@
+"""Which KV groups attend sparsely, and how: the per-(layer, KV group) plan the sparse backend executes."""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import ModelFileError
+
+GRANULARITIES = (16, 32, 64, 128)
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    streaming: bool  # True: sink + recent window only
+    g: int = 16  # block size for top-k selection (retrieval groups)
+    budget: float = 0.0  # fraction of the context selected by top-k, on top of sink + window
+
+
+@dataclass
+class SparsePlan:
+    sink: int  # first tokens always attended
+    window: int  # most recent tokens always attended
+    groups: list[list[GroupPlan]]  # [layer][kv_group]
+    source: str = ""  # how the plan was made (for --explain and logs)
+
+    @classmethod
+    def uniform(cls, n_layers: int, n_groups: int, g: int, budget: float, sink: int, window: int) -> "SparsePlan":
+        groups = [[GroupPlan(False, g, budget) for _ in range(n_groups)] for _ in range(n_layers)]
+        return cls(sink, window, groups, source=f"uniform g={g} budget={budget}")
+
+    def validate(self, n_layers: int, n_groups: int) -> None:
+        if len(self.groups) != n_layers or any(len(row) != n_groups for row in self.groups):
+            raise ModelFileError(f"sparse plan has shape {len(self.groups)}x? but the model has {n_layers}x{n_groups}")
+        for row in self.groups:
+            for gp in row:
+                if not gp.streaming and (gp.g not in GRANULARITIES or not 0.0 < gp.budget <= 1.0):
+                    raise ModelFileError(f"sparse plan: bad group entry {gp}")
+
+    def save(self, path: Path) -> None:
+        data = {"sink": self.sink, "window": self.window, "source": self.source,
+                "groups": [[asdict(gp) for gp in row] for row in self.groups]}
+        path.write_text(json.dumps(data, indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> "SparsePlan":
+        try:
+            data = json.loads(Path(path).read_text())
+            groups = [[GroupPlan(**gp) for gp in row] for row in data["groups"]]
+            return cls(int(data["sink"]), int(data["window"]), groups, str(data.get("source", path.name)))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
+
+    def explain(self) -> str:
+        lines = [f"sparse plan ({self.source}): sink {self.sink}, window {self.window}"]
+        for i, row in enumerate(self.groups):
+            ret = [gp for gp in row if not gp.streaming]
+            desc = ", ".join(f"g={gp.g} b={gp.budget:.3f}" for gp in ret) or "-"
+            lines.append(f"  layer {i:>2}: {len(row) - len(ret)} streaming, {len(ret)} retrieval [{desc}]")
+        return "\n".join(lines)
+
+    @property
+    def streaming_fraction(self) -> float:
+        flat = [gp for row in self.groups for gp in row]
+        return sum(gp.streaming for gp in flat) / max(1, len(flat))
