@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 ARGS ?=
 
-.PHONY: setup serve test test-fast bench-parity bench-speed clean
+.PHONY: setup serve test test-fast bench-parity bench-speed bench-kernels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,8 @@ test: setup
 	$(BIN)/fluxion-lite pull smollm2-135m
 	@if [ -f tests/browser_setup.sh ]; then bash tests/browser_setup.sh; fi
 	$(BIN)/python -m pytest -q -ra tests
+	# once per run: the native kernels' tests again, against an AddressSanitizer build
+	$(BIN)/python native/asan_check.py -q
 
 # Everything except tests marked slow (real-model runs of more than a few seconds).
 test-fast: setup
@@ -40,6 +42,9 @@ bench-parity: setup
 
 bench-speed: setup
 	$(BIN)/python bench/speed.py
+
+bench-kernels: setup
+	$(BIN)/python bench/kernels.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info fluxion_lite/_native*.so

@@ -51,6 +51,9 @@ class AttentionBackend(ABC):
         """Backend-specific counters (sparse statistics); empty for dense attention."""
         return {}
 
+    def reset_stats(self) -> None:
+        """Start the counters behind stats() afresh (per benchmark sample)."""
+
 
 # Above this many score elements per tile, queries are processed in slices so a 32K prompt never needs a 32K x 32K matrix.
 MAX_SCORE_ELEMS = 1 << 24
