@@ -14,12 +14,11 @@ import platform
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from fluxion_lite.engine import Engine
 from fluxion_lite.eval_text import essay_text
-from fluxion_lite.llamacpp_peer import load_peer
+from fluxion_lite.llamacpp_peer import last_logits, load_peer
 from fluxion_lite.sampling import SamplingParams
 
 
@@ -42,7 +41,7 @@ def peer_speed(peer: object, tokens: list[int], n_decode: int) -> tuple[float, f
     peer.eval(tokens)  # type: ignore[attr-defined]
     t1 = time.perf_counter()
     for _ in range(n_decode - 1):
-        logits = np.asarray(peer.scores[peer.n_tokens - 1])  # type: ignore[attr-defined]
+        logits = last_logits(peer)
         peer.eval([int(logits.argmax())])  # type: ignore[attr-defined]
     t2 = time.perf_counter()
     return len(tokens) / (t1 - t0), (n_decode - 1) / (t2 - t1)
@@ -53,14 +52,15 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
     ap.add_argument("--contexts", nargs="+", type=int, default=[512, 4096])
     ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--out", default="bench/results/speed.json")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--out", default=None, help="default bench/results/speed[_<dtype>].json")
     args = ap.parse_args()
     threads = torch.get_num_threads()
     rows = []
     print(f"machine: {platform.node()} {platform.processor()} cores={os.cpu_count()} torch threads={threads}")
     print(f"{'model':<20}{'ctx':>6}{'prefill tok/s':>15}{'llama.cpp':>11}{'ratio':>7}{'decode tok/s':>14}{'llama.cpp':>11}{'ratio':>7}")
     for name in args.models:
-        engine = Engine(name, dtype="float32", prefill_chunk=512, prefix_cache_entries=0)
+        engine = Engine(name, dtype=args.dtype, prefill_chunk=512, prefix_cache_entries=0)
         assert engine.tokenizer is not None
         text_ids = engine.tokenizer.encode(essay_text()[: max(args.contexts) * 8], add_special=True)
         peer = load_peer(engine.model_path, n_ctx=max(args.contexts) + args.decode + 8, n_threads=threads, logits_all=False)
@@ -74,9 +74,10 @@ def main() -> None:
             print(f"{name:<20}{n:>6}{p_ours:>15.1f}{p_peer:>11.1f}{p_ours / p_peer:>7.2f}"
                   f"{d_ours:>14.1f}{d_peer:>11.1f}{d_ours / d_peer:>7.2f}")
         del peer, engine
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"machine": platform.node(), "threads": threads, "rows": rows}, indent=2))
-    print(f"wrote {args.out}")
+    out = Path(args.out or ("bench/results/speed.json" if args.dtype == "float32" else f"bench/results/speed_{args.dtype}.json"))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"machine": platform.node(), "threads": threads, "dtype": args.dtype, "rows": rows}, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

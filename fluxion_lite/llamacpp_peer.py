@@ -71,3 +71,9 @@ def greedy_continuation(peer: Any, prompt: list[int], n_tokens: int, stop_ids: f
             break
         peer.eval([token])
     return out, gaps
+
+
+def last_logits(peer: Any) -> np.ndarray:
+    """Logits of the last evaluated token when the peer was loaded with logits_all=False (llama-cpp-python then keeps
+    no score rows; the context's own logits buffer still holds the last token's)."""
+    return np.ctypeslib.as_array(peer._ctx.get_logits(), shape=(peer.n_vocab(),))
