@@ -330,14 +330,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.fixture(scope="module")
+def live_engine() -> Any:
+    """A second Engine for the uvicorn servers: the module's TestClient keeps its own engine thread running on
+    `engine` for the whole module, and an Engine must only ever be stepped by one thread."""
+    from fluxion_lite.engine import Engine
+
+    return Engine(MODEL, max_batch=4, prefill_chunk=128)
+
+
 @pytest.fixture()
-def live_server(engine: Any) -> Iterator[Any]:
+def live_server(live_engine: Any) -> Iterator[Any]:
     import uvicorn
 
     servers: list[Any] = []
 
     def start(**kw: Any) -> tuple[str, AsyncEngine]:
-        app, bridge = make_app(engine, **kw)
+        app, bridge = make_app(live_engine, **kw)
         port = _free_port()
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                                timeout_graceful_shutdown=5))
@@ -365,7 +374,7 @@ def _wait_for(predicate: Any, timeout: float) -> bool:
     return predicate()
 
 
-def test_disconnect_mid_stream_aborts_and_frees_kv(live_server: Any, engine: Any) -> None:
+def test_disconnect_mid_stream_aborts_and_frees_kv(live_server: Any, live_engine: Any) -> None:
     base, bridge = live_server()
     kv_idle = bridge.stats()["kv_bytes_host"]
     aborts_before = bridge.stats()["aborts_done"]
@@ -387,13 +396,13 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(live_server: Any, engine: Any
     stats = bridge.stats()
     assert stats["running"] == 0 and stats["live_requests"] == 0 and bridge.in_flight == 0
     assert stats["kv_bytes_host"] == kv_idle  # its KV was freed, not parked in the prefix cache
-    assert not engine.has_unfinished()
+    assert not live_engine.has_unfinished()
     with httpx.Client(timeout=30) as http:
         metrics = http.get(f"{base}/metrics").text
     assert "fluxion_requests_aborted_total 1" in metrics
 
 
-def test_disconnect_during_non_stream_request_aborts_it(live_server: Any, engine: Any) -> None:
+def test_disconnect_during_non_stream_request_aborts_it(live_server: Any, live_engine: Any) -> None:
     base, bridge = live_server()
     aborts_before = bridge.stats()["aborts_done"]
     body = {"prompt": "Write a very long story about dragons.", "max_tokens": 2000, "ignore_eos": True}
@@ -401,7 +410,7 @@ def test_disconnect_during_non_stream_request_aborts_it(live_server: Any, engine
         with pytest.raises(httpx.ReadTimeout):
             http.post(f"{base}/v1/completions", json=body)  # gives up after 1.5 s and closes the connection
     assert _wait_for(lambda: bridge.stats()["aborts_done"] == aborts_before + 1, 10), bridge.stats()
-    assert bridge.stats()["running"] == 0 and bridge.in_flight == 0 and not engine.has_unfinished()
+    assert bridge.stats()["running"] == 0 and bridge.in_flight == 0 and not live_engine.has_unfinished()
 
 
 def test_full_queue_answers_503_with_retry_after(live_server: Any) -> None:
