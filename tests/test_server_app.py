@@ -419,7 +419,8 @@ def test_full_queue_answers_503_with_retry_after(live_server: Any) -> None:
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", f"{base}/v1/completions", json=body) as first:
             assert first.status_code == 200
-            next(first.iter_lines())
+            lines = first.iter_lines()  # keep the iterator: a discarded one is closed, and that closes the stream
+            next(lines)
             r = http.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["retry-after"].isdigit()
             assert r.json()["error"]["code"] == "queue_full"
