@@ -31,7 +31,7 @@ test: setup
 	@if [ -f tests/browser_setup.sh ]; then bash tests/browser_setup.sh; fi
 	$(BIN)/python -m pytest -q -ra tests
 	# once per run: the native kernels' tests again, against an AddressSanitizer build
-	$(BIN)/python native/asan_check.py -q
+	$(BIN)/python native/asan_check.py
 
 # Everything except tests marked slow (real-model runs of more than a few seconds).
 test-fast: setup
