@@ -71,10 +71,13 @@ class CaptureAttention(AttentionBackend):
         lo = max(first, c.start)
         if lo < c.start + c.length:
             self.q.setdefault(layer, []).append(q[lo - c.start :].detach().float().clone())
-        if c.start + c.length == self.total:
-            keys, values = self.inner.cache.append(layer, c.seq_id, c.start, k, v)  # re-write is idempotent
-            self.kv[layer] = (keys.float().clone(), values.float().clone())  # [Hkv, N, D]
         return out
+
+    def capture_kv(self, seq_id: int) -> None:
+        """After the last chunk: keep every layer's full K/V ([Hkv, N, D], fp32 copies) before the slot is freed."""
+        for layer in range(self.inner.cache.n_layers):
+            keys, values = self.inner.cache.view(layer, seq_id)
+            self.kv[layer] = (keys.float().clone(), values.float().clone())
 
 
 def planted_fact_prompt(words: list[str], essay_ids: list[int], tokenizer_encode, n_tokens: int, rng: random.Random) -> list[int]:
@@ -152,6 +155,7 @@ def calibrate_prompt(model: Transformer, tokens: list[int], m: int, sink: int, w
     for s in range(0, len(tokens), chunk):
         n = min(chunk, len(tokens) - s)
         model.forward(torch.tensor(tokens[s : s + n]), torch.arange(s, s + n), [SeqChunk(0, s, n)], cap)
+    cap.capture_kv(0)
     cap.free(0)
     r, d, hkv = cfgm.gqa_ratio, cfgm.head_dim, cfgm.n_kv_heads
     scale = d**-0.5

@@ -341,6 +341,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.positions >= args.context:
         raise FluxionError(f"--positions {args.positions} must be smaller than --context {args.context}")
     out_dir = Path(args.out_dir) if args.out_dir else Path(str(files("fluxion_lite.models")))
+    out_dir.mkdir(parents=True, exist_ok=True)
     name = Path(args.model).stem if args.model.endswith(".gguf") else args.model
     labels_path, plan_path = out_dir / f"{name}.calib.json", out_dir / f"{name}.plan.json"
     if args.from_labels:

@@ -42,6 +42,11 @@ class DenseKVCache:
     def bytes_used(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self._k.values(), *self._v.values()))
 
+    def view(self, layer: int, seq_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K, V of one layer as [Hkv, seq_len, D] views (no copy)."""
+        n = self._len[seq_id]
+        return self._k[seq_id][layer][:, :n], self._v[seq_id][layer][:, :n]
+
     def _ensure_capacity(self, seq_id: int, needed: int) -> None:
         cap = self._k[seq_id].shape[2]
         if needed <= cap:

@@ -117,3 +117,34 @@ def test_calibration_outputs_match_dense_at_full_budget() -> None:
     stream, frac = outs["stream"]
     assert not torch.allclose(stream, full, atol=1e-3)
     assert torch.allclose(frac, 80 / (positions + 1).double())
+
+
+def test_calibration_labels_on_a_real_prompt(engine: Engine, essay_tokens: list[int]) -> None:
+    from fluxion_lite.calibration import calibrate_prompt
+
+    configs = [Config(True), Config(False, 16, 0.05), Config(False, 64, 1.0)]
+    labels = calibrate_prompt(engine.model, essay_tokens[:400], 8, 16, 64, configs)
+    cfg = engine.config
+    assert len(labels) == cfg.n_layers * cfg.n_kv_heads * len(configs)
+    for layer in range(cfg.n_layers):
+        for h in range(cfg.n_kv_heads):
+            full_err, full_read = labels[(layer, h, "g64_b1")]
+            assert full_err < 1e-5 and full_read == pytest.approx(1.0)  # every block selected = dense
+            assert labels[(layer, h, "stream")][1] < 0.25  # sink + window only
+    assert max(labels[(layer, h, "stream")][0] for layer in range(cfg.n_layers) for h in range(cfg.n_kv_heads)) > 0.01
+
+
+def test_calibrate_command_writes_labels_and_a_loadable_plan(tmp_path: object, capsys: pytest.CaptureFixture[str]) -> None:
+    from pathlib import Path
+
+    from fluxion_lite.cli import main
+
+    out = Path(str(tmp_path))
+    argv = ["calibrate", MODEL, "--samples", "1", "--context", "300", "--positions", "4", "--out-dir", str(out)]
+    assert main(argv) == 0
+    plan = SparsePlan.load(out / f"{MODEL}.plan.json")
+    plan.validate(30, 3)  # smollm2-135m: 30 layers, 3 KV groups
+    assert "layer 29" in capsys.readouterr().out
+    assert main(argv[:2] + ["--from-labels", "--epsilon", "1.0", "--out-dir", str(out)]) == 0
+    assert SparsePlan.load(out / f"{MODEL}.plan.json").streaming_fraction == 1.0  # everything is within a loose bound
+    assert main(["calibrate", MODEL, "--context", "100", "--positions", "200"]) == 2
