@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention import AttentionBackend, DenseAttention, SeqChunk
+from .attention import DenseAttention, SeqChunk
+from .config import ModelConfig
 from .model import Transformer
 from .sparse_plan import GRANULARITIES
 
@@ -41,31 +42,17 @@ def all_configs() -> list[Config]:
     return [Config(True)] + [Config(False, g, b) for g in GRANULARITIES for b in BUDGETS]
 
 
-class CaptureAttention(AttentionBackend):
+class CaptureAttention(DenseAttention):
     """Dense attention that records q of the last `m` positions and the full K/V of every layer (one sequence)."""
 
-    def __init__(self, inner: DenseAttention, total: int, m: int):
-        self.inner, self.total, self.m = inner, total, m
+    def __init__(self, cfg: ModelConfig, device: torch.device, total: int, m: int):
+        super().__init__(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.float32, device)
+        self.total, self.m = total, m
         self.q: dict[int, list[torch.Tensor]] = {}
         self.kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def allocate(self, seq_id: int) -> None:
-        self.inner.allocate(seq_id)
-
-    def free(self, seq_id: int) -> None:
-        self.inner.free(seq_id)
-
-    def truncate(self, seq_id: int, n_tokens: int) -> None:
-        self.inner.truncate(seq_id, n_tokens)
-
-    def seq_len(self, seq_id: int) -> int:
-        return self.inner.seq_len(seq_id)
-
-    def bytes_used(self) -> tuple[int, int]:
-        return self.inner.bytes_used()
-
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
-        out = self.inner.attend(layer, q, k, v, chunks)
+        out = super().attend(layer, q, k, v, chunks)
         (c,) = chunks
         first = self.total - self.m
         lo = max(first, c.start)
@@ -75,8 +62,8 @@ class CaptureAttention(AttentionBackend):
 
     def capture_kv(self, seq_id: int) -> None:
         """After the last chunk: keep every layer's full K/V ([Hkv, N, D], fp32 copies) before the slot is freed."""
-        for layer in range(self.inner.cache.n_layers):
-            keys, values = self.inner.cache.view(layer, seq_id)
+        for layer in range(self.cache.n_layers):
+            keys, values = self.cache.view(layer, seq_id)
             self.kv[layer] = (keys.float().clone(), values.float().clone())
 
 
@@ -148,8 +135,7 @@ def calibrate_prompt(model: Transformer, tokens: list[int], m: int, sink: int, w
                      configs: list[Config]) -> dict[tuple[int, int, str], tuple[float, float]]:
     """Labels for one prompt: (layer, group, config key) -> (mean effective error c*d, mean fraction read)."""
     cfgm = model.cfg
-    dense = DenseAttention(cfgm.n_layers, cfgm.n_kv_heads, cfgm.head_dim, torch.float32, model.device)
-    cap = CaptureAttention(dense, len(tokens), m)
+    cap = CaptureAttention(cfgm, model.device, len(tokens), m)
     cap.allocate(0)
     chunk = 512
     for s in range(0, len(tokens), chunk):

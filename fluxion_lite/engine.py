@@ -69,14 +69,10 @@ class Sequence:
     text: str = ""  # generated text so far (after stop-string truncation)
     emitted: int = 0  # characters of `text` already returned
     finish_reason: str | None = None
+    all_ids: list[int] = field(default_factory=list)  # prompt + output, appended in place (no per-step concat)
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-
-def default_threads() -> int:
-    return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1))
+    def __post_init__(self) -> None:
+        self.all_ids = self.prompt_ids + self.output_ids
 
 
 class Engine:
@@ -293,6 +289,7 @@ class Engine:
         p = seq.params
         token = sample_token(logits.clone(), p, seq.all_ids, seq.output_ids, seq.rng)
         seq.output_ids.append(token)
+        seq.all_ids.append(token)
         reason: str | None = None
         if token in self.eog_ids and not p.ignore_eos:
             reason = "stop"

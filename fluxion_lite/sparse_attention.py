@@ -11,8 +11,6 @@ rounded down to g (the device buffers keep 128 spare tokens for that).
 """
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
@@ -50,7 +48,7 @@ class SparseAttention(AttentionBackend):
         # plan as tensors: [L, Hkv]
         self._streaming = torch.tensor([[gp.streaming for gp in row] for row in plan.groups])
         self._g = torch.tensor([[1 if gp.streaming else gp.g for gp in row] for row in plan.groups])
-        self._budget = [[gp.budget for gp in row] for row in plan.groups]
+        self._budget = np.array([[gp.budget for gp in row] for row in plan.groups], dtype=np.float64)  # [L, Hkv]
         self._read_tokens = 0.0  # sum over decode (step, layer, seq, group) of tokens read
         self._context_tokens = 0.0  # same sum of context lengths
 
@@ -180,21 +178,18 @@ class SparseAttention(AttentionBackend):
         out = torch.matmul(probs, values).float()  # [B, Hkv, r, D]
         read = valid.sum(-1).double()  # [B, Hkv] streaming tokens read
 
-        tasks_meta = []
-        for b, c in enumerate(chunks):
-            n = c.start + 1
-            for h in range(hkv):
-                if bool(self._streaming[layer, h]):
-                    continue
-                gh = int(self._g[layer, h])
-                lo, hi = int(sink_hi[b, h]), int(win_lo[b, h])
-                if hi - lo < gh:
-                    continue  # nothing left between sink and window
-                k_blocks = math.ceil(self._budget[layer][h] * n / gh)
-                tasks_meta.append((b, h, gh, k_blocks, lo, hi, n))
-        if tasks_meta:
-            meta = np.array(tasks_meta, dtype=np.int64)
-            slots = np.array([self._slot[chunks[b].seq_id] for b in meta[:, 0]])
+        # Retrieval tasks of this layer, built with array ops (no Python loop over sequences x groups): a retrieval
+        # group whose gap between sink and window holds at least one block. meta columns: b, h, g, k, lo, hi, n.
+        lo_np, hi_np = sink_hi.cpu().numpy(), win_lo.cpu().numpy()  # [B, Hkv]
+        g_np = self._g[layer].numpy()  # [Hkv]
+        n_np = np.array([c.start + 1 for c in chunks], dtype=np.int64)  # [B]
+        wanted = (~self._streaming[layer].numpy())[None, :] & (hi_np - lo_np >= g_np[None, :])
+        bi_np, h_np = np.nonzero(wanted)
+        gh = g_np[h_np]
+        k_blocks = np.ceil(self._budget[layer, h_np] * n_np[bi_np] / gh).astype(np.int64)
+        meta = np.stack([bi_np, h_np, gh, k_blocks, lo_np[bi_np, h_np], hi_np[bi_np, h_np], n_np[bi_np]], axis=1)
+        if len(meta):
+            slots = np.array([self._slot[c.seq_id] for c in chunks])[meta[:, 0]]  # per task
             tasks = native.make_tasks(slots, meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3],
                                       exclude=[(0, meta[:, 4]), (meta[:, 5], meta[:, 6])])
             view = self.store.view(layer)
