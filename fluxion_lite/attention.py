@@ -10,6 +10,8 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .kv_cache import DenseKVCache
 
@@ -67,6 +69,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     n, hq, d = q.shape
     hkv, total, _ = k.shape
     r = hq // hkv
+    if q.is_cuda and n > 1:
+        return fused_causal_attention(q, k, v, scale)
     # Group query heads by their KV head so each K/V row is read once for all r heads: qg: [Hkv, r, n, D]
     qg = q.permute(1, 0, 2).reshape(hkv, r, n, d)
     out = torch.empty(hkv, r, n, d, dtype=q.dtype, device=q.device)
@@ -82,6 +86,22 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
         probs = torch.softmax(scores, dim=-1)
         out[:, :, i0:i1] = torch.matmul(probs, v[:, None, :end])
     return out.reshape(hq, n, d).permute(1, 0, 2)
+
+
+def fused_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """causal_attention through torch's fused SDPA kernels (flash / memory-efficient on CUDA): never materialises the
+    [n, L] score matrix, which dominates long prefills. Same contract as causal_attention; the queries are the last n
+    positions, so the causal mask is aligned to the bottom-right corner.
+    """
+    n, hq, _ = q.shape
+    hkv, total, _ = k.shape
+    r = hq // hkv
+    # The fused kernels want one K/V head per query head; repeating K/V costs O(L) memory, far below the O(n L) scores.
+    kh = k.repeat_interleave(r, dim=0)[None]  # [1, Hq, L, D]
+    vh = v.repeat_interleave(r, dim=0)[None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kh, vh, attn_mask=causal_lower_right(n, total),
+                                         scale=scale)  # [1, Hq, n, D]
+    return out[0].transpose(0, 1)
 
 
 class DenseAttention(AttentionBackend):
