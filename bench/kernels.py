@@ -6,11 +6,17 @@ One run prints a table per thread count and writes bench/results/kernels-<host>.
   * top-k GB/s: bytes of block summaries scanned / time,
   * gather GB/s: bytes of K and V copied into the (pinned if CUDA) staging buffer / time (bytes read; a copy
     also writes as many), with non-temporal stores (default) and with plain cached stores,
-  * torch CPU: the same attention with index_select + matmul in torch, same thread count, for comparison.
+  * torch CPU: the same attention with index_select + matmul in torch, same thread count, for comparison,
+  * fixed cost: the same attention call with empty selections (Python wrapper + validation + pool dispatch).
+Every timing is the median of --repeats calls after a warm-up call; the ceiling and the kernels are measured in
+alternating rounds (the machine may be shared) and the medians of the rounds are reported.
+Decode cases (--decode-batches, --decode-budget): the Llama-3.1-8B decode shape at batch 1 and 8 with a 5% budget,
+after the main case; a batch-8 store of --decode-layers layers is built for it (no torch baseline there).
 Layers rotate from call to call and the store (default 8 layers x 32K tokens, Llama-3.1-8B KV shape: 8 KV heads,
 GQA 4, head_dim 128, bf16) is far larger than the last-level cache, so the numbers are memory-bound reads.
 
 Usage: python bench/kernels.py [--threads 1,all] [--tokens 32768] [--layers 8] [--batch 1] [--budget 0.1]
+                              [--decode-batches 1,8] [--decode-budget 0.05] [--decode-layers 12]
 """
 from __future__ import annotations
 
@@ -44,6 +50,7 @@ def timed(fn, repeats: int) -> float:
 
 
 def build_store(args: argparse.Namespace) -> tuple[HostKVStore, list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """The store, its slots, and (with args.torch_baseline) contiguous torch copies for the torch baseline."""
     store = HostKVStore(args.layers, args.kv_heads, args.head_dim, dtype=torch.bfloat16, max_seqs=args.batch,
                         page_tokens=1024, granularities=(args.topk_g, args.g),
                         initial_pages_per_seq=-(-args.tokens // 1024))
@@ -52,7 +59,8 @@ def build_store(args: argparse.Namespace) -> tuple[HostKVStore, list[int], list[
     torch_k, torch_v = [], []
     chunk = 4096
     for layer in range(args.layers):
-        tk = torch.empty(args.kv_heads, args.batch * args.tokens, args.head_dim, dtype=torch.bfloat16)
+        shape = (args.kv_heads, args.batch * args.tokens, args.head_dim) if args.torch_baseline else (0, 0, 0)
+        tk = torch.empty(shape, dtype=torch.bfloat16)
         tv = torch.empty_like(tk)
         for si, slot in enumerate(slots):
             for start in range(0, args.tokens, chunk):
@@ -61,8 +69,9 @@ def build_store(args: argparse.Namespace) -> tuple[HostKVStore, list[int], list[
                 v = torch.randn(n, args.kv_heads, args.head_dim).bfloat16()
                 store.append(layer, slot, k, v)
                 base = si * args.tokens + start
-                tk[:, base:base + n] = k.transpose(0, 1)
-                tv[:, base:base + n] = v.transpose(0, 1)
+                if args.torch_baseline:
+                    tk[:, base:base + n] = k.transpose(0, 1)
+                    tv[:, base:base + n] = v.transpose(0, 1)
         torch_k.append(tk)
         torch_v.append(tv)
     return store, slots, torch_k, torch_v
@@ -130,10 +139,13 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
         native.gather(store.view(layer), tasks, ids, counts, stage_k, stage_v, out_offset=offsets)
 
     # The machine may be shared: measure the ceiling and the kernels in alternating rounds, report medians.
-    def gather_cached() -> None:
-        native.set_stream_stores(False)
-        gather()
-        native.set_stream_stores(True)
+    # Fixed cost per call: the same attention call with every selection empty (no KV bytes touched).
+    no_counts = np.zeros(n_tasks, np.int32)
+
+    def attend_empty() -> None:
+        layer = next_layer()
+        native.sparse_attention(store.view(layer), q, tasks, ids_per_layer[layer][0], no_counts, scale, out=out,
+                                lse=lse)
 
     rounds: dict[str, list[float]] = {"read": [], "attn": [], "topk": [], "gather": [], "gather_cached": []}
     for _ in range(args.rounds):
@@ -141,10 +153,36 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
         rounds["attn"].append(timed(attend, args.repeats))
         rounds["topk"].append(timed(topk, args.repeats))
         rounds["gather"].append(timed(gather, args.repeats))
-        rounds["gather_cached"].append(timed(gather_cached, args.repeats))
+        native.set_stream_stores(False)  # outside the timed calls
+        rounds["gather_cached"].append(timed(gather, args.repeats))
+        native.set_stream_stores(True)
     t_read, t_attn, t_topk, t_gather, t_gather_c = (
         statistics.median(rounds[k]) for k in ("read", "attn", "topk", "gather", "gather_cached"))
+    t_empty = timed(attend_empty, 200)
     read_gbs = probe_buf.nbytes * reps / t_read / 1e9
+    gbs = lambda nbytes, t: nbytes / t / 1e9  # noqa: E731
+    result = {
+        "threads": threads,
+        "batch": B,
+        "budget": args.budget,
+        "layers": args.layers,
+        "simd": native.get_simd(),
+        "read_GBps": read_gbs,
+        "fixed_call_us": t_empty * 1e6,
+        "sparse_attention": {"GBps": gbs(kv_bytes, t_attn), "ms": t_attn * 1e3, "bytes": kv_bytes,
+                             "ratio_to_read": gbs(kv_bytes, t_attn) / read_gbs},
+        "topk": {"GBps": gbs(summary_bytes, t_topk), "ms": t_topk * 1e3, "bytes": summary_bytes,
+                 "ratio_to_read": gbs(summary_bytes, t_topk) / read_gbs},
+        # GBps counts bytes read; traffic_GBps adds the as many bytes written into the staging buffer.
+        "gather": {"GBps": gbs(kv_bytes, t_gather), "ms": t_gather * 1e3, "bytes": kv_bytes,
+                   "ratio_to_read": gbs(kv_bytes, t_gather) / read_gbs, "traffic_GBps": gbs(2 * kv_bytes, t_gather),
+                   "pinned": pin},
+        "gather_cached_stores": {"GBps": gbs(kv_bytes, t_gather_c), "ms": t_gather_c * 1e3, "bytes": kv_bytes,
+                                 "ratio_to_read": gbs(kv_bytes, t_gather_c) / read_gbs,
+                                 "traffic_GBps": gbs(2 * kv_bytes, t_gather_c), "pinned": pin},
+    }
+    if not args.torch_baseline:
+        return result
 
     # torch CPU baseline: index_select the selected tokens, then matmul / softmax / matmul, all tasks batched
     tok_idx = []
@@ -177,23 +215,10 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
     ref = torch.softmax(torch.matmul(q_t, kk.transpose(1, 2)) * scale, -1) @ vv
     max_err = float((torch.from_numpy(out) - ref).abs().max())
 
-    gbs = lambda nbytes, t: nbytes / t / 1e9  # noqa: E731
-    return {
-        "threads": threads,
-        "simd": native.get_simd(),
-        "read_GBps": read_gbs,
-        "sparse_attention": {"GBps": gbs(kv_bytes, t_attn), "ms": t_attn * 1e3, "bytes": kv_bytes,
-                             "ratio_to_read": gbs(kv_bytes, t_attn) / read_gbs},
-        "topk": {"GBps": gbs(summary_bytes, t_topk), "ms": t_topk * 1e3, "bytes": summary_bytes,
-                 "ratio_to_read": gbs(summary_bytes, t_topk) / read_gbs},
-        "gather": {"GBps": gbs(kv_bytes, t_gather), "ms": t_gather * 1e3, "bytes": kv_bytes,
-                   "ratio_to_read": gbs(kv_bytes, t_gather) / read_gbs, "pinned": pin},
-        "gather_cached_stores": {"GBps": gbs(kv_bytes, t_gather_c), "ms": t_gather_c * 1e3, "bytes": kv_bytes,
-                                 "ratio_to_read": gbs(kv_bytes, t_gather_c) / read_gbs, "pinned": pin},
-        "torch_attention": {"GBps": gbs(kv_bytes, t_torch), "ms": t_torch * 1e3,
-                            "native_speedup": t_torch / t_attn},
-        "native_vs_torch_max_abs_err": max_err,
-    }
+    result["torch_attention"] = {"GBps": gbs(kv_bytes, t_torch), "ms": t_torch * 1e3,
+                                 "native_speedup": t_torch / t_attn}
+    result["native_vs_torch_max_abs_err"] = max_err
+    return result
 
 
 def main() -> None:
@@ -212,29 +237,53 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of ceiling + kernels (median)")
     p.add_argument("--probe-mib", type=int, default=1024, help="size of the read-bandwidth buffer")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<host>.json)")
+    p.add_argument("--decode-batches", default="1,8",
+                   help="decode cases after the main one: comma list of batch sizes ('' = none)")
+    p.add_argument("--decode-budget", type=float, default=0.05, help="fraction of blocks selected in decode cases")
+    p.add_argument("--decode-layers", type=int, default=12,
+                   help="layers of the decode-case store (rotating; enough that a cycle exceeds the LLC)")
     args = p.parse_args()
+    args.torch_baseline = True
     cores = native.physical_cores()
     thread_list = [cores if t == "all" else int(t) for t in args.threads.split(",")]
-
-    t0 = time.perf_counter()
-    store, slots, torch_k, torch_v = build_store(args)
     probe_buf = np.ones(args.probe_mib << 20, np.uint8)
-    print(f"store: {args.layers} layers x {args.batch} seq x {args.tokens} tokens, {store.bytes_used / 2**30:.2f} GiB "
-          f"(built in {time.perf_counter() - t0:.1f}s); Hkv={args.kv_heads} r={args.group} D={args.head_dim} bf16, "
-          f"g={args.g}, budget={args.budget:.0%}, physical cores={cores}", flush=True)
+
+    cases = [args]
+    for b in (int(x) for x in args.decode_batches.split(",") if x.strip()):
+        case = argparse.Namespace(**vars(args))
+        case.batch, case.budget, case.torch_baseline = b, args.decode_budget, False
+        case.layers = args.layers if b == args.batch else args.decode_layers  # batch-1: reuse the main store
+        cases.append(case)
+
     rows = []
-    for threads in thread_list:
-        rows.append(run(args, threads, store, slots, torch_k, torch_v, probe_buf))
-        res = rows[-1]
-        print(f"\nthreads={threads} simd={res['simd']}  measured read bandwidth {res['read_GBps']:.1f} GB/s")
-        print(f"  {'kernel':<22}{'GB/s':>8}{'ms/call':>10}{'of read bw':>12}")
-        for name in ("sparse_attention", "topk", "gather", "gather_cached_stores"):
-            r = res[name]
-            print(f"  {name:<22}{r['GBps']:>8.1f}{r['ms']:>10.3f}{r['ratio_to_read']:>11.0%}")
-        tr = res["torch_attention"]
-        print(f"  {'torch index_select+mm':<22}{tr['GBps']:>8.1f}{tr['ms']:>10.3f}"
-              f"   native is {tr['native_speedup']:.1f}x faster (max |diff| {res['native_vs_torch_max_abs_err']:.1e})",
-              flush=True)
+    store = None
+    built_for: tuple[int, int] | None = None
+    for ci, case in enumerate(cases):
+        if built_for != (case.batch, case.layers):
+            store = torch_k = torch_v = None  # free the previous store first
+            t0 = time.perf_counter()
+            store, slots, torch_k, torch_v = build_store(case)
+            built_for = (case.batch, case.layers)
+            print(f"\nstore: {case.layers} layers x {case.batch} seq x {case.tokens} tokens, "
+                  f"{store.bytes_used / 2**30:.2f} GiB (built in {time.perf_counter() - t0:.1f}s); Hkv={case.kv_heads} "
+                  f"r={case.group} D={case.head_dim} bf16, g={case.g}, physical cores={cores}", flush=True)
+        name = "main" if ci == 0 else f"decode-b{case.batch}"
+        for threads in thread_list:
+            res = run(case, threads, store, slots, torch_k, torch_v, probe_buf)
+            res["case"] = name
+            rows.append(res)
+            print(f"\n[{name}] batch={case.batch} budget={case.budget:.0%} threads={threads} simd={res['simd']}  "
+                  f"measured read bandwidth {res['read_GBps']:.1f} GB/s, fixed cost {res['fixed_call_us']:.0f} us/call")
+            print(f"  {'kernel':<22}{'GB/s':>8}{'ms/call':>10}{'of read bw':>12}")
+            for kernel in ("sparse_attention", "topk", "gather", "gather_cached_stores"):
+                r = res[kernel]
+                extra = f"   (read+write {r['traffic_GBps']:.1f} GB/s)" if "traffic_GBps" in r else ""
+                print(f"  {kernel:<22}{r['GBps']:>8.1f}{r['ms']:>10.3f}{r['ratio_to_read']:>11.0%}{extra}")
+            if "torch_attention" in res:
+                tr = res["torch_attention"]
+                print(f"  {'torch index_select+mm':<22}{tr['GBps']:>8.1f}{tr['ms']:>10.3f}   native is "
+                      f"{tr['native_speedup']:.1f}x faster (max |diff| {res['native_vs_torch_max_abs_err']:.1e})",
+                      flush=True)
 
     host = platform.node() or "host"
     out = Path(args.out) if args.out else RESULTS / f"kernels-{host}.json"

@@ -169,15 +169,17 @@ static int cursor_seek(cursor *c, int64_t target, const int32_t *counts, int64_t
     return 0;
 }
 
-/* Blocks per work item: about FX_ITEMS_PER_THREAD items per participant, at least 4 blocks each.  Dynamic claiming
- * balances the load to within one item, so smaller items shorten the tail where some threads already idle. */
-#define FX_ITEMS_PER_THREAD 8
+/* Blocks per work item: about FX_ITEMS_PER_THREAD items per participant, at least 2 blocks each.  Dynamic claiming
+ * balances the load to within one item, so smaller items shorten the tail where some threads already idle: at 16
+ * threads and a 10% budget of 32K tokens an item is 2 blocks (64 KiB of K+V, ~10 us), so the tail is a few us.
+ * Claims are one atomic add each (a few hundred per call), and attention merges one partial per item. */
+#define FX_ITEMS_PER_THREAD 16
 static int32_t chunk_blocks(const int32_t *counts, int64_t n_tasks) {
     int64_t total = 0;
     for (int64_t i = 0; i < n_tasks; i++) total += counts[i];
     int64_t target = FX_ITEMS_PER_THREAD * (int64_t)fx_pool_threads();
     int64_t cb = (total + target - 1) / target;
-    if (cb < 4) cb = 4;
+    if (cb < 2) cb = 2;
     if (cb > (1 << 30)) cb = 1 << 30;
     return (int32_t)cb;
 }
@@ -335,73 +337,55 @@ typedef struct {
     const fx_kernels *kern;
 } topk_job;
 
-/* a ranks above b: higher score, or equal score and lower id (so ties keep the lower id).  A strict total order
- * because ids are distinct, which makes the selection independent of the algorithm's visiting order. */
-static inline int better(float sa, int32_t ia, float sb, int32_t ib) { return sa > sb || (sa == sb && ia < ib); }
+/* Selection by radix select on the scores' bit patterns.  The order is: higher score first, equal scores ->
+ * lower block id first (a strict total order, so the result does not depend on the visiting order).  A
+ * comparison-based quickselect plus a sort by id cost ~30-40 us per task of 2048 blocks (every comparison on
+ * random scores is a mispredicted branch), and the last task's selection sat alone in the tail of a multi-thread
+ * call.  Here: three histogram passes find the k-th best key, one in-order pass emits the winners; since the
+ * candidates are scanned in ascending block id, the output is already sorted by id and equal keys are taken
+ * lowest id first. */
 
-static inline void swap_pair(float *s, int32_t *id, int64_t a, int64_t b) {
-    float ts = s[a]; s[a] = s[b]; s[b] = ts;
-    int32_t ti = id[a]; id[a] = id[b]; id[b] = ti;
+/* Monotone map of a float to uint32 (larger float -> larger key).  +0.0 is added first so -0.0 and +0.0 (equal
+ * as floats) get the same key; scores are finite. */
+static inline uint32_t score_key(float f) {
+    union { float f; uint32_t u; } c;
+    c.f = f + 0.0f;
+    uint32_t m = (uint32_t)(-(int32_t)(c.u >> 31)) | 0x80000000u;
+    return c.u ^ m;
 }
 
-/* Quickselect: afterwards s/id[0..k) hold the k best pairs (in no particular order).  Expected O(n). */
-static void select_best(float *s, int32_t *id, int64_t n, int64_t k) {
-    int64_t lo = 0, hi = n - 1, target = k - 1;
-    while (hi > lo) {
-        int64_t mid = lo + (hi - lo) / 2;
-        /* median of three as pivot */
-        if (better(s[mid], id[mid], s[lo], id[lo])) swap_pair(s, id, mid, lo);
-        if (better(s[hi], id[hi], s[lo], id[lo])) swap_pair(s, id, hi, lo);
-        if (better(s[hi], id[hi], s[mid], id[mid])) swap_pair(s, id, hi, mid);
-        float ps = s[mid];
-        int32_t pid = id[mid];
-        int64_t i = lo, j = hi;
-        while (i <= j) {
-            while (better(s[i], id[i], ps, pid)) i++;
-            while (better(ps, pid, s[j], id[j])) j--;
-            if (i <= j) {
-                swap_pair(s, id, i, j);
-                i++;
-                j--;
-            }
+/* The k-th largest key among s[0..n) (1 <= k <= n) and, in *need_equal, how many elements equal to it belong to
+ * the k best (those with larger keys all do). */
+static uint32_t kth_key(const float *s, int64_t n, int64_t k, int64_t *need_equal) {
+    static const int shifts[3] = {21, 10, 0}, widths[3] = {11, 11, 10};
+    uint32_t hist[1 << 11];
+    uint32_t prefix = 0, mask = 0;
+    int64_t need = k; /* still to take among the elements matching prefix under mask */
+    for (int p = 0; p < 3; p++) {
+        int sh = shifts[p];
+        uint32_t nb = 1u << widths[p], bm = nb - 1;
+        memset(hist, 0, sizeof(uint32_t) * nb);
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t key = score_key(s[i]);
+            if ((key & mask) == prefix) hist[(key >> sh) & bm]++;
         }
-        if (target <= j) hi = j;
-        else if (target >= i) lo = i;
-        else return;
-    }
-}
-
-/* In-place heapsort of (id, score) pairs by ascending id. */
-static void sort_by_id(float *s, int32_t *id, int64_t n) {
-    for (int64_t start = n / 2 - 1; start >= 0; start--) {
-        for (int64_t i = start;;) { /* max-heap by id */
-            int64_t l = 2 * i + 1, r = l + 1, m = i;
-            if (l < n && id[l] > id[m]) m = l;
-            if (r < n && id[r] > id[m]) m = r;
-            if (m == i) break;
-            float ts = s[i]; s[i] = s[m]; s[m] = ts;
-            int32_t ti = id[i]; id[i] = id[m]; id[m] = ti;
-            i = m;
+        int64_t above = 0;
+        uint32_t b = bm;
+        for (;; b--) { /* the bucket holding the need-th largest; it exists because need <= matching count */
+            if (above + hist[b] >= need || b == 0) break;
+            above += hist[b];
         }
+        need -= above;
+        prefix |= b << sh;
+        mask |= bm << sh;
     }
-    for (int64_t end = n - 1; end > 0; end--) {
-        float ts = s[0]; s[0] = s[end]; s[end] = ts;
-        int32_t ti = id[0]; id[0] = id[end]; id[end] = ti;
-        for (int64_t i = 0;;) {
-            int64_t l = 2 * i + 1, r = l + 1, m = i;
-            if (l < end && id[l] > id[m]) m = l;
-            if (r < end && id[r] > id[m]) m = r;
-            if (m == i) break;
-            float ts2 = s[i]; s[i] = s[m]; s[m] = ts2;
-            int32_t ti2 = id[i]; id[i] = id[m]; id[m] = ti2;
-            i = m;
-        }
-    }
+    *need_equal = need;
+    return prefix;
 }
 
 /* Work items are (task, chunk of blocks) so a few long sequences still use every thread.  Each item writes the
  * scores of its blocks at their block index in the task's workspace row; whoever finishes a task's last chunk
- * drops the excluded blocks, selects the k best and sorts them by id. */
+ * drops the excluded blocks, selects the k best and writes them in ascending id order. */
 static void topk_select(topk_job *J, int64_t ti) {
     const int32_t *t = J->tasks + ti * FX_TASK_FIELDS;
     int g = t[3], k = t[4];
@@ -420,20 +404,30 @@ static void topk_select(topk_job *J, int64_t ti) {
     int64_t n = 0;
     for (int64_t b = 0; b < nb; b++) {
         if ((b >= ex_lo[0] && b < ex_hi[0]) || (b >= ex_lo[1] && b < ex_hi[1])) continue;
-        all_s[n] = all_s[b]; /* compact in place (n <= b) */
+        all_s[n] = all_s[b]; /* compact in place (n <= b), ids ascending */
         all_id[n] = (int32_t)b;
         n++;
     }
-    if (n > k) {
-        select_best(all_s, all_id, n, k);
-        n = k;
-    }
     int32_t *ids = J->ids + ti * J->k_cap;
     float *sc = J->scores + ti * J->k_cap;
-    memcpy(ids, all_id, sizeof(int32_t) * (size_t)n);
-    memcpy(sc, all_s, sizeof(float) * (size_t)n);
-    sort_by_id(sc, ids, n);
-    J->counts[ti] = (int32_t)n;
+    if (n <= k) {
+        memcpy(ids, all_id, sizeof(int32_t) * (size_t)n);
+        memcpy(sc, all_s, sizeof(float) * (size_t)n);
+        J->counts[ti] = (int32_t)n;
+        return;
+    }
+    int64_t need_equal;
+    uint32_t kth = kth_key(all_s, n, k, &need_equal);
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t key = score_key(all_s[i]);
+        if (key > kth || (key == kth && need_equal-- > 0)) {
+            ids[m] = all_id[i];
+            sc[m] = all_s[i];
+            m++;
+        }
+    }
+    J->counts[ti] = (int32_t)m; /* == k */
 }
 
 static void topk_score_chunk(topk_job *J, int64_t ti, int64_t b0, int64_t b1) {

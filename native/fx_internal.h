@@ -39,8 +39,10 @@ extern const fx_kernels fx_kernels_portable;
 extern const fx_kernels fx_kernels_avx2;
 extern const fx_kernels fx_kernels_avx512;
 
-/* Thread pool.  fn(ctx, tid, nthreads) runs once on every participant; participants share work through their
- * own atomic counters in ctx, so a job is correct with any nthreads (including 1 when the pool is busy). */
+/* Thread pool.  fn(ctx, tid, nthreads) runs on the caller and on every worker that joins in time (a worker that
+ * wakes after the caller has finished its own share does not join); participants share work through their own
+ * atomic counters in ctx, so a job must be correct with any subset of participants (including the caller alone,
+ * as when the pool is busy).  Participants that store with non-temporal stores fence before returning. */
 typedef void (*fx_job_fn)(void *ctx, int tid, int nthreads);
 void fx_pool_run(fx_job_fn fn, void *ctx);
 int fx_pool_set_threads(int n);

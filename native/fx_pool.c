@@ -3,7 +3,14 @@
  * several Python threads at once with the GIL released.
  *
  * Workers spin briefly on a generation counter (a decode step makes one call per layer, microseconds apart), then
- * sleep on a condition variable so an idle library costs no CPU.  The calling thread is participant 0. */
+ * sleep on a condition variable so an idle library costs no CPU.  The calling thread is participant 0 and works
+ * through the job's items like any worker.
+ *
+ * Tickets: a job offers n_workers tickets; a worker runs the job only after taking one, and the caller revokes the
+ * tickets left once its own share is done (the work items are claimed from the job's own counters, so by then all
+ * items are claimed).  A worker that is descheduled (an oversubscribed machine: other processes, torch threads)
+ * therefore never holds up a call it has not joined; before, the caller waited for every worker to pass by, which
+ * cost a scheduler time slice (~0.2 ms and more on a loaded 2-core VM) per call. */
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
@@ -11,15 +18,20 @@
 #include <time.h>
 #include "fx_internal.h"
 
-#define FX_SPIN_NS 100000 /* how long an idle worker spins before sleeping */
+/* How long an idle worker spins (with a pause instruction) before sleeping: a decode step calls once per layer and
+ * kernel, tens to a couple of hundred us apart, and waking 15 sleeping threads through the condition variable
+ * costs tens of us, while a spinning worker starts within ~1 us. */
+#define FX_SPIN_NS 200000
 
 static struct {
     pthread_mutex_t run_lock; /* held by the thread whose job owns the pool */
     pthread_mutex_t mu;       /* guards sleeping on cv */
     pthread_cond_t cv;
     _Atomic uint64_t generation;
-    _Atomic int pending;
+    _Atomic int pending;      /* tickets taken and not finished, plus tickets not yet taken */
+    _Atomic int tickets;      /* tickets still on offer for the current job */
     _Atomic int stop;
+    _Atomic int sleepers;     /* workers inside the condition-variable wait */
     fx_job_fn fn;
     void *ctx;
     int nthreads;             /* participants, caller included */
@@ -28,7 +40,7 @@ static struct {
     int n_workers;
     int atfork_registered;
     uint64_t start_generation; /* generation before the workers were created */
-} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, NULL, NULL, 1, 0,
+} P = {PTHREAD_MUTEX_INITIALIZER, PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER, 0, 0, 0, 0, 0, NULL, NULL, 1, 0,
        {0}, 0, 0, 0};
 
 static inline void cpu_relax(void) {
@@ -55,12 +67,21 @@ static void *worker_main(void *arg) {
             cpu_relax();
             if (++spins % 256 == 0 && now_ns() - t0 > FX_SPIN_NS) {
                 pthread_mutex_lock(&P.mu);
+                /* announce first, then re-check (both seq_cst): a poster that reads sleepers == 0 has bumped the
+                 * generation before this load, so the check below sees it and no wake-up is lost */
+                atomic_fetch_add(&P.sleepers, 1);
                 while (atomic_load(&P.generation) == seen && !atomic_load(&P.stop)) pthread_cond_wait(&P.cv, &P.mu);
+                atomic_fetch_sub(&P.sleepers, 1);
                 pthread_mutex_unlock(&P.mu);
             }
         }
         if (atomic_load(&P.stop)) return NULL;
         seen = atomic_load(&P.generation);
+        int t = atomic_load(&P.tickets);
+        while (t > 0 && !atomic_compare_exchange_weak(&P.tickets, &t, t - 1)) {
+        }
+        if (t <= 0) continue; /* too late: the caller finished without us; fn/ctx may already be gone */
+        /* A ticket was on offer, so fn/ctx (written before the offer) belong to a job that is still running. */
         P.fn(P.ctx, tid, P.nthreads);
         atomic_fetch_sub(&P.pending, 1);
     }
@@ -75,6 +96,8 @@ static void after_fork_child(void) {
     P.n_workers = 0;
     atomic_store(&P.stop, 0);
     atomic_store(&P.pending, 0);
+    atomic_store(&P.tickets, 0);
+    atomic_store(&P.sleepers, 0);
 }
 
 static void stop_workers(void) {
@@ -118,11 +141,17 @@ void fx_pool_run(fx_job_fn fn, void *ctx) {
     P.fn = fn;
     P.ctx = ctx;
     atomic_store(&P.pending, P.n_workers);
-    pthread_mutex_lock(&P.mu);
+    atomic_store(&P.tickets, P.n_workers);
     atomic_fetch_add(&P.generation, 1);
-    pthread_cond_broadcast(&P.cv);
-    pthread_mutex_unlock(&P.mu);
+    if (atomic_load(&P.sleepers) > 0) { /* spinning workers see the generation; only sleepers need the cv */
+        pthread_mutex_lock(&P.mu);
+        pthread_cond_broadcast(&P.cv);
+        pthread_mutex_unlock(&P.mu);
+    }
     fn(ctx, 0, P.nthreads);
+    /* every item is claimed now: workers that have not joined yet need not (and must not) join */
+    int left = atomic_exchange(&P.tickets, 0);
+    if (left > 0) atomic_fetch_sub(&P.pending, left);
     int spins = 0;
     while (atomic_load(&P.pending) > 0) {
         if (++spins < 4096) cpu_relax();

@@ -205,6 +205,30 @@ def test_ties_prefer_lower_block_ids(settings: None) -> None:
         assert len(set(scores[0].tolist())) == 1
 
 
+def test_topk_threshold_inside_a_tie_group(settings: None) -> None:
+    """k-th best falls inside a group of equal scores (mixed signs around it): the C radix select must take every
+    better block and then the lowest ids of the tie group, like a float64 (score desc, id asc) sort."""
+    store = HostKVStore(1, 1, 64, dtype=torch.bfloat16, max_seqs=1)
+    slot = store.allocate()
+    rng = np.random.default_rng(7)
+    patterns = torch.randn(4, 16, 1, 64)
+    patterns[1] = -patterns[0]  # a negative-scoring pattern next to its positive mirror
+    order = rng.integers(0, 4, size=48)
+    k = torch.cat([patterns[i] for i in order]).to(torch.bfloat16)
+    store.append(0, slot, k, k)
+    q = rng.standard_normal((1, 3, 64), dtype=np.float32)
+    summ = store.summaries(0, slot, 16)[0].double().numpy()  # [blocks, 2, D]
+    qq = q[0].astype(np.float64)  # [r, D]
+    ref_scores = np.maximum(qq[:, None, :] * summ[None, :, 0, :], qq[:, None, :] * summ[None, :, 1, :]).sum((0, 2))
+    for simd in PATHS:
+        native.set_simd(simd)
+        for kk in (1, 5, 13, 24, 47, 48, 60):
+            ids, _, counts = native.group_topk(store.view(0), q, native.make_tasks(slot, 0, 0, 16, kk))
+            pattern_score = {int(i): ref_scores[np.flatnonzero(order == i)[0]] for i in set(order.tolist())}
+            keyed = sorted(range(48), key=lambda b: (-pattern_score[int(order[b])], b))
+            assert ids[0, :counts[0]].tolist() == sorted(keyed[:kk]), (simd, kk)
+
+
 def test_k_zero_and_all_blocks_excluded(settings: None) -> None:
     store = HostKVStore(1, 1, 64, dtype=torch.float16, max_seqs=1)
     slot = store.allocate()
