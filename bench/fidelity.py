@@ -10,6 +10,7 @@ The model is loaded once: sparse backends come from fluxion_lite.engine.make_att
 engine without it is asked for the mode directly (one more model load), and a mode it rejects is skipped.
 
 Usage: python bench/fidelity.py --model qwen2.5-coder-0.5b --context 4096 --positions 64 --modes full fixed fluxion
+On a machine without the tokenizer: `--export-tokens ids.json` here, then `--tokens ids.json --device cuda` there.
 """
 from __future__ import annotations
 
@@ -112,6 +113,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--tokens", default=None, help="read the text's token ids from this JSON file (no tokenizer)")
+    ap.add_argument("--export-tokens", default=None, help="write the text's token ids to this JSON file and stop")
     ap.add_argument("--out", default=None, help="default bench/results/fidelity_<model>_<context>.json")
     args = ap.parse_args()
     if not 1 <= args.positions <= args.context - 2:
@@ -120,12 +123,19 @@ def main() -> None:
 
     try:
         full = Engine(args.model, attention="full", device=args.device, dtype=args.dtype,
-                      max_context=args.context + 1, prefix_cache_entries=0)
+                      max_context=args.context + 1, prefix_cache_entries=0, load_tokenizer=args.tokens is None)
     except FluxionError as exc:
         sys.exit(f"error: {exc}")
-    assert full.tokenizer is not None
-    text = essay_text()[args.text_offset :]
-    tokens = full.tokenizer.encode(text[: args.context * 8], add_special=True)[: args.context]
+    if args.tokens:  # pre-tokenised (a machine without the tokenizer): the file holds the essay's token ids
+        tokens = json.loads(Path(args.tokens).read_text())[: args.context]
+    else:
+        assert full.tokenizer is not None
+        text = essay_text()[args.text_offset :]
+        tokens = full.tokenizer.encode(text[: args.context * 8], add_special=True)[: args.context]
+        if args.export_tokens:
+            Path(args.export_tokens).write_text(json.dumps(tokens))
+            print(f"wrote {len(tokens)} token ids to {args.export_tokens}")
+            return
     if len(tokens) < args.context:
         sys.exit(f"error: the essay text from offset {args.text_offset} has only {len(tokens)} tokens")
     next_tokens = tokens[len(tokens) - args.positions + 1 :]  # the last row predicts past the text: no target

@@ -168,7 +168,7 @@ def main() -> None:
         ap.error(f"unknown task(s) {', '.join(unknown)}; known: {', '.join(TASKS)}")
     if args.samples < 1:
         ap.error("--samples must be >= 1")
-    model_tag = Path(args.model).stem
+    model_tag = Path(args.model).stem if args.model.endswith(".gguf") else Path(args.model).name
     results: dict[int, dict[str, Any]] = {
         length: {
             "model": args.model, "length": length, "samples_per_task": args.samples, "seed": args.seed,

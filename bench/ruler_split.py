@@ -1,0 +1,214 @@
+"""RULER split across two machines: prompts are tokenised here, answered on a GPU host that has no tokenizer, scored here.
+
+The GPU host we measure on lacks llama-cpp-python, so it cannot tokenise. The three steps:
+
+  export  (here)      generate the samples exactly as bench/ruler.py does (same generator, seeds and chat template),
+                      write <dir>/<model>_<length>.json (answers, metrics, budgets) and .ids.xz (the prompts' token ids,
+                      int32, LZMA: the haystacks repeat across samples, so 260 32K-token prompts pack into a few MB)
+  answer  (GPU host)  load the GGUF without a tokenizer and answer every sample greedily in each mode; all samples of
+                      a length go into the engine at once (continuous batching), so a mode costs a few batched decodes;
+                      writes answers.json: output token ids per (mode, length, sample) + the backend's sparse counters
+  score   (here)      detokenise, score by substring match, print bench/ruler.py's tables, write
+                      bench/results/ruler_<model>_<length>.json (same schema, plus "machine_answered")
+
+Usage:
+  python bench/ruler_split.py export --model qwen2.5-coder-0.5b --lengths 4096 8192 --samples 20 --dir .ruler_ids
+  python bench/ruler_split.py answer --gguf model.gguf --dir .ruler_ids --modes full fixed fluxion --device cuda \
+      --out answers.json
+  python bench/ruler_split.py score --model qwen2.5-coder-0.5b --dir .ruler_ids --answers answers.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def model_tag(model: str) -> str:
+    """File-name tag of a model: a catalog name as is, a GGUF path without directory and suffix."""
+    return Path(model).stem if model.endswith(".gguf") else Path(model).name
+
+
+def _paths(directory: Path, tag: str, length: int) -> tuple[Path, Path]:
+    return directory / f"{tag}_{length}.json", directory / f"{tag}_{length}.ids.xz"
+
+
+# ---- export (needs the tokenizer) -----------------------------------------------------------------------------------
+def export(args: argparse.Namespace) -> None:
+    from fluxion_lite.engine import _resolve
+    from fluxion_lite.gguf_loader import read_metadata
+    from fluxion_lite.ruler import TASKS, chat_prompt, generate_sample
+    from fluxion_lite.tokenizer import Tokenizer
+
+    path = _resolve(args.model)
+    metadata, _ = read_metadata(path)
+    tok = Tokenizer(path, metadata)
+    render = chat_prompt(tok.apply_chat_template)
+    count = lambda text: len(tok.encode(text, add_special=True))  # noqa: E731
+    tasks = list(TASKS) if args.tasks == ["all"] else args.tasks
+    out_dir = Path(args.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for length in args.lengths:
+        t0 = time.perf_counter()
+        meta: list[dict[str, Any]] = []
+        ids: list[np.ndarray] = []
+        for task in tasks:
+            for i in range(args.samples):
+                s = generate_sample(task, length, i, count, render, args.seed)
+                tokens = np.asarray(tok.encode(s.prompt, add_special=True), dtype=np.int32)
+                ids.append(tokens)
+                meta.append({"task": s.task, "index": s.index, "seed": s.seed, "answers": list(s.answers),
+                             "metric": s.metric, "prompt_tokens": int(len(tokens)),
+                             "max_new_tokens": s.max_new_tokens})
+        flat = np.concatenate(ids)
+        meta_path, ids_path = _paths(out_dir, model_tag(args.model), length)
+        ids_path.write_bytes(lzma.compress(flat.tobytes(), preset=9 | lzma.PRESET_EXTREME))
+        meta_path.write_text(json.dumps({"model": args.model, "length": length, "seed": args.seed, "tasks": tasks,
+                                         "samples_per_task": args.samples, "eog_ids": sorted(tok.eog_ids),
+                                         "samples": meta}))
+        print(f"{length}: {len(meta)} samples, {flat.size} tokens -> {ids_path.stat().st_size / 2**20:.1f} MiB "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+
+
+def load_ids(meta_path: Path, ids_path: Path) -> tuple[dict[str, Any], list[list[int]]]:
+    meta = json.loads(meta_path.read_text())
+    flat = np.frombuffer(lzma.decompress(ids_path.read_bytes()), dtype=np.int32)
+    out, offset = [], 0
+    for s in meta["samples"]:
+        n = s["prompt_tokens"]
+        out.append(flat[offset : offset + n].tolist())
+        offset += n
+    if offset != flat.size:
+        raise ValueError(f"{ids_path}: {flat.size} token ids, the metadata accounts for {offset}")
+    return meta, out
+
+
+# ---- answer (GPU host: no tokenizer) --------------------------------------------------------------------------------
+def answer(args: argparse.Namespace) -> None:
+    import torch
+
+    from fluxion_lite.engine import DTYPES, Engine, make_attention
+    from fluxion_lite.sampling import SamplingParams
+
+    sets = [p for p in sorted(Path(args.dir).glob(f"{args.tag or ''}*_*.json")) if p.with_suffix(".ids.xz").exists()]
+    if args.lengths:
+        sets = [p for p in sets if int(p.stem.rsplit("_", 1)[1]) in args.lengths]
+    if not sets:
+        sys.exit(f"error: no exported samples in {args.dir}")
+    loaded = [load_ids(p, p.with_suffix(".ids.xz")) for p in sets]
+    max_len = max(m["length"] for m, _ in loaded)
+    engine = Engine(args.gguf, attention="full", device=args.device, dtype=args.dtype, max_batch=args.max_batch,
+                    max_context=max_len, prefill_chunk=args.prefill_chunk, prefix_cache_entries=0,
+                    load_tokenizer=False)
+    results: dict[str, Any] = {"machine": platform.node(), "device": args.device, "dtype": args.dtype,
+                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "runs": []}
+    out = Path(args.out)
+    for mode in args.modes:
+        # One model load serves every mode: only the attention backend changes between runs.
+        engine.attn = make_attention(mode, engine.config, DTYPES[args.dtype], torch.device(args.device),
+                                     max_seqs=args.max_batch + 4, model_name=loaded[0][0]["model"])
+        engine.attention_mode = mode
+        for meta, prompts in loaded:
+            engine.eog_ids = frozenset(meta["eog_ids"])
+            engine.attn.reset_stats()
+            t0 = time.perf_counter()
+            ids_by_req: dict[str, int] = {}
+            for k, (s, ids) in enumerate(zip(meta["samples"], prompts)):
+                rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=s["max_new_tokens"]))
+                ids_by_req[rid] = k
+            outputs: list[list[int]] = [[] for _ in prompts]
+            while engine.has_unfinished():
+                for o in engine.step():
+                    outputs[ids_by_req[o.request_id]].extend(o.new_token_ids)
+            seconds = time.perf_counter() - t0
+            stats = {k: float(v) for k, v in engine.attn.stats().items()}
+            results["runs"].append({"mode": mode, "length": meta["length"], "model": meta["model"],
+                                    "seconds": seconds, "sparse": stats, "outputs": outputs})
+            print(f"[{mode} {meta['length']}] {len(prompts)} samples in {seconds:.1f} s {stats}", flush=True)
+            out.write_text(json.dumps(results))  # after every run: a timeout still leaves what finished
+    print(f"wrote {out}")
+
+
+# ---- score (needs the tokenizer) -------------------------------------------------------------------------------------
+def score(args: argparse.Namespace) -> None:
+    from ruler import print_tables, summarise
+
+    from fluxion_lite.engine import _resolve
+    from fluxion_lite.gguf_loader import read_metadata
+    from fluxion_lite.ruler import score_output
+    from fluxion_lite.tokenizer import Tokenizer
+
+    path = _resolve(args.model)
+    metadata, _ = read_metadata(path)
+    tok = Tokenizer(path, metadata)
+    answered = json.loads(Path(args.answers).read_text())
+    tag = model_tag(args.model)
+    by_length: dict[int, dict[str, Any]] = {}
+    for run in answered["runs"]:
+        length = run["length"]
+        meta = json.loads(_paths(Path(args.dir), tag, length)[0].read_text())
+        eog = set(meta["eog_ids"])
+        records = []
+        for s, out_ids in zip(meta["samples"], run["outputs"]):
+            kept = [t for t in out_ids if t not in eog]
+            text = tok.decode(kept)
+            records.append({"task": s["task"], "index": s["index"], "seed": s["seed"],
+                            "prompt_tokens": s["prompt_tokens"], "score": score_output(text, s["answers"], s["metric"]),
+                            "output": text, "answers": s["answers"],
+                            # batched: a run's time and counters are per mode and length, shared by its samples
+                            "seconds": run["seconds"] / len(meta["samples"]), "sparse": run["sparse"]})
+        res = by_length.setdefault(length, {
+            "model": args.model, "length": length, "samples_per_task": meta["samples_per_task"], "seed": meta["seed"],
+            "tasks": meta["tasks"], "machine": "VM (scoring)", "machine_answered": answered.get("gpu") or
+            answered.get("machine"), "device": answered.get("device"), "dtype": answered.get("dtype"), "modes": {}})
+        res["modes"][run["mode"]] = summarise(records, meta["tasks"]) | {"records": records,
+                                                                         "batch_seconds": run["seconds"]}
+    for length, res in sorted(by_length.items()):
+        print_tables(length, res["tasks"], res["modes"])
+        out = Path(args.out_dir) / f"ruler_{tag}_{length}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(res, indent=1))
+        print(f"wrote {out}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    e = sub.add_parser("export")
+    e.add_argument("--model", default="qwen2.5-coder-0.5b")
+    e.add_argument("--lengths", type=int, nargs="+", default=[4096])
+    e.add_argument("--samples", type=int, default=20)
+    e.add_argument("--tasks", nargs="+", default=["all"])
+    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--dir", default=".ruler_ids")
+    a = sub.add_parser("answer")
+    a.add_argument("--gguf", required=True)
+    a.add_argument("--dir", default=".ruler_ids")
+    a.add_argument("--tag", default=None, help="model tag of the exported files (default: all in --dir)")
+    a.add_argument("--lengths", type=int, nargs="*", default=None)
+    a.add_argument("--modes", nargs="+", default=["full", "fixed", "fluxion"])
+    a.add_argument("--device", default="cuda")
+    a.add_argument("--dtype", default="bfloat16")
+    a.add_argument("--max-batch", type=int, default=64)
+    a.add_argument("--prefill-chunk", type=int, default=8192)
+    a.add_argument("--out", default="answers.json")
+    s = sub.add_parser("score")
+    s.add_argument("--model", default="qwen2.5-coder-0.5b")
+    s.add_argument("--dir", default=".ruler_ids")
+    s.add_argument("--answers", required=True)
+    s.add_argument("--out-dir", default="bench/results")
+    args = ap.parse_args()
+    {"export": export, "answer": answer, "score": score}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()
