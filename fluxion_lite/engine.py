@@ -25,10 +25,14 @@ from .gguf_loader import load_gguf
 from .model import Transformer
 from .sampling import SamplingParams, sample_token
 from .sparse_attention import SparseAttention
+from .request_plan import load_planner
 from .sparse_plan import SparsePlan
 from .tokenizer import IncrementalDecoder, Tokenizer
 
-ATTENTION_MODES = ("full", "fixed", "fluxion")
+# full-gpu (alias full): dense KV on the device; the rest keep all KV in host RAM (sink + window on the device):
+# full-host reads everything on the CPU, fixed is the static all-CPU sparse baseline, gpu-sparse selects on the device
+# and ships blocks over PCIe, fluxion runs the calibrated plan with the CPU/GPU scheduler. Same kernels throughout.
+ATTENTION_MODES = ("full", "full-gpu", "full-host", "fixed", "gpu-sparse", "fluxion")
 FIXED_SINK, FIXED_WINDOW = 16, 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -112,6 +116,9 @@ class Engine:
         self.attn: AttentionBackend = make_attention(
             attention, cfg, DTYPES[dtype], torch.device(device), max_seqs=max_batch + 4, model_name=self.model_name
         )
+        if attention == "fluxion" and isinstance(self.attn, SparseAttention):
+            # per-request plans when the model ships a predictor (models/<model>.predictor.npz); else the static plan
+            self.attn.planner = load_planner(self.model_name, cfg, self.attn.plan, [lw.wo for lw in self.model.layers])
         if not isinstance(self.attn, DenseAttention):
             prefix_cache_entries = 0  # the host store cannot truncate a sequence yet, so no prefix reuse
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(torch.tensor([], dtype=DTYPES[dtype]).element_size())
@@ -191,6 +198,8 @@ class Engine:
     def explain(self) -> str:
         """The attention plan in words (per layer: streaming vs retrieval groups, g and budget)."""
         if isinstance(self.attn, SparseAttention):
+            if self.attn.planner is not None:
+                return self.attn.planner.describe() + "\n" + self.attn.plan.explain()
             return self.attn.plan.explain()
         return f"attention {self.attention_mode}: dense over all {self.context_length} positions"
 
@@ -327,12 +336,23 @@ def make_attention(
     mode: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_seqs: int, model_name: str,
     plan: SparsePlan | None = None,
 ) -> AttentionBackend:
-    """The attention backend for a mode: `full` dense on the device; `fixed` and `fluxion` sparse over host KV."""
-    if mode == "full":
+    """The attention backend for a mode (ATTENTION_MODES). `plan` overrides the mode's default plan."""
+    if mode in ("full", "full-gpu"):
         return DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype, device)
-    if plan is None:
-        plan = fixed_plan(cfg) if mode == "fixed" else load_fluxion_plan(model_name, cfg)
-    return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs)
+    if mode == "full-host":
+        # every group reads all of its blocks on the CPU; g = 128 keeps the (useless) top-k scan at 1.5% of the KV
+        plan = plan or SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=128, budget=1.0, sink=FIXED_SINK,
+                                          window=FIXED_WINDOW)
+        return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="cpu")
+    if mode == "fixed":
+        return SparseAttention(cfg, plan or fixed_plan(cfg), dtype, device, max_seqs=max_seqs, placement="cpu")
+    if mode == "gpu-sparse":
+        return SparseAttention(cfg, plan or fixed_plan(cfg), dtype, device, max_seqs=max_seqs, placement="gpu",
+                               selection="gpu")
+    if mode == "fluxion":
+        plan = plan or load_fluxion_plan(model_name, cfg)
+        return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="auto")
+    raise RequestError(f"attention={mode!r}: supported modes are {', '.join(ATTENTION_MODES)}")
 
 
 def fixed_plan(cfg: ModelConfig) -> SparsePlan:

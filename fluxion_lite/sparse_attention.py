@@ -1,15 +1,24 @@
-"""Sparse decode attention over a host-memory KV store (the CPU path of Fluxion; modes `fixed` and `fluxion`).
+"""Sparse decode attention over a host-memory KV store (modes full-host, fixed, gpu-sparse, fluxion).
 
 Prefill is dense (a scratch KV on the compute device, dropped when decoding starts). Every token's K/V also goes to the
 host store (native page layout, bf16, block summaries). A decode step then attends, per (layer, KV group):
   streaming part  sink + recent window, kept on the compute device, for every group        -> (o_s, lse_s)
-  retrieval part  top-k blocks of granularity g by the Quest bound, native kernels in place over host KV,
-                  for the plan's retrieval groups                                           -> (o_r, lse_r)
+  retrieval part  top-k blocks of granularity g by the Quest bound over host KV, for the plan's retrieval groups:
+                  selection on the CPU (native top-k) or on the device (mirrored summaries, `selection="gpu"`),
+                  then the hybrid executor runs each task on the CPU or the GPU as the scheduler splits them
+                  (fluxion_lite/hybrid.py, scheduler.py)                                    -> (o_r, lse_r)
 and merges the two by log-sum-exp. The two parts cover disjoint tokens: the native top-k skips blocks that touch the
-sink or the window, so for a group with block size g the streaming part covers the sink rounded up to g and the window
-rounded down to g (the device buffers keep 128 spare tokens for that).
+sink or the window, so for a group with block size g the streaming part covers the sink rounded up to g and the
+window rounded down to g (the device buffers keep 128 spare tokens for that).
+
+A decode token's K/V reaches the host store one step late: its D2H copy is queued (pinned, non_blocking) and the
+native append runs when the same layer comes round again (or on free/prefill). Nothing misses it meanwhile: the
+window (>= 1 token) covers it on the device, and top-k never selects a block touching the window.
 """
 from __future__ import annotations
+
+import time
+from typing import Literal
 
 import numpy as np
 import torch
@@ -17,11 +26,17 @@ import torch
 from . import native
 from .attention import AttentionBackend, SeqChunk, causal_attention
 from .config import ModelConfig
+from .device_select import DeviceSummaries
 from .host_kv import HostKVStore
+from .hybrid import HybridExecutor, StepStats, Timer, lse_merge
 from .kv_cache import DenseKVCache
+from .request_plan import RequestPlanner, RowPlan
+from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan
+from .sparse_step import GVALS, DecodeStep, build_step
 
 MAX_G = max(GRANULARITIES)
+Selection = Literal["cpu", "gpu"]
 
 
 def _align_up(x: int, a: int) -> int:
@@ -29,9 +44,13 @@ def _align_up(x: int, a: int) -> int:
 
 
 class SparseAttention(AttentionBackend):
-    def __init__(self, cfg: ModelConfig, plan: SparsePlan, dtype: torch.dtype, device: torch.device, max_seqs: int):
+    def __init__(self, cfg: ModelConfig, plan: SparsePlan, dtype: torch.dtype, device: torch.device, max_seqs: int,
+                 placement: Placement = "auto", selection: Selection = "cpu", costs: Costs | None = None):
         plan.validate(cfg.n_layers, cfg.n_kv_heads)
+        if plan.window < 1:
+            raise ValueError("the sparse backend needs window >= 1 (the newest token is attended on the device)")
         self.cfg, self.plan, self.dtype, self.device = cfg, plan, dtype, device
+        self.placement, self.selection = placement, selection
         self.scale = cfg.head_dim**-0.5
         self.r = cfg.n_heads // cfg.n_kv_heads
         self.store = HostKVStore(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16, max_seqs=max_seqs,
@@ -40,15 +59,42 @@ class SparseAttention(AttentionBackend):
         self.ring_cap = plan.window + MAX_G
         self.scratch = DenseKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype, device)
         self._slot: dict[int, int] = {}
-        # seq -> [2 (k, v), L, Hkv, sink_cap + ring_cap, D]: sink tokens at 0..sink_cap-1, then a ring where slot j
-        # holds the latest position p == j (mod ring_cap). One buffer, so a decode step reads it without copies.
-        self._near: dict[int, torch.Tensor] = {}
         self._len: dict[int, int] = {}
         self._prefilling: set[int] = set()
-        # plan as tensors: [L, Hkv]
-        self._streaming = torch.tensor([[gp.streaming for gp in row] for row in plan.groups])
-        self._g = torch.tensor([[1 if gp.streaming else gp.g for gp in row] for row in plan.groups])
-        self._budget = np.array([[gp.budget for gp in row] for row in plan.groups], dtype=np.float64)  # [L, Hkv]
+        # [L, slot_cap, 2 (k, v), Hkv, sink_cap + ring_cap, D]: sink tokens at 0..sink_cap-1, then a ring where slot j
+        # holds the latest position p == j (mod ring_cap). One slab, so a step reads a slice or one gather per layer.
+        self._near = torch.zeros(cfg.n_layers, 0, 2, cfg.n_kv_heads, self.sink_cap + self.ring_cap, cfg.head_dim,
+                                 dtype=dtype, device=device)
+        # plan as arrays [L, Hkv]
+        self._retrieval = np.array([[not gp.streaming for gp in row] for row in plan.groups])
+        self._g = np.array([[1 if gp.streaming else gp.g for gp in row] for row in plan.groups], np.int64)
+        self._budget = np.array([[gp.budget for gp in row] for row in plan.groups], dtype=np.float64)
+        self._gidx = np.searchsorted(np.array(GVALS), self._g)  # [L, Hkv] row of DecodeStep's per-g arrays
+        self._gidx_dev = torch.from_numpy(self._gidx).to(device)
+        self._dsum: DeviceSummaries | None = None
+        # per-request plans from the head-property predictor (request_plan.py); None: the static plan for all
+        self.planner: RequestPlanner | None = None
+        if selection == "gpu":
+            gs = set(self._g[self._retrieval].tolist())
+            if len(gs) > 1:
+                raise ValueError(f"selection='gpu' mirrors one granularity; the plan uses {sorted(gs)}")
+            self._dsum = DeviceSummaries(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, gs.pop() if gs else 16, device)
+        cuda = device.type == "cuda"
+        # new K/V per layer waiting for the host store: [L, 2, rows, Hkv, D] (pinned), (slots, rows, event) per layer
+        self._kv_out = torch.empty(cfg.n_layers, 2, 0, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
+        self._pending: list[tuple[list[int], int, torch.cuda.Event | None] | None] = [None] * cfg.n_layers
+        self._q_out = torch.empty(0, cfg.n_heads, cfg.head_dim, pin_memory=cuda)  # q for the CPU kernels
+        self._step: DecodeStep | None = None
+        self._st = StepStats()
+        self.timer = Timer(device)
+        base = costs or measure_costs(str(device) if cuda else "cpu")
+        if not cuda and costs is None:  # the "GPU" side is torch on this CPU: model it as a slow but usable side
+            base = Costs(base.cpu_gbs, base.gather_gbs, h2d_gbs=base.cpu_gbs, cpu_fixed_s=base.cpu_fixed_s,
+                         gather_fixed_s=base.gather_fixed_s)
+        self.costs = CostModel(base)
+        self.executor = HybridExecutor(device, torch.bfloat16, cfg.head_dim, self.r, self.costs, placement,
+                                       self.timer, self._st)
+        self._t_step = 0.0
         self._read_tokens = 0.0  # sum over decode (step, layer, seq, group) of tokens read
         self._context_tokens = 0.0  # same sum of context lengths
 
@@ -56,22 +102,33 @@ class SparseAttention(AttentionBackend):
     def allocate(self, seq_id: int) -> None:
         if seq_id in self._slot:
             raise ValueError(f"sequence {seq_id} already has a KV cache")
-        c = self.cfg
-        self._slot[seq_id] = self.store.allocate()
+        slot = self.store.allocate()
+        self._slot[seq_id] = slot
         self.scratch.allocate(seq_id)
         self._prefilling.add(seq_id)
-        self._near[seq_id] = torch.zeros(2, c.n_layers, c.n_kv_heads, self.sink_cap + self.ring_cap, c.head_dim,
-                                         dtype=self.dtype, device=self.device)
+        if slot >= self._near.shape[1]:
+            self._grow_near(slot + 1)
+        self._near[:, slot].zero_()
         self._len[seq_id] = 0
 
+    def _grow_near(self, n: int) -> None:
+        old = self._near
+        shape = list(old.shape)
+        shape[1] = max(n, 2 * shape[1])
+        self._near = torch.zeros(shape, dtype=old.dtype, device=old.device)
+        self._near[:, : old.shape[1]] = old
+
     def free(self, seq_id: int) -> None:
+        self.flush()
         slot = self._slot.pop(seq_id, None)
         if slot is not None:
             self.store.release(slot)
         self.scratch.free(seq_id)
-        for d in (self._near, self._len):
-            d.pop(seq_id, None)
+        self._len.pop(seq_id, None)
         self._prefilling.discard(seq_id)
+        self._step = None
+        if self.planner is not None:
+            self.planner.forget(seq_id)
 
     def truncate(self, seq_id: int, n_tokens: int) -> None:
         raise NotImplementedError("the sparse backend does not support prefix reuse yet")
@@ -80,129 +137,239 @@ class SparseAttention(AttentionBackend):
         return self._len[seq_id]
 
     def bytes_used(self) -> tuple[int, int]:
-        device_bytes = self.scratch.bytes_used() + sum(
-            t.numel() * t.element_size() for t in self._near.values()
-        )
+        # the slab's rows of live sequences (free rows are kept for reuse, like a pool)
+        per_seq = self._near[:, :1].numel() * self._near.element_size()
+        device_bytes = self.scratch.bytes_used() + per_seq * len(self._slot)
+        if self._dsum is not None:
+            device_bytes += self._dsum.bytes_used()
         if self.device.type == "cuda":
             return self.store.bytes_used, device_bytes
         return self.store.bytes_used + device_bytes, 0
 
     def stats(self) -> dict[str, float]:
         frac = self._read_tokens / self._context_tokens if self._context_tokens else 0.0
-        return {"kv_read_fraction": frac, "streaming_fraction": self.plan.streaming_fraction}
+        c = self.costs.costs
+        return {"kv_read_fraction": frac, "streaming_fraction": self.plan.streaming_fraction, **self._st.as_dict(),
+                "cpu_gbs": c.cpu_gbs, "gather_gbs": c.gather_gbs, "h2d_gbs": c.h2d_gbs or 0.0}
 
     def reset_stats(self) -> None:
         self._read_tokens = self._context_tokens = 0.0
+        self._st.__init__()  # type: ignore[misc]  # in place: the executor holds the same object
+        self.timer.collect()
+
+    def flush(self) -> None:
+        """Append every queued decode K/V to the host store (tests and free() need the store complete)."""
+        for layer in range(self.cfg.n_layers):
+            self._flush(layer)
 
     # ---- attention ------------------------------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+        self._flush(layer)
+        if all(c.length == 1 and c.seq_id not in self._prefilling for c in chunks):
+            out = self._decode(layer, q, k, v, chunks)  # the hot path: every row a decode token
+        else:
+            out = self._mixed(layer, q, k, v, chunks)
+        if layer == self.cfg.n_layers - 1:
+            for c in chunks:
+                self._len[c.seq_id] = c.start + c.length
+        return out
+
+    def _mixed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+        """A call with prefill chunks: synchronous host append, dense prefill, decode rows through _decode."""
+        slots = [self._slot[c.seq_id] for c in chunks]
+        self.store.append_batch(layer, slots, k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu(),
+                                counts=[c.length for c in chunks])
         out = torch.empty_like(q)
-        self._write(layer, k, v, chunks)
-        decode_rows: list[int] = []
-        decode_chunks: list[SeqChunk] = []
+        rows, dec = [], []
         offset = 0
-        for c in chunks:
+        for c, slot in zip(chunks, slots):
             sl = slice(offset, offset + c.length)
+            self._write_near(layer, slot, c.start, k[sl], v[sl])
+            if self._dsum is not None:
+                self._dsum.append_chunk(layer, slot, c.start, k[sl])
             if c.length > 1:
                 if c.seq_id not in self._prefilling:
                     raise ValueError(f"sequence {c.seq_id}: a prefill chunk after decoding started is not supported")
                 keys, values = self.scratch.append(layer, c.seq_id, c.start, k[sl], v[sl])
                 out[sl] = causal_attention(q[sl], keys, values, c.start, self.scale)
+                if self.planner is not None:
+                    self.planner.record(layer, c.seq_id, q[sl])
             else:
-                decode_rows.append(offset)
-                decode_chunks.append(c)
-            offset += c.length
-        if decode_chunks:
-            rows = torch.tensor(decode_rows, device=q.device)
-            out[rows] = self._decode(layer, q[rows], decode_chunks)
-        if layer == self.cfg.n_layers - 1:
-            for c in chunks:
-                self._len[c.seq_id] = c.start + c.length
-                if c.length == 1 and c.seq_id in self._prefilling:  # decoding started: the dense scratch goes
-                    self._prefilling.discard(c.seq_id)
+                rows.append(offset)
+                dec.append(c)
+                if self.planner is not None and c.seq_id in self._prefilling:  # prefill ended: plan this layer
+                    self.planner.prefill_done(layer, c.seq_id, *self.scratch.view(layer, c.seq_id))
+                if layer == self.cfg.n_layers - 1 and c.seq_id in self._prefilling:
+                    self._prefilling.discard(c.seq_id)  # decoding started: the dense scratch goes
                     self.scratch.free(c.seq_id)
+            offset += c.length
+        if dec:
+            idx = torch.tensor(rows, device=q.device)
+            out[idx] = self._attend_decode(layer, q[idx], self._step_for(dec))
         return out
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> None:
-        """Append the new tokens' K/V to the host store (one native call) and to each sequence's sink/window."""
-        slots = [self._slot[c.seq_id] for c in chunks]
-        self.store.append_batch(layer, slots, k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu(),
-                                counts=[c.length for c in chunks])
-        offset = 0
-        for c in chunks:
-            kc, vc = k[offset : offset + c.length], v[offset : offset + c.length]  # [n, Hkv, D]
-            pos = torch.arange(c.start, c.start + c.length, device=k.device)
-            near = self._near[c.seq_id]
-            if c.start < self.sink_cap:
-                in_sink = pos < self.sink_cap
-                near[0, layer][:, pos[in_sink]] = kc[in_sink].transpose(0, 1).to(self.dtype)
-                near[1, layer][:, pos[in_sink]] = vc[in_sink].transpose(0, 1).to(self.dtype)
-            tail = slice(max(0, c.length - self.ring_cap), c.length)
-            ring_idx = self.sink_cap + pos[tail] % self.ring_cap
-            near[0, layer][:, ring_idx] = kc[tail].transpose(0, 1).to(self.dtype)
-            near[1, layer][:, ring_idx] = vc[tail].transpose(0, 1).to(self.dtype)
-            offset += c.length
+    def _write_near(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Sink and ring slots of a chunk's tokens (k, v [n, Hkv, D] at positions start..)."""
+        n, end = k.shape[0], start + k.shape[0]
+        near = self._near[layer, slot]  # [2, Hkv, Ltot, D]
+        kv = torch.stack([k, v]).transpose(1, 2).to(self.dtype)  # [2, Hkv, n, D]
+        if start < self.sink_cap:
+            m = min(end, self.sink_cap) - start
+            near[:, :, start : start + m] = kv[:, :, :m]
+        lo = max(start, end - self.ring_cap)
+        ring = self.sink_cap + torch.arange(lo, end, device=k.device) % self.ring_cap
+        near[:, :, ring] = kv[:, :, lo - start :]
 
-    def _decode(self, layer: int, q: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
-        """q: [B, Hq, D], one new token per sequence (already written) -> out [B, Hq, D]."""
-        B, hkv, r, d = len(chunks), self.cfg.n_kv_heads, self.r, self.cfg.head_dim
-        dev = q.device
-        n_ctx = torch.tensor([c.start + 1 for c in chunks], device=dev)  # [B] tokens incl. the new one
-        g = self._g[layer].to(dev)  # [Hkv] (1 for streaming groups)
-        # Streaming coverage per (seq, group): [0, sink_hi) and [win_lo, n_ctx), block-aligned to the group's g.
-        sink_hi = torch.minimum(((self.plan.sink + g - 1) // g * g)[None, :], n_ctx[:, None])  # [B, Hkv]
-        win_lo = torch.maximum(((n_ctx[:, None] - self.plan.window).clamp(min=0) // g) * g, sink_hi)  # [B, Hkv]
-        # Positions held in the device buffers: sink slots 0..sink_cap-1, ring slot j -> latest p == j (mod cap).
-        j = torch.arange(self.ring_cap, device=dev)
-        last = n_ctx - 1
-        ring_pos = last[:, None] - ((last[:, None] - j[None, :]) % self.ring_cap)  # [B, ring_cap]
-        sink_pos = torch.arange(self.sink_cap, device=dev).expand(B, -1)
-        pos = torch.cat([sink_pos, ring_pos], dim=1)  # [B, Ltot]
-        is_sink = torch.zeros_like(pos, dtype=torch.bool)
-        is_sink[:, : self.sink_cap] = True
-        valid = torch.where(
-            is_sink[:, None, :],
-            pos[:, None, :] < sink_hi[:, :, None],
-            (pos[:, None, :] >= win_lo[:, :, None]) & (pos[:, None, :] >= 0),
-        )  # [B, Hkv, Ltot]
-        if B == 1:
-            kv = self._near[chunks[0].seq_id][:, layer, None]  # [2, 1, Hkv, Ltot, D], a view
-        else:
-            kv = torch.stack([self._near[c.seq_id][:, layer] for c in chunks], dim=1)  # [2, B, Hkv, Ltot, D]
-        keys, values = kv[0], kv[1]  # [B, Hkv, Ltot, D]
+    def _step_for(self, chunks: list[SeqChunk]) -> DecodeStep:
+        key = tuple((c.seq_id, c.start) for c in chunks)
+        if self._step is None or self._step.key != key:
+            self._step = build_step(key, [self._slot[c.seq_id] for c in chunks], self.plan.sink, self.plan.window,
+                                    self.sink_cap, self.ring_cap, self.device)
+        return self._step
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+        if layer == 0:
+            self._t_step = time.perf_counter()
+        st = self._step_for(chunks)
+        B = st.batch
+        kv_new = torch.stack([k, v], dim=1).to(self.dtype)  # [B, 2, Hkv, D]
+        self._near[layer][st.slots_dev, :, :, st.ring_dev] = kv_new
+        for b in st.sink_rows:  # early positions also live in the sink slots
+            self._near[layer, int(st.slots[b]), :, :, int(st.n[b] - 1)] = kv_new[b]
+        if self._dsum is not None:
+            self._dsum.append_tokens(layer, st.slots_dev, st.pos_dev, int(st.slots.max()), int(st.n.max() - 1), k)
+        self._queue_host_append(layer, st, k, v)
+        out = self._attend_decode(layer, q, st)
+        if layer == self.cfg.n_layers - 1:
+            spans = self.timer.collect()
+            s = self._st
+            s.steps += 1
+            s.step_s += time.perf_counter() - self._t_step
+            s.gpu_compute_s += spans.get("stream", 0.0) + spans.get("gpu_tasks", 0.0) + spans.get("merge", 0.0)
+            s.gpu_wait_s += max(0.0, spans.get("window", 0.0) - spans.get("gpu_tasks", 0.0))
+        return out
+
+    def _queue_host_append(self, layer: int, st: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
+        B = st.batch
+        if self._kv_out.shape[2] < B:
+            self.flush()  # the old buffer's rows are about to go
+            shape = list(self._kv_out.shape)
+            shape[2] = max(B, 2 * shape[2])
+            self._kv_out = torch.empty(shape, dtype=torch.bfloat16, pin_memory=self.device.type == "cuda")
+        self._kv_out[layer, 0, :B].copy_(k, non_blocking=True)  # [B, Hkv, D] each, contiguous
+        self._kv_out[layer, 1, :B].copy_(v, non_blocking=True)
+        ev = None
+        if self.device.type == "cuda":
+            ev = torch.cuda.Event()
+            ev.record()
+            self._st.pcie_bytes += 2 * k.numel() * 2
+        self._pending[layer] = (st.slots.tolist(), B, ev)
+
+    def _flush(self, layer: int) -> None:
+        p = self._pending[layer]
+        if p is None:
+            return
+        slots, B, ev = p
+        if ev is not None:
+            ev.synchronize()  # recorded a step ago: normally long complete
+        self.store.append_batch(layer, slots, self._kv_out[layer, 0, :B], self._kv_out[layer, 1, :B])
+        self._pending[layer] = None
+
+    def _attend_decode(self, layer: int, q: torch.Tensor, st: DecodeStep) -> torch.Tensor:
+        """q: [B, Hq, D], one new token per sequence (already in the device buffers) -> out [B, Hq, D]."""
+        B, hkv, r, d = st.batch, self.cfg.n_kv_heads, self.r, self.cfg.head_dim
+        cuda = self.device.type == "cuda"
+        rp = self._row_plan(st)
+        tasks, meta = self._layer_tasks(layer, st, rp)
+        ev_q = None
+        if len(tasks) and self.selection == "cpu" and cuda:  # queued before the streaming part so it lands first
+            if self._q_out.shape[0] < B:
+                self._q_out = torch.empty(B, *self._q_out.shape[1:], pin_memory=True)
+            self._q_out[:B].copy_(q, non_blocking=True)
+            ev_q = torch.cuda.Event()
+            ev_q.record()
+            self._st.pcie_bytes += q.numel() * 4
+        m0 = self.timer.mark()
+        near = self._near[layer]
+        kv = near[st.first_slot : st.first_slot + B] if st.first_slot is not None else near[st.slots_dev]
+        keys, values = kv[:, 0], kv[:, 1]  # [B, Hkv, Ltot, D]
         qg = q.view(B, hkv, r, d)
         scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [B, Hkv, r, Ltot]
-        scores.masked_fill_(~valid[:, :, None, :], float("-inf"))
+        if rp is None:
+            scores += st.bias[self._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
+        else:  # per-row plans: each (row, group) picks its own g's mask
+            scores += st.bias[rp.gidx_dev[layer], torch.arange(B, device=self.device)[:, None]][:, :, None, :]  # [B, Hkv, 1, Ltot]
         lse_s = torch.logsumexp(scores, dim=-1)  # [B, Hkv, r]
-        probs = torch.exp(scores - lse_s[..., None]).to(values.dtype)
-        out = torch.matmul(probs, values).float()  # [B, Hkv, r, D]
-        read = valid.sum(-1).double()  # [B, Hkv] streaming tokens read
-
-        # Retrieval tasks of this layer, built with array ops (no Python loop over sequences x groups): a retrieval
-        # group whose gap between sink and window holds at least one block. meta columns: b, h, g, k, lo, hi, n.
-        lo_np, hi_np = sink_hi.cpu().numpy(), win_lo.cpu().numpy()  # [B, Hkv]
-        g_np = self._g[layer].numpy()  # [Hkv]
-        n_np = np.array([c.start + 1 for c in chunks], dtype=np.int64)  # [B]
-        wanted = (~self._streaming[layer].numpy())[None, :] & (hi_np - lo_np >= g_np[None, :])
-        bi_np, h_np = np.nonzero(wanted)
-        gh = g_np[h_np]
-        k_blocks = np.ceil(self._budget[layer, h_np] * n_np[bi_np] / gh).astype(np.int64)
-        meta = np.stack([bi_np, h_np, gh, k_blocks, lo_np[bi_np, h_np], hi_np[bi_np, h_np], n_np[bi_np]], axis=1)
-        if len(meta):
-            slots = np.array([self._slot[c.seq_id] for c in chunks])[meta[:, 0]]  # per task
-            tasks = native.make_tasks(slots, meta[:, 0], meta[:, 1], meta[:, 2], meta[:, 3],
-                                      exclude=[(0, meta[:, 4]), (meta[:, 5], meta[:, 6])])
+        out = torch.matmul(torch.exp(scores - lse_s[..., None]).to(values.dtype), values).float()  # [B, Hkv, r, D]
+        m1 = self.timer.mark()
+        self.timer.span("stream", m0, m1)
+        gi_read = self._gidx[layer][None, :] if rp is None else rp.gidx[layer]  # [1 or B, Hkv]
+        self._read_tokens += float(st.stream_read[gi_read, np.arange(B)[:, None]].sum())
+        self._context_tokens += float(st.n.sum()) * hkv
+        if len(tasks):
             view = self.store.view(layer)
-            q_host = q.detach().float().cpu().contiguous()  # [B, Hq, D]
-            ids, _, counts = native.group_topk(view, q_host, tasks)
-            o_r, lse_r = native.sparse_attention(view, q_host, tasks, ids, counts, self.scale)  # [T, r, D], [T, r]
-            bi, hi_ = torch.from_numpy(meta[:, 0]), torch.from_numpy(meta[:, 1])
-            o_r_t, lse_r_t = torch.from_numpy(o_r).to(dev), torch.from_numpy(lse_r).to(dev)
-            lse_s_sel, out_sel = lse_s[bi, hi_], out[bi, hi_]  # [T, r], [T, r, D]
-            m = torch.maximum(lse_s_sel, lse_r_t)
-            w_s, w_r = torch.exp(lse_s_sel - m), torch.exp(lse_r_t - m)  # lse_r = -inf (empty) -> weight 0
-            out[bi, hi_] = (out_sel * w_s[..., None] + o_r_t * w_r[..., None]) / (w_s + w_r)[..., None]
-            read[bi, hi_] += torch.from_numpy(counts.astype(np.float64) * meta[:, 2]).to(dev)
-        self._read_tokens += float(read.sum())
-        self._context_tokens += float(n_ctx.double().sum()) * hkv
+            bi, h, k_blocks, lo, hi = meta
+            t0 = time.perf_counter()
+            if self._dsum is None:
+                if ev_q is not None:
+                    ev_q.synchronize()
+                q_host = self._q_out[:B] if cuda else q.float().contiguous()  # [B, Hq, D] fp32
+                ids, _, counts = native.group_topk(view, q_host, tasks)
+            else:
+                q_host = q
+                ids, counts = self._select_on_device(layer, st, qg, bi, h, k_blocks, lo, hi)
+            self._st.cpu_topk_s += time.perf_counter() - t0
+            o_r, lse_r = self.executor.run(view, q_host, qg.reshape(B * hkv, r, d), tasks, ids, counts, bi * hkv + h,
+                                           B * hkv, self.scale,
+                                           placement="gpu" if self._dsum is not None else None)
+            self._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
+            m2 = self.timer.mark()
+            out = lse_merge(out, lse_s, o_r.view(B, hkv, r, d), lse_r.view(B, hkv, r))
+        else:
+            m2 = self.timer.mark()
+        self.timer.span("window", m1, m2)
+        self.timer.span("merge", m2, self.timer.mark())
         return out.view(B, hkv * r, d).to(q.dtype)
+
+    def _row_plan(self, st: DecodeStep) -> RowPlan | None:
+        """The step's per-row plan arrays when some sequence has a per-request plan, else None (static plan)."""
+        if self.planner is None:
+            return None
+        return self.planner.rows(st, [sid for sid, _ in st.key], self.device)
+
+    def _layer_tasks(self, layer: int, st: DecodeStep, rp: RowPlan | None = None
+                     ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
+        """Retrieval tasks of this layer, built with array ops: a retrieval group whose gap between sink and window
+        holds at least one block. Returns the native task table and (seq row, group, k, lo, hi) per task."""
+        if rp is None:  # the static plan: [1, Hkv], broadcast over rows
+            gi, g, ret, bud = (a[layer][None, :] for a in (self._gidx, self._g, self._retrieval, self._budget))
+        else:  # per-request plans: [B, Hkv]
+            gi, g, ret, bud = rp.gidx[layer], rp.g[layer], rp.retrieval[layer], rp.budget[layer]
+        rows = np.arange(st.batch)[:, None]
+        lo, hi = st.sink_hi[gi, rows], st.win_lo[gi, rows]  # [B, Hkv]
+        wanted = ret & (hi - lo >= g)
+        bi, h = np.nonzero(wanted)
+        gh = np.broadcast_to(g, wanted.shape)[bi, h]
+        k_blocks = np.ceil(np.broadcast_to(bud, wanted.shape)[bi, h] * st.n[bi] / gh).astype(np.int64)
+        lo_t, hi_t = lo[bi, h], hi[bi, h]
+        tasks = native.make_tasks(st.slots[bi], bi, h, gh, k_blocks, exclude=[(0, lo_t), (hi_t, st.n[bi])])
+        return tasks, (bi.astype(np.int64), h.astype(np.int64), k_blocks, lo_t, hi_t)
+
+    def _select_on_device(self, layer: int, st: DecodeStep, qg: torch.Tensor, bi: np.ndarray, h: np.ndarray,
+                          k_blocks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k on the device over mirrored summaries; only the chosen block ids come back to the host."""
+        assert self._dsum is not None
+        B, hkv, g = st.batch, self.cfg.n_kv_heads, self._dsum.g
+        lo_blk, hi_blk = -(-lo // g), hi // g  # eligible blocks lie wholly inside [lo, hi)
+        bounds = np.zeros((2, B, hkv), np.int64)  # non-task groups: empty range
+        bounds[0, bi, h], bounds[1, bi, h] = lo_blk, hi_blk
+        b_dev = torch.from_numpy(bounds).to(self.device, non_blocking=True)
+        k_max = max(1, int(k_blocks.max()))
+        n_blocks = int(-(-st.n.max() // g))
+        ids = self._dsum.select(layer, qg, st.slots_dev, b_dev[0], b_dev[1], n_blocks, k_max).cpu().numpy()
+        self._st.pcie_bytes += ids.nbytes
+        ids_t = np.ascontiguousarray(ids[bi, h])  # [T, k]
+        counts = np.minimum(k_blocks, np.maximum(hi_blk - lo_blk, 0)).astype(np.int32)
+        if ids_t.shape[1] < k_max:  # fewer blocks exist than k_max: pad (never read beyond counts)
+            ids_t = np.pad(ids_t, ((0, 0), (0, k_max - ids_t.shape[1])))
+        return ids_t, np.minimum(counts, ids_t.shape[1]).astype(np.int32)

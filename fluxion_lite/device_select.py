@@ -1,0 +1,73 @@
+"""Block selection on the compute device (the `gpu-sparse` baseline, Quest-style): block summaries mirrored there.
+
+Per layer, K's per-dimension min/max over blocks of g tokens, [slots, Hkv, blocks, 2, D] fp32, kept up to date from
+the new keys as they are produced (no host round trip). The score is the same Quest bound the native top-k computes,
+summed over the group's query heads: sum_d Q+_d max_d + Q-_d min_d with Q+ = sum_j max(q_j, 0), Q- = sum_j min(q_j, 0).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class DeviceSummaries:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, g: int, device: torch.device):
+        self.n_layers, self.hkv, self.d, self.g, self.device = n_layers, n_kv_heads, head_dim, g, device
+        # per layer: [slot_cap, Hkv, block_cap, 2, D] fp32; grown by doubling (slots or blocks), never shrunk
+        self._s: list[torch.Tensor] = [torch.empty(0, n_kv_heads, 0, 2, head_dim, device=device)
+                                       for _ in range(n_layers)]
+
+    def bytes_used(self) -> int:
+        return sum(t.numel() * 4 for t in self._s)
+
+    def _ensure(self, layer: int, slot: int, n_blocks: int) -> torch.Tensor:
+        s = self._s[layer]
+        if slot < s.shape[0] and n_blocks <= s.shape[2]:
+            return s
+        slots = max(slot + 1, s.shape[0] if slot < s.shape[0] else 2 * s.shape[0], 1)
+        blocks = max(n_blocks, 2 * s.shape[2] if n_blocks > s.shape[2] else s.shape[2], 64)
+        grown = torch.zeros(slots, self.hkv, blocks, 2, self.d, device=self.device)
+        grown[: s.shape[0], :, : s.shape[2]] = s
+        self._s[layer] = grown
+        return grown
+
+    def append_chunk(self, layer: int, slot: int, start: int, k: torch.Tensor) -> None:
+        """Keys k [n, Hkv, D] at positions start..start+n-1 of one sequence (a prefill chunk)."""
+        g, n = self.g, k.shape[0]
+        off, b0 = start % g, start // g
+        nb = -(-(off + n) // g)
+        s = self._ensure(layer, slot, b0 + nb)
+        kk = k.float()
+        lo = torch.full((nb * g, self.hkv, self.d), float("inf"), device=self.device)
+        hi = torch.full((nb * g, self.hkv, self.d), float("-inf"), device=self.device)
+        lo[off : off + n], hi[off : off + n] = kk, kk
+        mins = lo.view(nb, g, self.hkv, self.d).amin(1)  # [nb, Hkv, D]
+        maxs = hi.view(nb, g, self.hkv, self.d).amax(1)
+        if off:  # the first block already holds earlier tokens
+            mins[0] = torch.minimum(mins[0], s[slot, :, b0, 0])
+            maxs[0] = torch.maximum(maxs[0], s[slot, :, b0, 1])
+        s[slot, :, b0 : b0 + nb] = torch.stack([mins, maxs], dim=2).transpose(0, 1)  # [Hkv, nb, 2, D]
+
+    def append_tokens(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, max_slot: int, max_pos: int,
+                      k: torch.Tensor) -> None:
+        """One new key per sequence: slots, pos [B] int64 (device), k [B, Hkv, D]; max_* are host ints for growth."""
+        s = self._ensure(layer, max_slot, max_pos // self.g + 1)
+        blk = pos // self.g
+        first = (pos % self.g == 0)[:, None, None]  # [B, 1, 1]: a new block starts, old contents are stale
+        cur = s[slots, :, blk]  # [B, Hkv, 2, D]
+        kk = k.float()
+        mins = torch.where(first, kk, torch.minimum(cur[:, :, 0], kk))
+        maxs = torch.where(first, kk, torch.maximum(cur[:, :, 1], kk))
+        s[slots, :, blk] = torch.stack([mins, maxs], dim=2)
+
+    def select(self, layer: int, qg: torch.Tensor, slots: torch.Tensor, lo_blk: torch.Tensor, hi_blk: torch.Tensor,
+               n_blocks: int, k_max: int) -> torch.Tensor:
+        """qg [B, Hkv, r, D]; slots [B]; lo_blk, hi_blk [B, Hkv]: eligible blocks are [lo, hi). Returns int32
+        [B, Hkv, k_max] block ids, highest score first; only the first min(k, hi - lo) of a row are meaningful."""
+        s = self._s[layer][:, :, :n_blocks][slots]  # [B, Hkv, NB, 2, D]
+        q = qg.float()
+        q_pos, q_neg = q.clamp(min=0).sum(2), q.clamp(max=0).sum(2)  # [B, Hkv, D]
+        scores = torch.einsum("bhd,bhnd->bhn", q_pos, s[..., 1, :]) + torch.einsum("bhd,bhnd->bhn", q_neg, s[..., 0, :])
+        blk = torch.arange(n_blocks, device=qg.device)
+        eligible = (blk >= lo_blk[..., None]) & (blk < hi_blk[..., None])  # [B, Hkv, NB]
+        scores = scores.masked_fill(~eligible, float("-inf"))
+        return scores.topk(min(k_max, n_blocks), dim=-1).indices.to(torch.int32)

@@ -1,0 +1,63 @@
+"""Per decode step bookkeeping of the sparse backend, computed once per step on the host (not once per layer).
+
+Everything a layer needs that depends only on the step (which sequences, their lengths) and on a group's block size:
+the streaming coverage per granularity, the additive mask of the on-device sink + ring buffer, and index tensors.
+Built with numpy and shipped in two small copies, so the per-layer path has no host<->device syncs of its own.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+GVALS = (1, 16, 32, 64, 128)  # 1 = a streaming group (exact sink / window); else the group's block size
+
+
+@dataclass
+class DecodeStep:
+    key: tuple[tuple[int, int], ...]  # (seq_id, position) per row: identifies the step
+    slots: np.ndarray  # int64 [B] host-store slots (also the row of the on-device sink/ring slab)
+    n: np.ndarray  # int64 [B] tokens incl. the new one
+    sink_hi: np.ndarray  # int64 [len(GVALS), B] streaming covers [0, sink_hi) ...
+    win_lo: np.ndarray  # int64 [len(GVALS), B] ... and [win_lo, n): block-aligned to the group's g
+    stream_read: np.ndarray  # float64 [len(GVALS), B] tokens the streaming part reads
+    bias: torch.Tensor  # fp32 [len(GVALS), B, Ltot] on the device: 0 where a buffer slot is attended, -inf elsewhere
+    slots_dev: torch.Tensor  # int64 [B]
+    pos_dev: torch.Tensor  # int64 [B] position of the new token
+    ring_dev: torch.Tensor  # int64 [B] its slot in the ring (sink_cap + pos % ring_cap)
+    first_slot: int | None  # slots are first_slot .. first_slot + B - 1: the slab is sliced, not gathered
+    sink_rows: list[int]  # rows whose new token also belongs in the sink slots (position < sink_cap)
+
+    @property
+    def batch(self) -> int:
+        return len(self.slots)
+
+
+def build_step(key: tuple[tuple[int, int], ...], slots: list[int], sink: int, window: int, sink_cap: int,
+               ring_cap: int, device: torch.device) -> DecodeStep:
+    pos = np.array([p for _, p in key], np.int64)  # [B]
+    n = pos + 1
+    slots_a = np.array(slots, np.int64)
+    gv = np.array(GVALS, np.int64)[:, None]  # [G, 1]
+    sink_hi = np.minimum(-(-sink // gv) * gv, n[None, :])  # [G, B]
+    win_lo = np.maximum((np.maximum(n[None, :] - window, 0) // gv) * gv, sink_hi)  # [G, B]
+    # buffer slots: sink j holds position j; ring slot j holds the latest position p == j (mod ring_cap)
+    j = np.arange(ring_cap)
+    ring_pos = pos[:, None] - ((pos[:, None] - j[None, :]) % ring_cap)  # [B, ring_cap]
+    sink_pos = np.broadcast_to(np.arange(sink_cap), (len(pos), sink_cap))
+    valid = np.concatenate([
+        sink_pos[None] < sink_hi[:, :, None],  # [G, B, sink_cap]
+        (ring_pos[None] >= win_lo[:, :, None]) & (ring_pos[None] >= 0),  # [G, B, ring_cap]
+    ], axis=2)
+    bias = np.where(valid, np.float32(0), np.float32("-inf"))  # [G, B, Ltot]
+    idx = np.stack([slots_a, pos, sink_cap + pos % ring_cap])  # [3, B]
+    pin = device.type == "cuda"
+    bias_t, idx_t = torch.from_numpy(bias), torch.from_numpy(idx)
+    if pin:
+        bias_t, idx_t = bias_t.pin_memory(), idx_t.pin_memory()
+    bias_d, idx_d = bias_t.to(device, non_blocking=True), idx_t.to(device, non_blocking=True)
+    contiguous = len(slots) > 0 and bool((np.diff(slots_a) == 1).all())
+    return DecodeStep(key, slots_a, n, sink_hi, win_lo, valid.sum(-1).astype(np.float64), bias_d, idx_d[0],
+                      idx_d[1], idx_d[2], int(slots_a[0]) if contiguous else None,
+                      [b for b in range(len(pos)) if pos[b] < sink_cap])
