@@ -69,7 +69,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     n, hq, d = q.shape
     hkv, total, _ = k.shape
     r = hq // hkv
-    if q.is_cuda and n > 1:
+    if n == 1:  # a decode token sees every key: no mask, one fused call
+        return decode_attention(q, k, v, scale)
+    if q.is_cuda:
         return fused_causal_attention(q, k, v, scale)
     # Group query heads by their KV head so each K/V row is read once for all r heads: qg: [Hkv, r, n, D]
     qg = q.permute(1, 0, 2).reshape(hkv, r, n, d)
@@ -86,6 +88,20 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
         probs = torch.softmax(scores, dim=-1)
         out[:, :, i0:i1] = torch.matmul(probs, v[:, None, :end])
     return out.reshape(hq, n, d).permute(1, 0, 2)
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query position over all of a sequence's keys (a decode step): q [1, Hq, D], k, v [Hkv, L, D] -> [1, Hq, D].
+
+    The r = Hq / Hkv query heads sharing a KV head are laid out as r query rows of one SDPA head ([1, Hkv, r, D]), so
+    each K/V row is read once per KV head, no K/V is repeated or copied, and no mask is needed. k, v may be views
+    into a larger cache buffer (last dim contiguous), which every SDPA backend (CPU flash, CUDA flash /
+    memory-efficient) accepts as they are.
+    """
+    _, hq, d = q.shape
+    hkv = k.shape[0]
+    out = F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), k[None], v[None], scale=scale)  # [1, Hkv, r, D]
+    return out.reshape(1, hq, d)
 
 
 def fused_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -128,6 +144,18 @@ class DenseAttention(AttentionBackend):
         return (0, n) if self.cache.device.type == "cuda" else (n, 0)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+        if len(chunks) == 1:  # one sequence (batch-1 decode, or a lone prefill chunk): no output buffer to fill
+            c = chunks[0]
+            keys, values = self.cache.append(layer, c.seq_id, c.start, k, v)  # [Hkv, L, D] views of the cache
+            return causal_attention(q, keys, values, c.start, self.scale)
+        if all(c.length == 1 for c in chunks):  # a pure decode batch: row i is sequence i
+            # Each sequence's K/V live in their own buffer, so it is one fused attention call per sequence and one
+            # concatenation of the [1, Hq, D] outputs (not B scattered copies into a preallocated output).
+            outs = []
+            for i, c in enumerate(chunks):
+                keys, values = self.cache.append(layer, c.seq_id, c.start, k[i : i + 1], v[i : i + 1])
+                outs.append(decode_attention(q[i : i + 1], keys, values, self.scale))
+            return torch.cat(outs)
         out = torch.empty_like(q)
         offset = 0
         for c in chunks:

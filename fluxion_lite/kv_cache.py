@@ -17,6 +17,10 @@ class DenseKVCache:
         self._k: dict[int, torch.Tensor] = {}  # seq_id -> [n_layers, Hkv, cap, D]
         self._v: dict[int, torch.Tensor] = {}
         self._len: dict[int, int] = {}  # tokens whose K/V are stored in every layer
+        # seq_id -> per-layer [Hkv, cap, D] views of _k / _v, made once per allocation or growth, so an append
+        # indexes a Python list instead of issuing a select per tensor and layer
+        self._k_layers: dict[int, list[torch.Tensor]] = {}
+        self._v_layers: dict[int, list[torch.Tensor]] = {}
 
     def allocate(self, seq_id: int) -> None:
         if seq_id in self._k:
@@ -25,11 +29,18 @@ class DenseKVCache:
         self._k[seq_id] = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._v[seq_id] = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._len[seq_id] = 0
+        self._split_layers(seq_id)
+
+    def _split_layers(self, seq_id: int) -> None:
+        self._k_layers[seq_id] = list(self._k[seq_id].unbind(0))
+        self._v_layers[seq_id] = list(self._v[seq_id].unbind(0))
 
     def free(self, seq_id: int) -> None:
         self._k.pop(seq_id, None)
         self._v.pop(seq_id, None)
         self._len.pop(seq_id, None)
+        self._k_layers.pop(seq_id, None)
+        self._v_layers.pop(seq_id, None)
 
     def truncate(self, seq_id: int, n_tokens: int) -> None:
         if not 0 <= n_tokens <= self._len[seq_id]:
@@ -57,6 +68,7 @@ class DenseKVCache:
             grown = torch.empty(old.shape[0], old.shape[1], new_cap, old.shape[3], dtype=old.dtype, device=old.device)
             grown[:, :, :cap] = old
             store[seq_id] = grown
+        self._split_layers(seq_id)
 
     def append(
         self, layer: int, seq_id: int, start: int, k_new: torch.Tensor, v_new: torch.Tensor
@@ -68,9 +80,10 @@ class DenseKVCache:
         if start > self._len[seq_id] and layer == 0:
             raise ValueError(f"sequence {seq_id}: append at {start} leaves a gap after {self._len[seq_id]} tokens")
         self._ensure_capacity(seq_id, end)
-        k_all, v_all = self._k[seq_id][layer], self._v[seq_id][layer]  # [Hkv, cap, D]
-        k_all[:, start:end] = k_new.transpose(0, 1).to(self.dtype)
-        v_all[:, start:end] = v_new.transpose(0, 1).to(self.dtype)
+        k_all, v_all = self._k_layers[seq_id][layer], self._v_layers[seq_id][layer]  # [Hkv, cap, D]
+        # copy_ casts if the dtypes differ, so no separate .to() call (one dispatcher call fewer per tensor and layer)
+        k_all[:, start:end].copy_(k_new.transpose(0, 1))
+        v_all[:, start:end].copy_(v_new.transpose(0, 1))
         if layer == self.n_layers - 1:
             self._len[seq_id] = end
         return k_all[:, :end], v_all[:, :end]

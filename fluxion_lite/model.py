@@ -2,6 +2,12 @@
 
 Pure tensor code: weights come from the GGUF loader, K/V storage and attention from an AttentionBackend, so the dense and
 the hybrid sparse paths share every other line.
+
+Decode is dominated by per-op overhead (Python dispatch on the CPU, kernel launches on CUDA), not arithmetic, so the
+forward keeps the op count per layer small: one matmul for q/k/v and one for gate/up (weights concatenated at load),
+RoPE as three in-place kernels over q and k together with cos/sin gathered once per forward from a table built once per
+position range, residual adds fused into the output matmuls (addmm_), logits only for the rows asked for, and at most
+one host->device copy per forward (non-blocking, from pinned memory) with no device->host syncs.
 """
 from __future__ import annotations
 
@@ -13,6 +19,8 @@ import torch.nn.functional as F
 from .attention import AttentionBackend, SeqChunk
 from .config import ModelConfig
 from .gguf_loader import GGUFModel
+
+MIN_ROPE_POSITIONS = 4096  # first table size; it doubles when a position beyond it arrives
 
 
 @dataclass
@@ -27,29 +35,63 @@ class LayerWeights:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, d] -> normalised in fp32, cast back to x's dtype, times weight (the composite the CPU path uses)."""
+    if x.dtype in (torch.float32, torch.float64):  # no casts: each is a dispatcher call per norm (and fp64 stays fp64)
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps)) * weight
     x32 = x.float()
-    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * weight
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True).add_(eps))).to(x.dtype) * weight
 
 
 class RotaryEmbedding:
-    def __init__(self, cfg: ModelConfig, device: torch.device):
+    """RoPE as x * cos + swap(x) * sin_signed, with both factors read from a table [P, 2, R] (R = rope_dim).
+
+    swap exchanges the two members of each rotated pair and sin_signed carries the minus sign of the first member, so
+    both pair layouts (interleaved (2i, 2i+1) for llama, half-split (i, i + R/2) for qwen2) are the same three kernels:
+    one copy for swap(x), then an in-place multiply and an in-place multiply-add. The table is computed in float64
+    once per position range and stored in the model dtype, so a step only gathers its positions' rows.
+    """
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
         half = cfg.rope_dim // 2
-        exponents = torch.arange(half, dtype=torch.float64, device=device) * 2 / cfg.rope_dim
-        self.inv_freq = (1.0 / (cfg.rope_theta**exponents)).float()  # [D/2]
+        exponents = torch.arange(half, dtype=torch.float64) * 2 / cfg.rope_dim
+        self.inv_freq = 1.0 / (cfg.rope_theta**exponents)  # [R/2] float64, on the host
         self.style, self.rope_dim, self.scale = cfg.rope_style, cfg.rope_dim, cfg.rope_scale
+        self.device, self.dtype = device, dtype
+        self.table = torch.empty(0, 2, self.rope_dim, dtype=dtype, device=device)  # [P, 2, R]: cos, sin_signed
+
+    def ensure(self, n_positions: int) -> torch.Tensor:
+        """The table covering positions 0..n_positions-1 (grown by doubling; positions past the end never index it)."""
+        have = self.table.shape[0]
+        if n_positions <= have:
+            return self.table
+        size = max(n_positions, 2 * have, MIN_ROPE_POSITIONS)
+        angles = (torch.arange(size, dtype=torch.float64) / self.scale)[:, None] * self.inv_freq[None, :]  # [P, R/2]
+        cos, sin = angles.cos(), angles.sin()
+        if self.style == "neox":  # pairs (i, i + R/2): [cos | cos], [-sin | sin]
+            cos_full, sin_signed = torch.cat((cos, cos), -1), torch.cat((-sin, sin), -1)
+        else:  # interleaved pairs (2i, 2i + 1): [c0 c0 c1 c1 ...], [-s0 s0 -s1 s1 ...]
+            cos_full = cos.repeat_interleave(2, dim=-1)
+            sin_signed = torch.stack((-sin, sin), dim=-1).flatten(-2)
+        # A one-off host->device copy per growth (a prefill reaching a new power of two), never per decode step.
+        self.table = torch.stack((cos_full, sin_signed), dim=1).to(device=self.device, dtype=self.dtype)
+        return self.table
+
+    def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """Rotate x: [T, H, D] in place (any row stride; last dim contiguous) by cos, sin: [T, 1, R]."""
+        rot = x if self.rope_dim == x.shape[-1] else x[..., : self.rope_dim]  # [T, H, R]
+        if self.style == "neox":
+            swapped = rot.unflatten(-1, (2, self.rope_dim // 2)).flip(-2).flatten(-2)  # [T, H, R] copy
+        else:
+            swapped = rot.unflatten(-1, (self.rope_dim // 2, 2)).flip(-1).flatten(-2)
+        rot.mul_(cos).addcmul_(swapped, sin)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, H, D], positions: [T] -> x rotated by each token's position."""
-        angles = (positions.float() / self.scale)[:, None] * self.inv_freq[None, :]  # [T, D/2]
-        cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)  # [T, 1, D/2]
-        rot, rest = x[..., : self.rope_dim], x[..., self.rope_dim :]
-        if self.style == "neox":  # pairs (i, i + D/2)
-            a, b = rot.chunk(2, dim=-1)
-            rotated = torch.cat((a * cos - b * sin, b * cos + a * sin), dim=-1)
-        else:  # interleaved pairs (2i, 2i + 1)
-            a, b = rot[..., 0::2], rot[..., 1::2]
-            rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
-        return torch.cat((rotated, rest), dim=-1) if rest.shape[-1] else rotated
+        """x: [T, H, D], positions: [T] (on x's device) -> rotated copy (the unfused entry point, for tests/tools)."""
+        table = self.ensure(int(positions.max()) + 1 if positions.numel() else 0)
+        cs = table[positions][:, :, None, :]  # [T, 2, 1, R]
+        out = x.clone()
+        self.apply_(out, cs[:, 0], cs[:, 1])
+        return out
 
 
 class Transformer:
@@ -61,27 +103,69 @@ class Transformer:
         def w(name: str) -> torch.Tensor:
             return t[name].to(device=self.device, dtype=dtype)
 
+        def cat(*names: str) -> torch.Tensor:
+            # concatenate on the host in the source dtype, then one copy to the device: no second device-sized
+            # temporary per fused weight
+            return torch.cat([t[n] for n in names]).to(device=self.device, dtype=dtype).contiguous()
+
         self.embed = w("token_embd.weight")  # [V, d]
         self.output = self.embed if cfg.tied_embeddings else w("output.weight")  # [V, d]
         self.output_norm = w("output_norm.weight")
         self.layers: list[LayerWeights] = []
         for i in range(cfg.n_layers):
             p = f"blk.{i}."
-            bias = None
-            if cfg.qkv_bias:
-                bias = torch.cat([w(p + "attn_q.bias"), w(p + "attn_k.bias"), w(p + "attn_v.bias")])
             self.layers.append(
                 LayerWeights(
                     attn_norm=w(p + "attn_norm.weight"),
-                    wqkv=torch.cat([w(p + "attn_q.weight"), w(p + "attn_k.weight"), w(p + "attn_v.weight")]),
-                    bqkv=bias,
+                    wqkv=cat(p + "attn_q.weight", p + "attn_k.weight", p + "attn_v.weight"),
+                    bqkv=cat(p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias") if cfg.qkv_bias else None,
                     wo=w(p + "attn_output.weight"),
                     ffn_norm=w(p + "ffn_norm.weight"),
-                    w_gate_up=torch.cat([w(p + "ffn_gate.weight"), w(p + "ffn_up.weight")]),
+                    w_gate_up=cat(p + "ffn_gate.weight", p + "ffn_up.weight"),
                     w_down=w(p + "ffn_down.weight"),
                 )
             )
-        self.rope = RotaryEmbedding(cfg, self.device)
+        self.rope = RotaryEmbedding(cfg, self.device, dtype)
+        self.rope.ensure(min(cfg.context_length, MIN_ROPE_POSITIONS))
+        # On CUDA torch's rms_norm is one fused kernel (fp32 inside); on the CPU it is a slower composite of the same
+        # ops, so the CPU keeps ours.
+        self._fused_norm = self.device.type == "cuda"
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._fused_norm:
+            return F.rms_norm(x, weight.shape, weight, self.cfg.rms_eps)
+        return rms_norm(x, weight, self.cfg.rms_eps)
+
+    def _inputs(
+        self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """tokens, positions (and the logit rows) on the device: host tensors travel in one non-blocking copy."""
+        parts = [tokens, positions] + ([rows] if rows is not None else [])
+        if self.device.type == "cpu" or all(p.device == self.device for p in parts):
+            out = [p.to(self.device, torch.long) for p in parts]
+        else:
+            host = torch.cat([p.to("cpu", torch.long).reshape(-1) for p in parts])
+            if self.device.type == "cuda":
+                host = host.pin_memory()  # pinned: the copy is asynchronous and the host does not wait for the GPU
+            out = list(host.to(self.device, non_blocking=True).split([p.numel() for p in parts]))
+        return out[0], out[1], (out[2] if rows is not None else None)
+
+    @staticmethod
+    def _rows(logit_rows: torch.Tensor | None, chunks: list[SeqChunk], n_tok: int) -> torch.Tensor | None:
+        """The rows whose logits are wanted, or None when that is every row in order (a pure decode batch)."""
+        if logit_rows is None:
+            if all(c.length == 1 for c in chunks):
+                return None
+            ends, total = [], 0
+            for c in chunks:
+                total += c.length
+                ends.append(total - 1)
+            return torch.tensor(ends, dtype=torch.long)
+        if logit_rows.device.type == "cpu" and logit_rows.numel() == n_tok:
+            # checked on the host only (free there); a device tensor is used as given rather than synced to check
+            if logit_rows.tolist() == list(range(n_tok)):
+                return None
+        return logit_rows
 
     @torch.inference_mode()
     def forward(
@@ -92,26 +176,33 @@ class Transformer:
         attn: AttentionBackend,
         logit_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """tokens, positions: [T] packed over `chunks`. Returns logits [R, V] (fp32) for the rows in logit_rows
-        (default: the last token of every chunk)."""
+        """tokens, positions: [T] packed over `chunks` (positions inside each chunk's [start, start + length)).
+        Returns logits [R, V] (fp32) for the rows in logit_rows (default: the last token of every chunk)."""
         cfg = self.cfg
         hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        tokens, positions = tokens.to(self.device), positions.to(self.device)
-        x = self.embed[tokens]  # [T, d]
-        n_tok = x.shape[0]
+        n_tok = tokens.shape[0]
+        rows = self._rows(logit_rows, chunks, n_tok)
+        tokens, positions, rows = self._inputs(tokens, positions, rows)
+        # The table size comes from the chunks (host ints), never from reading positions back from the device.
+        table = self.rope.ensure(max(c.start + c.length for c in chunks))
+        cs = table[positions][:, :, None, :]  # [T, 2, 1, R]: gathered once, shared by every layer
+        cos, sin = cs[:, 0], cs[:, 1]  # [T, 1, R]
+        x = F.embedding(tokens, self.embed)  # [T, d], a fresh tensor: the residual stream is updated in place
+        qk_cols = (hq + hkv) * d
         for i, lw in enumerate(self.layers):
-            h = rms_norm(x, lw.attn_norm, cfg.rms_eps)
+            h = self._norm(x, lw.attn_norm)
             qkv = F.linear(h, lw.wqkv, lw.bqkv)  # [T, (Hq + 2 Hkv) D]
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q = self.rope(q.view(n_tok, hq, d), positions)  # [T, Hq, D]
-            k = self.rope(k.view(n_tok, hkv, d), positions)  # [T, Hkv, D]
-            o = attn.attend(i, q, k, v.reshape(n_tok, hkv, d), chunks)  # [T, Hq, D]
-            x = x + F.linear(o.reshape(n_tok, hq * d), lw.wo)
-            h = rms_norm(x, lw.ffn_norm, cfg.rms_eps)
-            gate, up = F.linear(h, lw.w_gate_up).chunk(2, dim=-1)  # [T, F] each
-            x = x + F.linear(F.silu(gate) * up, lw.w_down)
-        if logit_rows is None:
-            ends = torch.tensor([c.length for c in chunks]).cumsum(0) - 1
-            logit_rows = ends.to(self.device)
-        x = rms_norm(x[logit_rows.to(self.device)], self.output_norm, cfg.rms_eps)
-        return F.linear(x, self.output).float()  # [R, V]
+            qk, v = qkv.split((qk_cols, hkv * d), dim=-1)  # views of qkv
+            qk = qk.view(n_tok, hq + hkv, d)  # [T, Hq + Hkv, D]: q and k rotate together
+            self.rope.apply_(qk, cos, sin)
+            q, k = qk.split((hq, hkv), dim=1)  # [T, Hq, D], [T, Hkv, D]
+            v = v.view(n_tok, hkv, d)  # [T, Hkv, D]
+            o = attn.attend(i, q, k, v, chunks)  # [T, Hq, D]
+            x.addmm_(o.reshape(n_tok, hq * d), lw.wo.t())  # x += o @ wo^T in the matmul itself
+            h = self._norm(x, lw.ffn_norm)
+            gate_up = F.linear(h, lw.w_gate_up)  # [T, 2F]
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, F] views
+            x.addmm_(F.silu(gate).mul_(up), lw.w_down.t())
+        if rows is not None:
+            x = x[rows]  # [R, d]: the vocabulary matmul only for the rows asked for
+        return F.linear(self._norm(x, self.output_norm), self.output).float()  # [R, V]

@@ -1,0 +1,177 @@
+"""The lean forward (fused q/k/v and gate/up matmuls, table RoPE applied in place, addmm_ residuals, SDPA decode, logit
+rows) against a plain unfused float64 forward written here, on random weights; plus the pieces on their own."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention, decode_attention
+from fluxion_lite.config import ModelConfig
+from fluxion_lite.gguf_loader import GGUFModel
+from fluxion_lite.kv_cache import INITIAL_CAPACITY, DenseKVCache
+from fluxion_lite.model import MIN_ROPE_POSITIONS, RotaryEmbedding, Transformer
+
+F64 = torch.float64
+
+
+def make_cfg(arch: str, rope_dim: int | None = None, hq: int = 6, hkv: int = 2, d: int = 16) -> ModelConfig:
+    return ModelConfig(arch=arch, n_layers=2, d_model=48, d_ff=64, n_heads=hq, n_kv_heads=hkv, head_dim=d,
+                       vocab_size=50, context_length=8192, rms_eps=1e-6, rope_theta=10000.0,
+                       rope_dim=rope_dim or d, rope_style="neox" if arch == "qwen2" else "interleaved",
+                       rope_scaling="linear", rope_scale=2.0, qkv_bias=arch == "qwen2")
+
+
+def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape: int, scale: float = 0.3) -> torch.Tensor:
+        return torch.randn(*shape, generator=g, dtype=F64) * scale
+
+    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    t = {"token_embd.weight": rnd(cfg.vocab_size, cfg.d_model, scale=1.0), "output.weight": rnd(cfg.vocab_size, cfg.d_model),
+         "output_norm.weight": 1 + rnd(cfg.d_model, scale=0.1)}
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        t |= {p + "attn_norm.weight": 1 + rnd(cfg.d_model, scale=0.1), p + "ffn_norm.weight": 1 + rnd(cfg.d_model, scale=0.1),
+              p + "attn_q.weight": rnd(q_out, cfg.d_model), p + "attn_k.weight": rnd(kv_out, cfg.d_model),
+              p + "attn_v.weight": rnd(kv_out, cfg.d_model), p + "attn_output.weight": rnd(cfg.d_model, q_out),
+              p + "ffn_gate.weight": rnd(cfg.d_ff, cfg.d_model), p + "ffn_up.weight": rnd(cfg.d_ff, cfg.d_model),
+              p + "ffn_down.weight": rnd(cfg.d_model, cfg.d_ff)}
+        if cfg.qkv_bias:
+            t |= {p + "attn_q.bias": rnd(q_out), p + "attn_k.bias": rnd(kv_out), p + "attn_v.bias": rnd(kv_out)}
+    return t
+
+
+def rope_formula(x: torch.Tensor, pos: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """x: [T, H, D] float64, the textbook rotation computed per call (what the table path must equal)."""
+    rd = cfg.rope_dim
+    inv = cfg.rope_theta ** (-torch.arange(rd // 2, dtype=F64) * 2 / rd)
+    ang = (pos.to(F64) / cfg.rope_scale)[:, None, None] * inv  # [T, 1, R/2]
+    out = x.clone()
+    if cfg.rope_style == "neox":
+        a, b = x[..., : rd // 2], x[..., rd // 2 : rd]
+        out[..., : rd // 2], out[..., rd // 2 : rd] = a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin()
+    else:
+        a, b = x[..., 0:rd:2], x[..., 1:rd:2]
+        out[..., 0:rd:2], out[..., 1:rd:2] = a * ang.cos() - b * ang.sin(), b * ang.cos() + a * ang.sin()
+    return out
+
+
+def unfused_logits(cfg: ModelConfig, w: dict[str, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
+    """Logits [T, V] of one sequence from position 0: separate q/k/v/gate/up matmuls, explicit causal softmax."""
+    n, hq, hkv, d = len(tokens), cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+
+    def norm(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + cfg.rms_eps) * g
+
+    pos = torch.arange(n)
+    x = w["token_embd.weight"][tokens]
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        h = norm(x, w[p + "attn_norm.weight"])
+        q, k, v = (h @ w[p + f"attn_{s}.weight"].T + (w[p + f"attn_{s}.bias"] if cfg.qkv_bias else 0) for s in "qkv")
+        q = rope_formula(q.view(n, hq, d), pos, cfg)
+        k = rope_formula(k.view(n, hkv, d), pos, cfg).repeat_interleave(hq // hkv, dim=1)
+        v = v.view(n, hkv, d).repeat_interleave(hq // hkv, dim=1)
+        s = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(d)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        o = torch.einsum("hqk,khd->qhd", s.softmax(-1), v).reshape(n, hq * d)
+        x = x + o @ w[p + "attn_output.weight"].T
+        h = norm(x, w[p + "ffn_norm.weight"])
+        gate, up = h @ w[p + "ffn_gate.weight"].T, h @ w[p + "ffn_up.weight"].T
+        x = x + (torch.nn.functional.silu(gate) * up) @ w[p + "ffn_down.weight"].T
+    return norm(x, w["output_norm.weight"]) @ w["output.weight"].T
+
+
+CASES = {"llama": ("llama", None), "qwen2-bias": ("qwen2", None), "llama-partial-rope": ("llama", 8),
+         "qwen2-partial-rope": ("qwen2", 8)}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lean_forward_equals_unfused_reference(name: str) -> None:
+    """Prefill, a 3-sequence decode batch, a mixed batch, and batch-1 decode all equal the unfused float64 forward."""
+    arch, rope_dim = CASES[name]
+    cfg = make_cfg(arch, rope_dim)
+    w = random_weights(cfg, seed=len(name))
+    model = Transformer(GGUFModel(Path(name), cfg, {}, w), "cpu", F64)
+    g = torch.Generator().manual_seed(7)
+    seqs = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in (30, 22, 26)]
+    refs = [unfused_logits(cfg, w, s) for s in seqs]
+    attn = DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, F64, torch.device("cpu"))
+    for i in range(3):
+        attn.allocate(i)
+
+    def run(pieces: list[tuple[int, int, int]], logit_rows: torch.Tensor | None = None) -> torch.Tensor:
+        chunks = [SeqChunk(i, s, n) for i, s, n in pieces]
+        toks = torch.cat([seqs[i][s : s + n] for i, s, n in pieces])
+        pos = torch.cat([torch.arange(s, s + n) for _, s, n in pieces])
+        return model.forward(toks, pos, chunks, attn, logit_rows=logit_rows)
+
+    def check(got: torch.Tensor, want: torch.Tensor) -> None:
+        assert got.shape == want.shape
+        # the model computes in float64 here but returns fp32 logits: the only error left is that final rounding
+        assert (got.double() - want).abs().max() < 1e-6 * want.abs().max()
+
+    # prefill: all rows (identity rows), then the default (last row of each chunk)
+    out = run([(0, 0, 20), (1, 0, 12)], logit_rows=torch.arange(32))
+    check(out[:20], refs[0][:20])
+    check(out[20:], refs[1][:12])
+    check(run([(2, 0, 15)]), refs[2][14:15])
+    # decode batch of three sequences at different lengths, default rows (every row)
+    for step in range(4):
+        out = run([(0, 20 + step, 1), (1, 12 + step, 1), (2, 15 + step, 1)])
+        for b, p in enumerate((20 + step, 12 + step, 15 + step)):
+            check(out[b : b + 1], refs[b][p : p + 1])
+    # mixed: sequence 0 decodes while 1 prefills 5 tokens; only some rows asked for, out of order
+    out = run([(0, 24, 1), (1, 16, 5)], logit_rows=torch.tensor([5, 0, 2]))
+    check(out, torch.stack([refs[1][20], refs[0][24], refs[1][17]]))
+    # batch-1 decode to the end of sequence 2
+    for p in range(19, 26):
+        check(run([(2, p, 1)]), refs[2][p : p + 1])
+
+
+def test_rope_table_equals_formula_and_grows() -> None:
+    for arch, rd in (("llama", None), ("qwen2", None), ("llama", 8)):
+        cfg = make_cfg(arch, rd)
+        rope = RotaryEmbedding(cfg, torch.device("cpu"), F64)
+        pos = torch.tensor([0, 1, 17, MIN_ROPE_POSITIONS - 1, MIN_ROPE_POSITIONS + 5, 3 * MIN_ROPE_POSITIONS])
+        x = torch.randn(len(pos), 3, cfg.head_dim, dtype=F64)
+        got = rope(x, pos)
+        assert rope.table.shape[0] >= 3 * MIN_ROPE_POSITIONS + 1
+        assert (got - rope_formula(x, pos, cfg)).abs().max() < 1e-12
+
+
+def test_decode_attention_equals_tiled_path() -> None:
+    g = torch.Generator().manual_seed(3)
+    for hq, hkv, total in ((8, 2, 300), (7, 1, 5), (4, 4, 1)):
+        q = torch.randn(1, hq, 32, generator=g, dtype=F64)
+        big_k = torch.randn(hkv, total + 40, 32, generator=g, dtype=F64)  # a cache buffer with spare capacity
+        big_v = torch.randn(hkv, total + 40, 32, generator=g, dtype=F64)
+        k, v = big_k[:, :total], big_v[:, :total]
+        fused = decode_attention(q, k, v, 32**-0.5)
+        s = torch.einsum("hd,hkd->hk", q[0], k.repeat_interleave(hq // hkv, 0)) * 32**-0.5
+        ref = torch.einsum("hk,hkd->hd", s.softmax(-1), v.repeat_interleave(hq // hkv, 0))[None]
+        assert (fused - ref).abs().max() < 1e-12
+        assert (causal_attention(q, k, v, total - 1, 32**-0.5) - ref).abs().max() < 1e-12
+
+
+def test_kv_cache_growth_keeps_layer_views() -> None:
+    cache = DenseKVCache(3, 2, 4, F64, torch.device("cpu"))
+    cache.allocate(0)
+    n = INITIAL_CAPACITY * 2 + 3  # two doublings
+    k = torch.randn(n, 2, 4, dtype=F64)
+    v = torch.randn(n, 2, 4, dtype=F64)
+    for p in range(0, n, 97):
+        e = min(n, p + 97)
+        for layer in range(3):
+            kk, vv = cache.append(layer, 0, p, k[p:e] + layer, v[p:e] - layer)
+            assert kk.shape == (2, e, 4)
+    for layer in range(3):
+        kk, vv = cache.view(layer, 0)
+        assert torch.equal(kk, (k + layer).transpose(0, 1)) and torch.equal(vv, (v - layer).transpose(0, 1))
+    cache.free(0)
+    cache.allocate(0)  # a freed id can be reused
+    assert cache.seq_len(0) == 0
