@@ -112,12 +112,16 @@ def answer(args: argparse.Namespace) -> None:
     results: dict[str, Any] = {"machine": platform.node(), "device": args.device, "dtype": args.dtype,
                                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "runs": []}
     out = Path(args.out)
-    for mode in args.modes:
-        # One model load serves every mode: only the attention backend changes between runs.
-        engine.attn = make_attention(mode, engine.config, DTYPES[args.dtype], torch.device(args.device),
-                                     max_seqs=args.max_batch + 4, model_name=loaded[0][0]["model"])
-        engine.attention_mode = mode
-        for meta, prompts in loaded:
+    # Lengths outside, modes inside: a run cut short by a time limit still has every mode of the lengths it did.
+    for meta, prompts in loaded:
+        for mode in args.modes:
+            # One model load serves every mode: only the attention backend changes between runs.
+            engine.attn = None  # type: ignore[assignment]  # free the last backend's KV before the next allocates
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            engine.attn = make_attention(mode, engine.config, DTYPES[args.dtype], torch.device(args.device),
+                                         max_seqs=args.max_batch + 4, model_name=meta["model"])
+            engine.attention_mode = mode
             engine.eog_ids = frozenset(meta["eog_ids"])
             engine.attn.reset_stats()
             t0 = time.perf_counter()
