@@ -33,6 +33,11 @@ class LayerWeights:
     w_gate_up: torch.Tensor  # [2 F, d]: gate and up in one matmul
     w_down: torch.Tensor  # [d, F]
 
+    def __post_init__(self) -> None:
+        # transposed views made once, so a step does not call .t() twice per layer (no copy: same storage)
+        self.wo_t = self.wo.t()  # [Hq D, d]
+        self.w_down_t = self.w_down.t()  # [F, d]
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: [T, d] -> normalised in fp32, cast back to x's dtype, times weight (the composite the CPU path uses)."""
@@ -47,7 +52,7 @@ class RotaryEmbedding:
 
     swap exchanges the two members of each rotated pair and sin_signed carries the minus sign of the first member, so
     both pair layouts (interleaved (2i, 2i+1) for llama, half-split (i, i + R/2) for qwen2) are the same three kernels:
-    one copy for swap(x), then an in-place multiply and an in-place multiply-add. The table is computed in float64
+    one gather for swap(x) along a fixed index, then an in-place multiply and an in-place multiply-add. The table is computed in float64
     once per position range and stored in the model dtype, so a step only gathers its positions' rows.
     """
 
@@ -58,6 +63,12 @@ class RotaryEmbedding:
         self.style, self.rope_dim, self.scale = cfg.rope_style, cfg.rope_dim, cfg.rope_scale
         self.device, self.dtype = device, dtype
         self.table = torch.empty(0, 2, self.rope_dim, dtype=dtype, device=device)  # [P, 2, R]: cos, sin_signed
+        pair = torch.arange(self.rope_dim)
+        if self.style == "neox":  # i <-> i + R/2
+            swap = (pair + self.rope_dim // 2) % self.rope_dim
+        else:  # 2i <-> 2i + 1
+            swap = pair ^ 1
+        self.swap_index = swap.to(device)  # [R] long, made once
 
     def ensure(self, n_positions: int) -> torch.Tensor:
         """The table covering positions 0..n_positions-1 (grown by doubling; positions past the end never index it)."""
@@ -79,10 +90,7 @@ class RotaryEmbedding:
     def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate x: [T, H, D] in place (any row stride; last dim contiguous) by cos, sin: [T, 1, R]."""
         rot = x if self.rope_dim == x.shape[-1] else x[..., : self.rope_dim]  # [T, H, R]
-        if self.style == "neox":
-            swapped = rot.unflatten(-1, (2, self.rope_dim // 2)).flip(-2).flatten(-2)  # [T, H, R] copy
-        else:
-            swapped = rot.unflatten(-1, (self.rope_dim // 2, 2)).flip(-1).flatten(-2)
+        swapped = rot.index_select(-1, self.swap_index)  # [T, H, R] copy, read before rot is overwritten
         rot.mul_(cos).addcmul_(swapped, sin)
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -98,6 +106,9 @@ class Transformer:
     def __init__(self, gguf_model: GGUFModel, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
         self.cfg = cfg = gguf_model.config
         self.device, self.dtype = torch.device(device), dtype
+        if self.device.type == "cuda" and self.device.index is None:
+            # a concrete index, so `tensor.device == self.device` recognises tensors already on it (cuda:0 != cuda)
+            self.device = torch.device("cuda", torch.cuda.current_device())
         t = gguf_model.tensors
 
         def w(name: str) -> torch.Tensor:
@@ -141,14 +152,25 @@ class Transformer:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """tokens, positions (and the logit rows) on the device: host tensors travel in one non-blocking copy."""
         parts = [tokens, positions] + ([rows] if rows is not None else [])
-        if self.device.type == "cpu" or all(p.device == self.device for p in parts):
-            out = [p.to(self.device, torch.long) for p in parts]
-        else:
-            host = torch.cat([p.to("cpu", torch.long).reshape(-1) for p in parts])
+        out: list[torch.Tensor | None] = [
+            p if p.device == self.device and p.dtype == torch.long else None for p in parts  # already usable
+        ]
+        todo = [i for i, o in enumerate(out) if o is None]
+        if self.device.type == "cpu" or any(parts[i].device.type != "cpu" for i in todo):
+            # nothing to batch (CPU model), or a tensor on another device: plain conversions
+            for i in todo:
+                out[i] = parts[i].to(self.device, torch.long)
+        elif todo:
+            # host tensors for a GPU model: one packed copy instead of one per tensor (each pageable copy waits)
+            host = torch.cat([parts[i].to(torch.long).reshape(-1) for i in todo])
             if self.device.type == "cuda":
                 host = host.pin_memory()  # pinned: the copy is asynchronous and the host does not wait for the GPU
-            out = list(host.to(self.device, non_blocking=True).split([p.numel() for p in parts]))
-        return out[0], out[1], (out[2] if rows is not None else None)
+            moved = host.to(self.device, non_blocking=True).split([parts[i].numel() for i in todo])
+            for i, m in zip(todo, moved):
+                out[i] = m
+        tok, pos = out[0], out[1]
+        assert tok is not None and pos is not None
+        return tok, pos, (out[2] if rows is not None else None)
 
     @staticmethod
     def _rows(logit_rows: torch.Tensor | None, chunks: list[SeqChunk], n_tok: int) -> torch.Tensor | None:
@@ -198,11 +220,11 @@ class Transformer:
             q, k = qk.split((hq, hkv), dim=1)  # [T, Hq, D], [T, Hkv, D]
             v = v.view(n_tok, hkv, d)  # [T, Hkv, D]
             o = attn.attend(i, q, k, v, chunks)  # [T, Hq, D]
-            x.addmm_(o.reshape(n_tok, hq * d), lw.wo.t())  # x += o @ wo^T in the matmul itself
+            x.addmm_(o.reshape(n_tok, hq * d), lw.wo_t)  # x += o @ wo^T in the matmul itself
             h = self._norm(x, lw.ffn_norm)
             gate_up = F.linear(h, lw.w_gate_up)  # [T, 2F]
             gate, up = gate_up.chunk(2, dim=-1)  # [T, F] views
-            x.addmm_(F.silu(gate).mul_(up), lw.w_down.t())
+            x.addmm_(F.silu(gate).mul_(up), lw.w_down_t)
         if rows is not None:
             x = x[rows]  # [R, d]: the vocabulary matmul only for the rows asked for
         return F.linear(self._norm(x, self.output_norm), self.output).float()  # [R, V]
