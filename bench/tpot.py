@@ -1,33 +1,42 @@
-"""Time per output token (TPOT) at long context, per attention mode, on random-weight models of real shapes.
+"""Time per output token (TPOT) at long context per attention mode, with the sparse path's time split.
 
-Shapes: llama3.1-8b (32 layers, 4096 wide, 32 q / 8 kv heads, head_dim 128, ffn 14336, vocab 128256), qwen2.5-7b,
-and `tiny` (for a CPU smoke run). Weights are random (bf16 on CUDA), so only speed is meaningful. The `fluxion` plan
-for these shapes is drawn from the calibrated plan of qwen2.5-coder-0.5b (models/qwen2.5-coder-0.5b.plan.json): each
-(layer, group) copies the entry of a random group in the proportionally mapped qwen layer.
+Models: random-weight models with the exact shapes of Llama-3.1-8B and Qwen2.5-7B (bf16 on CUDA), `tiny` for a CPU
+smoke run, or a real GGUF (--gguf, e.g. qwen2.5-coder-0.5b). With random weights only speed is meaningful; the
+`fluxion` plan for those shapes is drawn from the calibrated qwen2.5-coder-0.5b plan (each (layer, group) copies a
+random group of the proportionally mapped qwen layer). The context is synthetic: random K/V imported layer by layer
+(SparseAttention.import_kv / the dense cache), not a prefill, so a 128K case costs seconds, not minutes.
 
-Modes: full (dense KV on the compute device), fixed and fluxion (KV in the host store, sparse decode on the CPU path:
-the GPU waits while the CPU runs top-k and sparse attention; the priority scheduler is not built yet).
+Modes: full-gpu (dense, KV on the GPU), full-host (all KV in host RAM, every block read on the CPU), fixed (g=16,
+5%, all on the CPU), gpu-sparse (selection on the GPU, blocks over PCIe), fluxion (calibrated plan + scheduler).
 
-Usage: python bench/tpot.py --shape llama3.1-8b --contexts 8192 32768 --batches 1 --modes full fixed fluxion
+Cases run cheapest first (context, then batch); each row is printed and the JSON rewritten as soon as it is
+measured, so a timeout still leaves results. Cases that would not fit host RAM / GPU memory, or start after
+--time-budget seconds, are listed as skipped.
+
+Usage (H200): python bench/tpot.py --shape llama3.1-8b --contexts 8192 32768 65536 131072 --batches 1 4 8
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from fluxion_lite.attention import SeqChunk
+from fluxion_lite import native
+from fluxion_lite.attention import DenseAttention, SeqChunk
 from fluxion_lite.config import ModelConfig
-from fluxion_lite.engine import fixed_plan, make_attention
-from fluxion_lite.gguf_loader import GGUFModel
+from fluxion_lite.engine import make_attention
+from fluxion_lite.gguf_loader import GGUFModel, load_gguf
 from fluxion_lite.model import Transformer
+from fluxion_lite.sparse_attention import SparseAttention
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
 
 SHAPES = {
@@ -38,11 +47,15 @@ SHAPES = {
     "tiny": dict(arch="llama", n_layers=4, d_model=512, d_ff=1024, n_heads=8, n_kv_heads=2, head_dim=64,
                  vocab_size=1000, rope_theta=10000.0, rope_style="interleaved", qkv_bias=False),
 }
+MODES = ("full-gpu", "fluxion", "fixed", "gpu-sparse", "full-host")
+# llama.cpp on the same H200 host, Llama-3.1-8B shape, random F16 GGUF, batch 1, 16 threads (issue 5 / DESIGN.md 7)
+PEER_KV_GPU_MS = {8192: 5.33, 32768: 6.81, 65536: 8.65}
+PEER_KV_HOST_MS = {8192: 68.8, 32768: 230.0, 65536: 508.0}
 
 
 def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
     s = SHAPES[shape]
-    cfg = ModelConfig(context_length=131072, rms_eps=1e-5, rope_dim=s["head_dim"], tied_embeddings=False, **s)
+    cfg = ModelConfig(context_length=131072 + 64, rms_eps=1e-5, rope_dim=s["head_dim"], tied_embeddings=False, **s)
     gen = torch.Generator(device=device).manual_seed(seed)
     q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
 
@@ -66,6 +79,8 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int
 
 def borrowed_plan(cfg: ModelConfig, source: Path, seed: int = 0) -> SparsePlan:
     src = SparsePlan.load(source)
+    if len(src.groups) == cfg.n_layers and len(src.groups[0]) == cfg.n_kv_heads:
+        return src  # the model the plan was calibrated on
     rng = random.Random(seed)
     groups: list[list[GroupPlan]] = []
     for layer in range(cfg.n_layers):
@@ -74,71 +89,203 @@ def borrowed_plan(cfg: ModelConfig, source: Path, seed: int = 0) -> SparsePlan:
     return SparsePlan(src.sink, src.window, groups, source=f"drawn from {source.name}")
 
 
-def tpot(model: Transformer, mode: str, context: int, batch: int, steps: int, plan_source: Path) -> dict[str, float]:
-    cfg, dev = model.cfg, model.device
-    plan = None if mode == "full" else (fixed_plan(cfg) if mode == "fixed" else borrowed_plan(cfg, plan_source))
-    attn = make_attention("full" if mode == "full" else "fluxion", cfg, model.dtype, dev, batch + 1, "synthetic", plan=plan)
-    tokens = torch.randint(0, cfg.vocab_size, (context + steps,))
-    chunk = 2048 if dev.type == "cuda" else 256
+def host_bytes_per_token(cfg: ModelConfig) -> float:
+    """Host RAM per token of context: pages of 256 tokens (K, V bf16 + 4 summaries), which torch's pinned allocator
+    rounds up to a power of two on CUDA machines."""
+    page = native.page_bytes(cfg.n_kv_heads, cfg.head_dim, 256, (16, 32, 64, 128))
+    if torch.cuda.is_available():
+        page = 1 << (page - 1).bit_length()
+    return page * cfg.n_layers / 256
+
+
+def mem_available() -> float:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return float(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return float("inf")
+
+
+def fill_context(attn: object, cfg: ModelConfig, batch: int, context: int, dev: torch.device, seed: int) -> None:
+    """Random K/V for positions 0..context-1 of sequences 0..batch-1 (no attention computed)."""
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    chunk = 4096
     for b in range(batch):
-        attn.allocate(b)
-        for s in range(0, context, chunk):
-            n = min(chunk, context - s)
-            model.forward(tokens[s : s + n], torch.arange(s, s + n), [SeqChunk(b, s, n)], attn)
+        attn.allocate(b)  # type: ignore[attr-defined]
+        for layer in range(cfg.n_layers):
+            for s in range(0, context, chunk):
+                n = min(chunk, context - s)
+                k = torch.randn(n, cfg.n_kv_heads, cfg.head_dim, generator=gen, device=dev).to(torch.bfloat16)
+                v = torch.randn(n, cfg.n_kv_heads, cfg.head_dim, generator=gen, device=dev).to(torch.bfloat16)
+                if isinstance(attn, DenseAttention):
+                    attn.cache.append(layer, b, s, k, v)
+                else:
+                    attn.import_kv(layer, b, s, k, v)  # type: ignore[attr-defined]
+
+
+def measure(model: Transformer, mode: str, context: int, batch: int, steps: int, plan: SparsePlan) -> dict:
+    cfg, dev = model.cfg, model.device
+    attn = make_attention(mode, cfg, model.dtype, dev, batch + 1, "synthetic",
+                          plan=plan if mode == "fluxion" else None)
+    t0 = time.perf_counter()
+    fill_context(attn, cfg, batch, context, dev, seed=context + batch)
+    fill_s = time.perf_counter() - t0
+    tokens = torch.randint(0, cfg.vocab_size, (steps + 1,))
     times = []
-    attn.reset_stats()
-    for i in range(steps):
+    for i in range(steps + 1):
+        if i == 2:
+            attn.reset_stats()  # the first decode call ends the prefill state; the second warms caches up
         pos = context + i
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        model.forward(tokens[pos : pos + 1].repeat(batch), torch.full((batch,), pos),
+        t = time.perf_counter()
+        model.forward(tokens[i : i + 1].repeat(batch), torch.full((batch,), pos),
                       [SeqChunk(b, pos, 1) for b in range(batch)], attn)
         if dev.type == "cuda":
             torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
+        times.append(time.perf_counter() - t)
     host, gpu = attn.bytes_used()
     stats = attn.stats()
     for b in range(batch):
         attn.free(b)
-    warm = times[2:] if len(times) > 4 else times
-    return {"tpot_ms": 1000 * statistics.median(warm), "kv_read_fraction": stats.get("kv_read_fraction", 1.0),
-            "kv_host_bytes": host, "kv_device_bytes": gpu}
+    if isinstance(attn, SparseAttention):
+        attn.executor.close()
+    del attn
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return {"tpot_ms": 1000 * statistics.median(times[2:]), "tpot_all_ms": [1000 * t for t in times],
+            "fill_s": fill_s, "kv_host_bytes": host, "kv_device_bytes": gpu, **stats,
+            "kv_read_fraction": stats.get("kv_read_fraction", 1.0)}
+
+
+def summary_lines(rows: list[dict]) -> list[str]:
+    out = []
+    by = {(r["mode"], r["context"], r["batch"]): r["tpot_ms"] for r in rows}
+    for (mode, ctx, batch), ms in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        if mode != "fluxion":
+            continue
+        parts = [f"ctx {ctx:>6} batch {batch:>2}: fluxion {ms:8.2f} ms"]
+        for other in ("fixed", "full-host", "gpu-sparse", "full-gpu"):
+            if (other, ctx, batch) in by:
+                parts.append(f"{by[(other, ctx, batch)] / ms:5.2f}x vs {other}")
+        if batch == 1 and ctx in PEER_KV_GPU_MS:
+            parts.append(f"{ms / PEER_KV_GPU_MS[ctx]:5.2f}x llama.cpp KV-on-GPU time ({PEER_KV_GPU_MS[ctx]} ms)")
+            parts.append(f"{PEER_KV_HOST_MS[ctx] / ms:5.1f}x faster than llama.cpp KV-in-host ({PEER_KV_HOST_MS[ctx]} ms)")
+        out.append(", ".join(parts))
+    return out
+
+
+def plot(rows: list[dict], path: Path, title: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib missing: no plot", flush=True)
+        return
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(5 * len(batches), 4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        for mode in MODES:
+            pts = sorted((r["context"], r["tpot_ms"]) for r in rows if r["mode"] == mode and r["batch"] == batch)
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+        if batch == 1:
+            for peer, lab in ((PEER_KV_GPU_MS, "llama.cpp KV on GPU"), (PEER_KV_HOST_MS, "llama.cpp KV in host")):
+                ax.plot(list(peer), list(peer.values()), linestyle="--", marker="x", label=lab)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("TPOT (ms)")
+        ax.set_title(f"batch {batch}")
+        ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny", choices=list(SHAPES))
+    ap.add_argument("--gguf", default=None, help="time a real GGUF model instead of a random-weight shape")
     ap.add_argument("--contexts", nargs="+", type=int, default=[2048])
     ap.add_argument("--batches", nargs="+", type=int, default=[1])
-    ap.add_argument("--modes", nargs="+", default=["full", "fixed", "fluxion"])
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES) + ["full"])
+    ap.add_argument("--steps", type=int, default=8, help="decode steps per case; the first 2 are warm-up")
     ap.add_argument("--plan-source", default="models/qwen2.5-coder-0.5b.plan.json")
+    ap.add_argument("--time-budget", type=float, default=450.0, help="seconds; later cases are skipped")
+    ap.add_argument("--host-mem-fraction", type=float, default=0.7)
+    ap.add_argument("--native-threads", type=int, default=None,
+                    help="native pool size; default on CUDA: physical cores - 1, so the main thread (enqueuing GPU "
+                         "work while the CPU worker's call holds the pool) keeps a core of its own")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    start = time.perf_counter()
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.native_threads or dev.type == "cuda":
+        native.set_threads(args.native_threads or max(1, native.physical_cores() - 1))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    model = random_model(args.shape, dev, dtype)
+    if args.gguf:
+        model = Transformer(load_gguf(Path(args.gguf), dtype=torch.float32), device=dev, dtype=dtype)
+        name, weights = Path(args.gguf).stem, "real weights"
+    else:
+        model = random_model(args.shape, dev, dtype)
+        name, weights = args.shape, "random weights"
+    cfg = model.cfg
+    plan = borrowed_plan(cfg, Path(args.plan_source))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     machine = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or platform.node()
-    print(f"{args.shape} random weights, {dtype}, {machine}, commit {commit or '?'}")
-    print(f"{'mode':<9}{'context':>8}{'batch':>6}{'TPOT ms':>10}{'KV read':>9}{'vs fixed':>9}")
-    rows = []
-    for context in args.contexts:
-        for batch in args.batches:
-            fixed_ms = None
-            for mode in args.modes:
-                r = tpot(model, mode, context, batch, args.steps, Path(args.plan_source))
-                fixed_ms = r["tpot_ms"] if mode == "fixed" else fixed_ms
-                ratio = f"{fixed_ms / r['tpot_ms']:.2f}x" if fixed_ms and mode != "fixed" else "-"
-                rows.append({"mode": mode, "context": context, "batch": batch, **r})
-                print(f"{mode:<9}{context:>8}{batch:>6}{r['tpot_ms']:>10.2f}{r['kv_read_fraction']:>9.3f}{ratio:>9}",
-                      flush=True)
-    out = Path(args.out or f"bench/results/tpot_{args.shape}.json")
+    note = (f"{name} ({weights}, {dtype}); fluxion plan: {plan.source}; machine {machine}, {os.cpu_count()} CPUs, "
+            f"native threads {native.get_threads()}, commit {commit or '?'}")
+    print(note, flush=True)
+    print("command: python " + " ".join(sys.argv), flush=True)
+    out = Path(args.out or f"bench/results/tpot_{name}{'_' + dev.type if dev.type != 'cuda' else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"shape": args.shape, "machine": machine, "commit": commit, "dtype": str(dtype),
-                               "plan": f"fluxion plan drawn from {args.plan_source}", "rows": rows}, indent=1))
-    print(f"wrote {out}")
+    hdr = (f"{'mode':<11}{'ctx':>7}{'B':>3}{'TPOT ms':>9}{'KV read':>8}{'wait%':>7}{'wait ms':>8}{'gpu ms':>7}"
+           f"{'topk':>6}{'cpuatt':>7}{'gather':>7}{'PCIe MB':>8}{'GPU%':>5}")
+    print(hdr, flush=True)
+    rows: list[dict] = []
+    skipped: list[str] = []
+    host_cap = mem_available() * args.host_mem_fraction
+    gpu_cap = torch.cuda.mem_get_info()[0] * 0.8 if dev.type == "cuda" else float("inf")
+    modes = ["full-gpu" if m == "full" else m for m in args.modes]
+    for context in sorted(args.contexts):
+        for batch in sorted(args.batches):
+            for mode in modes:
+                case = f"{mode} ctx {context} batch {batch}"
+                host_need = context * batch * host_bytes_per_token(cfg)
+                dev_need = context * batch * cfg.kv_bytes_per_token(2) * 1.5  # dense cache grows by doubling
+                if mode != "full-gpu" and host_need > host_cap:
+                    skipped.append(f"{case}: needs {host_need / 2**30:.0f} GiB host RAM")
+                    continue
+                if mode == "full-gpu" and dev_need > gpu_cap:
+                    skipped.append(f"{case}: needs {dev_need / 2**30:.0f} GiB GPU memory")
+                    continue
+                if time.perf_counter() - start > args.time_budget:
+                    skipped.append(f"{case}: time budget")
+                    continue
+                r = measure(model, mode, context, batch, args.steps, plan)
+                rows.append({"mode": mode, "context": context, "batch": batch, **r})
+                print(f"{mode:<11}{context:>7}{batch:>3}{r['tpot_ms']:>9.2f}{r['kv_read_fraction']:>8.3f}"
+                      f"{100 * r.get('gpu_wait_ratio', 0):>7.1f}{r.get('gpu_wait_ms', 0):>8.2f}"
+                      f"{r.get('gpu_compute_ms', 0):>7.2f}{r.get('cpu_topk_ms', 0):>6.1f}{r.get('cpu_attn_ms', 0):>7.1f}"
+                      f"{r.get('gather_ms', 0):>7.1f}{r.get('pcie_mb', 0):>8.1f}{100 * r.get('gpu_byte_fraction', 0):>5.0f}"
+                      f"   (fill {r['fill_s']:.1f}s)", flush=True)
+                out.write_text(json.dumps({"model": name, "weights": weights, "note": note, "machine": machine,
+                                           "commit": commit, "command": "python " + " ".join(sys.argv),
+                                           "dtype": str(dtype), "plan": plan.source,
+                                           "peer_llamacpp_ms": {"kv_gpu": PEER_KV_GPU_MS, "kv_host": PEER_KV_HOST_MS},
+                                           "rows": rows, "skipped": skipped,
+                                           "summary": summary_lines(rows)}, indent=1))
+    print("\n".join(summary_lines(rows)), flush=True)
+    for s in skipped:
+        print(f"skipped {s}", flush=True)
+    print(f"wrote {out} ({time.perf_counter() - start:.0f} s)", flush=True)
+    plot(rows, out.with_suffix(".png"), note)
 
 
 if __name__ == "__main__":

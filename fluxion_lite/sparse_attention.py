@@ -162,6 +162,22 @@ class SparseAttention(AttentionBackend):
         for layer in range(self.cfg.n_layers):
             self._flush(layer)
 
+    def import_kv(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V computed elsewhere (a prefill node, a benchmark's synthetic context) without attending over it:
+        k, v [n, Hkv, D] at positions start..start+n-1 of an allocated sequence, layer by layer, in order."""
+        self._flush(layer)
+        slot, n = self._slot[seq_id], k.shape[0]
+        self.store.append(layer, slot, k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu())
+        if self._dsum is not None:
+            self._dsum.append_chunk(layer, slot, start, k.to(self.device))
+        head = max(0, min(n, self.sink_cap - start))  # only the sink's and the ring's tokens go to the device
+        if head:
+            self._write_near(layer, slot, start, k[:head].to(self.device), v[:head].to(self.device))
+        tail = min(n, self.ring_cap)
+        self._write_near(layer, slot, start + n - tail, k[n - tail :].to(self.device), v[n - tail :].to(self.device))
+        if layer == self.cfg.n_layers - 1:
+            self._len[seq_id] = start + n
+
     # ---- attention ------------------------------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
         self._flush(layer)
