@@ -114,9 +114,9 @@ def fill_context(attn: object, cfg: ModelConfig, batch: int, context: int, dev: 
     chunk = 4096
     for b in range(batch):
         attn.allocate(b)  # type: ignore[attr-defined]
-        for layer in range(cfg.n_layers):
-            for s in range(0, context, chunk):
-                n = min(chunk, context - s)
+        for s in range(0, context, chunk):  # positions in order in every layer (the dense cache checks for gaps)
+            n = min(chunk, context - s)
+            for layer in range(cfg.n_layers):
                 k = torch.randn(n, cfg.n_kv_heads, cfg.head_dim, generator=gen, device=dev).to(torch.bfloat16)
                 v = torch.randn(n, cfg.n_kv_heads, cfg.head_dim, generator=gen, device=dev).to(torch.bfloat16)
                 if isinstance(attn, DenseAttention):
