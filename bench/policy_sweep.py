@@ -18,7 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from fidelity import compare, decode_logprobs  # noqa: E402
 
-from fluxion_lite.engine import Engine, make_attention  # noqa: E402
+from fluxion_lite.engine import DTYPES, Engine, make_attention  # noqa: E402
 from fluxion_lite.eval_text import essay_text  # noqa: E402
 from fluxion_lite.policy import load_labels, plan_bytes_fraction, select_plan  # noqa: E402
 from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
@@ -36,11 +36,22 @@ def main() -> None:
     ap.add_argument("--sink", type=int, default=16)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--tokens", default=None, help="token ids (JSON) of the text, for a machine without the "
+                    "tokenizer: write them with bench/fidelity.py --export-tokens --text-offset ...")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
-    eng = Engine(args.model, max_context=args.context + 1, prefix_cache_entries=0)
+    eng = Engine(args.model, max_context=args.context + 1, prefix_cache_entries=0, device=args.device,
+                 dtype=args.dtype, load_tokenizer=args.tokens is None)
     cfg = eng.config
-    assert eng.tokenizer is not None
-    tokens = eng.tokenizer.encode(essay_text()[args.text_offset : args.text_offset + args.context * 8])[: args.context]
+    if args.tokens:
+        tokens = json.loads(Path(args.tokens).read_text())[: args.context]
+    else:
+        assert eng.tokenizer is not None
+        text = essay_text()[args.text_offset : args.text_offset + args.context * 8]
+        tokens = eng.tokenizer.encode(text)[: args.context]
+    if len(tokens) < args.context:
+        sys.exit(f"error: the text has only {len(tokens)} tokens, --context is {args.context}")
     labels, meta = load_labels(Path(args.labels or f"models/{args.model}.calib.json"))
     plans: list[tuple[str, SparsePlan]] = [
         (f"uniform g16 b={b:g}", SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, 16, b, args.sink, args.window))
@@ -48,14 +59,15 @@ def main() -> None:
     ]
     plans += [(f"calibrated eps={e:g}", select_plan(labels, cfg.n_layers, cfg.n_kv_heads, e, args.context, args.sink,
                                                     args.window, cfg.head_dim)) for e in args.epsilons]
-    ref = decode_logprobs(eng.model, eng.attn, tokens, args.positions, 512)
+    chunk = 8192 if args.device.startswith("cuda") else 512
+    ref = decode_logprobs(eng.model, eng.attn, tokens, args.positions, chunk)
     next_tokens = tokens[len(tokens) - args.positions + 1 :]
     rows = []
     print(f"{args.model} context {args.context}, {args.positions} decode positions, machine {platform.node()}")
     print(f"{'plan':<24}{'KL':>8}{'top1':>7}{'KV read':>9}{'touched':>9}{'stream':>8}")
     for name, plan in plans:
-        attn = make_attention("fluxion", cfg, torch.float32, torch.device("cpu"), 2, args.model, plan=plan)
-        res = compare(ref, decode_logprobs(eng.model, attn, tokens, args.positions, 512), next_tokens)
+        attn = make_attention("fluxion", cfg, DTYPES[args.dtype], torch.device(args.device), 2, args.model, plan=plan)
+        res = compare(ref, decode_logprobs(eng.model, attn, tokens, args.positions, chunk), next_tokens)
         kv_frac = attn.stats()["kv_read_fraction"]
         _, touched = plan_bytes_fraction(plan, args.context, cfg.head_dim)
         row = {"plan": name, **res, "kv_read_fraction": kv_frac, "touched_fraction_model": touched,
