@@ -5,7 +5,8 @@ Runs the model forward alone (no sampling, no engine bookkeeping) for one decode
 qwen2.5-coder-0.5b. Wall time (and, for --threads 1, the calling thread's CPU time, which other
 processes on a shared machine do not inflate) is the median of --steps un-profiled steps; the op count and the time spent in ops come
 from one torch.profiler pass over --profile-steps more steps (the profiler's own overhead inflates that pass, so the
-split is reported as a fraction: python share = 1 - (sum of top-level op CPU time) / (profiled wall time)).
+split is reported as a fraction: python share = 1 - (sum of top-level op time) / (profiled time), where profiled time
+is the thread's CPU time with --threads 1, else wall time; approximate on a loaded machine).
 
 Usage: python bench/decode_profile.py --model tiny --dtype float32 --context 2048
        python bench/decode_profile.py --model qwen2.5-coder-0.5b --dtype bfloat16 --context 512
@@ -106,14 +107,15 @@ def main() -> None:
         times.append(time.perf_counter() - t0)
         cpu_times.append(time.thread_time() - c0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        t0 = time.perf_counter()
+        t0 = time.thread_time() if args.threads == 1 else time.perf_counter()
         for _ in range(args.profile_steps):
             step()
-        prof_wall = time.perf_counter() - t0
+        prof_wall = (time.thread_time() if args.threads == 1 else time.perf_counter()) - t0
     events = prof.events()
-    # top-level ops: aten ops not called from inside another op (their CPU time includes the kernels they launch)
-    top = [e for e in events if e.cpu_parent is None and e.name.startswith("aten::")]
-    all_ops = [e for e in events if e.name.startswith("aten::")]
+    # top-level ops: torch ops (aten::, mkldnn::, ...) not called from inside another op (their CPU time includes the
+    # kernels they launch)
+    top = [e for e in events if e.cpu_parent is None and "::" in e.name]
+    all_ops = [e for e in events if "::" in e.name]
     op_us = sum(e.cpu_time_total for e in top)
     row = {
         "model": args.model, "dtype": args.dtype, "context": args.context, "batch": args.batch,

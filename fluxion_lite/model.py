@@ -32,11 +32,47 @@ class LayerWeights:
     ffn_norm: torch.Tensor  # [d]
     w_gate_up: torch.Tensor  # [2 F, d]: gate and up in one matmul
     w_down: torch.Tensor  # [d, F]
+    # With oneDNN prepacking (CPU, bf16: see Transformer), wqkv / w_gate_up / w_down hold opaque packed tensors
+    # (they are read by this module only) and wo_packed is a packed twin of wo, which stays plain for other readers.
+    wo_packed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         # transposed views made once, so a step does not call .t() twice per layer (no copy: same storage)
-        self.wo_t = self.wo.t()  # [Hq D, d]
-        self.w_down_t = self.w_down.t()  # [F, d]
+        self.wo_t: torch.Tensor = self.wo.t()  # [Hq D, d]
+        self.w_down_t: torch.Tensor | None = self.w_down.t()  # [F, d]; None once w_down is packed
+
+    def prepack(self) -> None:
+        """Replace the matmul weights by oneDNN-packed copies (the plain ones are freed, except wo)."""
+        self.wqkv = _pack(self.wqkv)
+        self.w_gate_up = _pack(self.w_gate_up)
+        self.w_down, self.w_down_t = _pack(self.w_down), None
+        self.wo_packed = _pack(self.wo)
+
+
+def _pack(w: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(w)
+
+
+def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """oneDNN weight prepacking pays on the CPU in bf16: its packed GEMV streams weights ~1.65x faster than the default
+    bf16 path on this VM's AVX512-BF16 cores (qwen2.5-coder-0.5b: 117 -> 71 ms of matmul per decode token, 1 thread);
+    in fp32 MKL's default path is as fast. Checked with a small trial so a torch build without the ops falls back."""
+    if device.type != "cpu" or dtype != torch.bfloat16 or not torch.backends.mkldnn.is_available():
+        return False
+    try:
+        w = torch.arange(64 * 32, dtype=torch.float32).reshape(64, 32).div_(2048).to(dtype)
+        a = torch.ones(3, 32, dtype=dtype)
+        got = torch.ops.mkldnn._linear_pointwise(a, _pack(w), None, "none", [], "")
+        return bool(torch.allclose(got.float(), F.linear(a, w).float(), rtol=1e-2, atol=1e-2))
+    except (RuntimeError, AttributeError):
+        return False
+
+
+def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ w^T (+ bias) for a plain or a oneDNN-packed w: a [T, in] -> [T, out]."""
+    if w.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(a, w, bias, "none", [], "")
+    return F.linear(a, w, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -103,7 +139,9 @@ class RotaryEmbedding:
 
 
 class Transformer:
-    def __init__(self, gguf_model: GGUFModel, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    def __init__(self, gguf_model: GGUFModel, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                 prepack: bool | None = None):
+        """prepack: oneDNN-packed matmul weights (None: wherever prepack_supported says they pay, i.e. CPU bf16)."""
         self.cfg = cfg = gguf_model.config
         self.device, self.dtype = torch.device(device), dtype
         if self.device.type == "cuda" and self.device.index is None:
@@ -136,6 +174,13 @@ class Transformer:
                     w_down=w(p + "ffn_down.weight"),
                 )
             )
+        self.prepacked = prepack_supported(self.device, dtype) if prepack is None else prepack
+        # the vocabulary matmul's weight: packed separately when tied, since the embedding lookup needs the plain one
+        self.output_mm = self.output
+        if self.prepacked:
+            for lw in self.layers:
+                lw.prepack()
+            self.output_mm = _pack(self.output)
         self.rope = RotaryEmbedding(cfg, self.device, dtype)
         self.rope.ensure(min(cfg.context_length, MIN_ROPE_POSITIONS))
         # On CUDA torch's rms_norm is one fused kernel (fp32 inside); on the CPU it is a slower composite of the same
@@ -213,18 +258,26 @@ class Transformer:
         qk_cols = (hq + hkv) * d
         for i, lw in enumerate(self.layers):
             h = self._norm(x, lw.attn_norm)
-            qkv = F.linear(h, lw.wqkv, lw.bqkv)  # [T, (Hq + 2 Hkv) D]
+            qkv = linear(h, lw.wqkv, lw.bqkv)  # [T, (Hq + 2 Hkv) D]
             qk, v = qkv.split((qk_cols, hkv * d), dim=-1)  # views of qkv
             qk = qk.view(n_tok, hq + hkv, d)  # [T, Hq + Hkv, D]: q and k rotate together
             self.rope.apply_(qk, cos, sin)
             q, k = qk.split((hq, hkv), dim=1)  # [T, Hq, D], [T, Hkv, D]
             v = v.view(n_tok, hkv, d)  # [T, Hkv, D]
             o = attn.attend(i, q, k, v, chunks)  # [T, Hq, D]
-            x.addmm_(o.reshape(n_tok, hq * d), lw.wo_t)  # x += o @ wo^T in the matmul itself
+            o = o.reshape(n_tok, hq * d)
+            if lw.wo_packed is None:
+                x.addmm_(o, lw.wo_t)  # x += o @ wo^T in the matmul itself
+            else:
+                x = torch.ops.mkldnn._linear_pointwise.binary(o, x, lw.wo_packed, None, "add")  # x + o @ wo^T
             h = self._norm(x, lw.ffn_norm)
-            gate_up = F.linear(h, lw.w_gate_up)  # [T, 2F]
+            gate_up = linear(h, lw.w_gate_up)  # [T, 2F]
             gate, up = gate_up.chunk(2, dim=-1)  # [T, F] views
-            x.addmm_(F.silu(gate).mul_(up), lw.w_down_t)
+            act = F.silu(gate).mul_(up)  # [T, F]
+            if lw.w_down_t is not None:
+                x.addmm_(act, lw.w_down_t)
+            else:
+                x = torch.ops.mkldnn._linear_pointwise.binary(act, x, lw.w_down, None, "add")
         if rows is not None:
             x = x[rows]  # [R, d]: the vocabulary matmul only for the rows asked for
-        return F.linear(self._norm(x, self.output_norm), self.output).float()  # [R, V]
+        return linear(self._norm(x, self.output_norm), self.output_mm).float()  # [R, V]

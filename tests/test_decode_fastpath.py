@@ -12,7 +12,7 @@ from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention, d
 from fluxion_lite.config import ModelConfig
 from fluxion_lite.gguf_loader import GGUFModel
 from fluxion_lite.kv_cache import INITIAL_CAPACITY, DenseKVCache
-from fluxion_lite.model import MIN_ROPE_POSITIONS, RotaryEmbedding, Transformer
+from fluxion_lite.model import MIN_ROPE_POSITIONS, RotaryEmbedding, Transformer, prepack_supported
 
 F64 = torch.float64
 
@@ -175,3 +175,31 @@ def test_kv_cache_growth_keeps_layer_views() -> None:
     cache.free(0)
     cache.allocate(0)  # a freed id can be reused
     assert cache.seq_len(0) == 0
+
+
+@pytest.mark.skipif(not prepack_supported(torch.device("cpu"), torch.bfloat16), reason="no oneDNN bf16 prepacking here")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_prepacked_bf16_equals_plain_bf16(arch: str) -> None:
+    """The oneDNN-packed CPU bf16 path (packed q/k/v, gate/up, down, wo twin, untied and tied vocab matmul) gives the
+    plain bf16 path's logits up to bf16 rounding, through prefill and decode."""
+    cfg = make_cfg(arch)
+    w = random_weights(cfg, seed=3)
+    models = [Transformer(GGUFModel(Path(arch), cfg, {}, w), "cpu", torch.bfloat16, prepack=p) for p in (False, True)]
+    assert not models[0].prepacked and models[1].prepacked and models[1].layers[0].wqkv.is_mkldnn
+    assert not models[1].layers[0].wo.is_mkldnn  # other modules read wo as a plain tensor
+    toks = torch.randint(0, cfg.vocab_size, (20,), generator=torch.Generator().manual_seed(1))
+    outs = []
+    for m in models:
+        attn = DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.bfloat16, torch.device("cpu"))
+        attn.allocate(0)
+        rows = [m.forward(toks[:12], torch.arange(12), [SeqChunk(0, 0, 12)], attn, logit_rows=torch.arange(12))]
+        rows += [m.forward(toks[p : p + 1], torch.tensor([p]), [SeqChunk(0, p, 1)], attn) for p in range(12, 20)]
+        outs.append(torch.cat(rows))
+    ref = unfused_logits(cfg, w, toks)
+    scale = ref.abs().max()
+    plain_err = (outs[0].double() - ref).abs().max() / scale
+    packed_err = (outs[1].double() - ref).abs().max() / scale
+    # both are bf16 forwards of the same float64 model (bf16 alone costs a few % of the logit range here); the
+    # packed one must be no worse, and close to the plain one
+    assert plain_err < 0.1 and packed_err < max(0.1, 1.2 * plain_err)
+    assert (outs[1] - outs[0]).abs().max() / scale < 0.02
