@@ -144,18 +144,12 @@ class DenseAttention(AttentionBackend):
         return (0, n) if self.cache.device.type == "cuda" else (n, 0)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
-        if len(chunks) == 1:  # one sequence (batch-1 decode, or a lone prefill chunk): no output buffer to fill
+        if all(c.length == 1 for c in chunks):  # a pure decode batch: row i is sequence i
+            return self._decode(layer, q, k, v, chunks)
+        if len(chunks) == 1:  # a lone prefill chunk: no output buffer to fill
             c = chunks[0]
             keys, values = self.cache.append(layer, c.seq_id, c.start, k, v)  # [Hkv, L, D] views of the cache
             return causal_attention(q, keys, values, c.start, self.scale)
-        if all(c.length == 1 for c in chunks):  # a pure decode batch: row i is sequence i
-            # Each sequence's K/V live in their own buffer, so it is one fused attention call per sequence and one
-            # concatenation of the [1, Hq, D] outputs (not B scattered copies into a preallocated output).
-            outs = []
-            for i, c in enumerate(chunks):
-                keys, values = self.cache.append(layer, c.seq_id, c.start, k[i : i + 1], v[i : i + 1])
-                outs.append(decode_attention(q[i : i + 1], keys, values, self.scale))
-            return torch.cat(outs)
         out = torch.empty_like(q)
         offset = 0
         for c in chunks:
@@ -164,3 +158,17 @@ class DenseAttention(AttentionBackend):
             out[sl] = causal_attention(q[sl], keys, values, c.start, self.scale)
             offset += c.length
         return out
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+        """q: [B, Hq, D], k/v: [B, Hkv, D], one token per sequence -> [B, Hq, D].
+
+        Each sequence's K/V live in their own buffer, so it is one fused SDPA call per sequence (GQA heads as query rows,
+        as in decode_attention) over views of the cache, and one concatenation of the outputs.
+        """
+        b, hq, d = q.shape
+        hkv = k.shape[1]
+        kvs = self.cache.append_decode(layer, [c.seq_id for c in chunks], [c.start for c in chunks], k, v)
+        qs = q.view(b, 1, hkv, hq // hkv, d).unbind(0)  # B x [1, Hkv, r, D]
+        outs = [F.scaled_dot_product_attention(qi, ki, vi, scale=self.scale) for qi, (ki, vi) in zip(qs, kvs)]
+        out = outs[0] if b == 1 else torch.cat(outs)  # [B, Hkv, r, D]
+        return out.reshape(b, hq, d)

@@ -21,6 +21,9 @@ class DenseKVCache:
         # indexes a Python list instead of issuing a select per tensor and layer
         self._k_layers: dict[int, list[torch.Tensor]] = {}
         self._v_layers: dict[int, list[torch.Tensor]] = {}
+        # the same as [1, Hkv, cap, D] (SDPA's batch dim in front), for the decode path
+        self._k4: dict[int, list[torch.Tensor]] = {}
+        self._v4: dict[int, list[torch.Tensor]] = {}
 
     def allocate(self, seq_id: int) -> None:
         if seq_id in self._k:
@@ -34,13 +37,15 @@ class DenseKVCache:
     def _split_layers(self, seq_id: int) -> None:
         self._k_layers[seq_id] = list(self._k[seq_id].unbind(0))
         self._v_layers[seq_id] = list(self._v[seq_id].unbind(0))
+        self._k4[seq_id] = list(self._k[seq_id].unsqueeze(1).unbind(0))
+        self._v4[seq_id] = list(self._v[seq_id].unsqueeze(1).unbind(0))
 
     def free(self, seq_id: int) -> None:
         self._k.pop(seq_id, None)
         self._v.pop(seq_id, None)
         self._len.pop(seq_id, None)
-        self._k_layers.pop(seq_id, None)
-        self._v_layers.pop(seq_id, None)
+        for views in (self._k_layers, self._v_layers, self._k4, self._v4):
+            views.pop(seq_id, None)
 
     def truncate(self, seq_id: int, n_tokens: int) -> None:
         if not 0 <= n_tokens <= self._len[seq_id]:
@@ -87,3 +92,25 @@ class DenseKVCache:
         if layer == self.n_layers - 1:
             self._len[seq_id] = end
         return k_all[:, :end], v_all[:, :end]
+
+    def append_decode(
+        self, layer: int, seq_ids: list[int], starts: list[int], k_new: torch.Tensor, v_new: torch.Tensor
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """One new token per sequence: k_new/v_new [B, Hkv, D], row i at position starts[i] of seq_ids[i]. Returns each
+        sequence's K, V of `layer` as [1, Hkv, start+1, D] views. The lean twin of append for decode steps: a handful
+        of dispatcher calls per sequence (its 4-D layer views are kept ready), since that count, not the bytes
+        written, is what a decode step pays for."""
+        ks, vs = k_new.unbind(0), v_new.unbind(0)  # B x [Hkv, D]
+        last = layer == self.n_layers - 1
+        out = []
+        for i, (seq_id, start) in enumerate(zip(seq_ids, starts)):
+            if start > self._len[seq_id] and layer == 0:
+                raise ValueError(f"sequence {seq_id}: append at {start} leaves a gap after {self._len[seq_id]} tokens")
+            self._ensure_capacity(seq_id, start + 1)
+            k4, v4 = self._k4[seq_id][layer], self._v4[seq_id][layer]  # [1, Hkv, cap, D]
+            k4[:, :, start].copy_(ks[i])
+            v4[:, :, start].copy_(vs[i])
+            if last:
+                self._len[seq_id] = start + 1
+            out.append((k4[:, :, : start + 1], v4[:, :, : start + 1]))
+        return out

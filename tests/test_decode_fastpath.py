@@ -203,3 +203,31 @@ def test_prepacked_bf16_equals_plain_bf16(arch: str) -> None:
     # packed one must be no worse, and close to the plain one
     assert plain_err < 0.1 and packed_err < max(0.1, 1.2 * plain_err)
     assert (outs[1] - outs[0]).abs().max() / scale < 0.02
+
+
+def test_batched_decode_across_cache_growth() -> None:
+    """A decode batch of two sequences of different lengths, stepping past the cache's first capacity (256): the cache
+    holds what was written and the outputs equal the tiled path's over the same keys."""
+    hq, hkv, d = 6, 2, 8
+    attn = DenseAttention(1, hkv, d, F64, torch.device("cpu"))
+    g = torch.Generator().manual_seed(5)
+    lens = {0: INITIAL_CAPACITY - 3, 1: 40}
+    keys = {s: torch.randn(n + 8, hkv, d, generator=g, dtype=F64) for s, n in lens.items()}
+    vals = {s: torch.randn(n + 8, hkv, d, generator=g, dtype=F64) for s, n in lens.items()}
+    for s, n in lens.items():
+        attn.allocate(s)
+        attn.attend(0, torch.zeros(n, hq, d, dtype=F64), keys[s][:n], vals[s][:n], [SeqChunk(s, 0, n)])
+    for step in range(8):
+        chunks = [SeqChunk(s, n + step, 1) for s, n in lens.items()]
+        q = torch.randn(2, hq, d, generator=g, dtype=F64)
+        k = torch.stack([keys[c.seq_id][c.start] for c in chunks])
+        v = torch.stack([vals[c.seq_id][c.start] for c in chunks])
+        out = attn.attend(0, q, k, v, chunks)
+        for i, c in enumerate(chunks):
+            n = c.start + 1
+            want = causal_attention(q[i : i + 1], keys[c.seq_id][:n].transpose(0, 1), vals[c.seq_id][:n].transpose(0, 1),
+                                    c.start, d**-0.5)
+            assert (out[i : i + 1] - want).abs().max() < 1e-12
+            assert attn.seq_len(c.seq_id) == n
+    kk, vv = attn.cache.view(0, 0)
+    assert torch.equal(kk, keys[0].transpose(0, 1)) and torch.equal(vv, vals[0].transpose(0, 1))
