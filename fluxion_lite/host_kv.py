@@ -1,13 +1,18 @@
 """Host-memory KV store in the native library's page layout (native/fluxion.h), with Quest-style block summaries.
 
 One page = P tokens of one layer for all KV heads of one sequence: K [Hkv, P, D], V [Hkv, P, D] (fp16/bf16), then
-min/max summaries [Hkv, P/g, 2, D] fp32 for each kept granularity g.  Pages are separate torch tensors (pinned
-when CUDA is available, so the GPU can copy from them or from staging asynchronously); a sequence grows by one
-page at a time and nothing already stored moves.  Page tables (uint64 addresses) and token counts live in numpy
-arrays that the C kernels read in place.
+min/max summaries [Hkv, P/g, 2, D] fp32 for each kept granularity g.  Pages are carved out of large slabs (one
+torch allocation each, pinned when CUDA is available): pinning once per slab instead of once per page keeps torch's
+pinned allocator from rounding every 1.23 MiB page up to 2 MiB, and lets the GPU read the pages in place through one
+alias per slab (fluxion_lite/zero_copy.py).  Pages sit at a fixed stride inside a slab and never straddle two slabs;
+the stride is aligned so that every 16-token chunk of a head starts at a multiple of its own size from any page
+(what the GPU gather indexes by).  A sequence grows by one page at a time, capacity grows by adding a slab, and
+nothing already stored moves.  Page tables (uint64 addresses) and token counts live in numpy arrays that the C
+kernels read in place.
 """
 from __future__ import annotations
 
+import math
 from typing import Sequence
 
 import numpy as np
@@ -17,12 +22,29 @@ from fluxion_lite import native
 from fluxion_lite.errors import CapacityError
 
 
+CHUNK_TOKENS = 16  # the GPU gather's unit: the smallest granularity, so every block is whole chunks
+DEFAULT_SLAB_BYTES = 256 << 20
+
+
+def page_stride(page_bytes: int, head_dim: int) -> int:
+    """Bytes from one page to the next inside a slab: page_bytes rounded up so that page starts stay aligned to a
+    16-token chunk of one head (16 * D * 2 bytes) and to 256 bytes.  For the Llama-3.1-8B shape (1.23 MiB pages) the
+    rounding is 0 bytes."""
+    align = math.lcm(256, CHUNK_TOKENS * head_dim * 2)
+    return -(-page_bytes // align) * align
+
+
 class HostKVStore:
-    """Paged host KV cache for n_layers x n_kv_heads x head_dim, up to max_seqs sequences (slots)."""
+    """Paged host KV cache for n_layers x n_kv_heads x head_dim, up to max_seqs sequences (slots).
+
+    slab_bytes: largest slab (a power of two: torch's pinned allocator rounds sizes up to one); the first slabs are
+    smaller and each new one doubles the capacity until that size.  max_bytes: bound on the bytes of all slabs
+    (None: no bound); growing past it raises CapacityError."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
                  max_seqs: int = 16, page_tokens: int = 256, granularities: Sequence[int] = (16, 32, 64, 128),
-                 pin_memory: bool | None = None, initial_pages_per_seq: int = 4) -> None:
+                 pin_memory: bool | None = None, initial_pages_per_seq: int = 4,
+                 slab_bytes: int = DEFAULT_SLAB_BYTES, max_bytes: int | None = None) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("max_seqs", max_seqs)):
@@ -34,11 +56,25 @@ class HostKVStore:
         self.granularities = tuple(sorted(set(granularities)))
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.page_bytes = native.page_bytes(n_kv_heads, head_dim, page_tokens, self.granularities)
+        self.page_stride = page_stride(self.page_bytes, head_dim)
+        self.chunk_bytes = CHUNK_TOKENS * head_dim * 2
+        if slab_bytes < 1 or slab_bytes & (slab_bytes - 1):
+            raise ValueError(f"slab_bytes must be a power of two, got {slab_bytes}")
+        # a slab must hold a page even after aligning its first page (its base is only 4 KiB aligned)
+        self.max_slab_bytes = max(slab_bytes, 1 << (2 * self.page_stride - 1).bit_length())
+        self.max_bytes = max_bytes
+        # slabs: uint8 tensors; _slab_pages[i] = (address of page 0, pages in slab i); page id = (slab, index)
+        self.slabs: list[torch.Tensor] = []
+        self._slab_pages: list[tuple[int, int]] = []
+        self._free_pages: list[tuple[int, int]] = []  # a stack: the lowest addresses of a new slab come out first
+        self.slab_version = 0  # bumped when a slab is added (the GPU alias of the slabs must be rebuilt)
+        self.layer_version = np.zeros(n_layers, np.int64)  # bumped when a layer's page table changes
         # pages_table: [L, S, max_pages] addresses; n_tokens_table: [L, S]; page tensors kept alive in _pages.
         self._max_pages = max(1, initial_pages_per_seq)
         self._pages_table = np.zeros((n_layers, max_seqs, self._max_pages), np.uint64)
         self._n_tokens = np.zeros((n_layers, max_seqs), np.int64)
         self._pages: list[list[list[torch.Tensor]]] = [[[] for _ in range(max_seqs)] for _ in range(n_layers)]
+        self._page_ids: list[list[list[tuple[int, int]]]] = [[[] for _ in range(max_seqs)] for _ in range(n_layers)]
         self._free_slots = list(range(max_seqs - 1, -1, -1))
         self._in_use: set[int] = set()
         self._views: list[native.KVView] = []
@@ -59,6 +95,10 @@ class HostKVStore:
         self._check_slot(slot)
         for layer in range(self.n_layers):
             self._pages[layer][slot] = []
+            # reversed, so the next pop hands the same pages back in order (a reused slot keeps its locality)
+            self._free_pages.extend(reversed(self._page_ids[layer][slot]))
+            self._page_ids[layer][slot] = []
+        self.layer_version += 1
         self._pages_table[:, slot, :] = 0
         self._n_tokens[:, slot] = 0
         self._in_use.discard(slot)
@@ -71,6 +111,19 @@ class HostKVStore:
     def bytes_used(self) -> int:
         """Bytes held by allocated pages (K, V and summaries)."""
         return self.page_bytes * sum(len(p) for layer in self._pages for p in layer)
+
+    @property
+    def bytes_reserved(self) -> int:
+        """Bytes of all slabs (pages in use, free pages, alignment): the host RAM the store holds."""
+        return sum(s.numel() for s in self.slabs)
+
+    def page_table(self, layer: int) -> np.ndarray:
+        """uint64 [max_seqs, max_pages] page addresses of a layer (0: none); replaced when the table widens."""
+        return self._pages_table[layer]
+
+    def page_addresses(self) -> list[tuple[int, int]]:
+        """(address of page 0, page count) per slab; pages follow at page_stride."""
+        return list(self._slab_pages)
 
     # ---- writing ----
 
@@ -160,10 +213,46 @@ class HostKVStore:
         pages = self._pages[layer][slot]
         if need > self._max_pages:
             self._grow_table(need)
+        if len(pages) < need:
+            self.layer_version[layer] += 1
         while len(pages) < need:
-            page = torch.empty(self.page_bytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+            if not self._free_pages:
+                self._add_slab()
+            sid, i = self._free_pages.pop()
+            base = self._slab_pages[sid][0] - self.slabs[sid].data_ptr() + i * self.page_stride
+            page = self.slabs[sid][base : base + self.page_bytes]
             self._pages_table[layer, slot, len(pages)] = page.data_ptr()
             pages.append(page)
+            self._page_ids[layer][slot].append((sid, i))
+
+    def _add_slab(self) -> None:
+        """One more slab: doubles the capacity (at least 8 pages' worth) up to max_slab_bytes per slab."""
+        reserved = self.bytes_reserved
+        target = max(8 * self.page_stride, reserved, 2 * self.page_stride)  # 2 strides: a page fits after alignment
+        size = min(self.max_slab_bytes, 1 << (target - 1).bit_length())
+        smallest = 1 << (2 * self.page_stride - 1).bit_length()
+        if self.max_bytes is not None and reserved + size > self.max_bytes:  # the largest slab that still fits
+            room = self.max_bytes - reserved
+            size = max(smallest, 1 << max(room, 1).bit_length() - 1)
+        if self.max_bytes is not None and reserved + size > self.max_bytes:
+            raise CapacityError(
+                f"host KV store: {self.max_bytes / 2**30:.2f} GiB bound reached ({reserved / 2**30:.2f} GiB in "
+                f"{len(self.slabs)} slabs, {self.bytes_used / 2**30:.2f} GiB of pages in use); another "
+                f"{size / 2**20:.0f} MiB slab does not fit: fewer or shorter sequences, or a larger bound")
+        try:
+            # zeros: rows a GPU gather reads past a task's valid tokens (masked out) must hold finite values
+            slab = torch.zeros(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+        except RuntimeError as e:  # pinned (page-locked) memory is limited by RAM and ulimit -l
+            raise CapacityError(f"host KV store: could not allocate a {size / 2**20:.0f} MiB "
+                                f"{'pinned ' if self.pin_memory else ''}slab after {reserved / 2**30:.2f} GiB: {e}") from e
+        addr = slab.data_ptr()
+        first = (-addr) % math.lcm(256, self.chunk_bytes)  # page starts chunk-aligned in absolute address
+        n = (size - first) // self.page_stride
+        sid = len(self.slabs)
+        self.slabs.append(slab)
+        self._slab_pages.append((addr + first, n))
+        self._free_pages.extend((sid, i) for i in range(n - 1, -1, -1))
+        self.slab_version += 1
 
     def _grow_table(self, need: int) -> None:
         # Only the pointer table is copied; pages stay where they are.

@@ -28,6 +28,7 @@ import torch
 
 from . import native
 from .scheduler import CostModel, Placement, split_tasks, task_bytes
+from .zero_copy import ZeroCopyFeeder
 
 
 def lse_merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
@@ -42,14 +43,22 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tor
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each task's query heads over its gathered tokens.
 
-    q: [T, r, D]; k, v: [T, K, D] (rows >= lens[t] are padding: finite values, masked out); lens: [T] int64.
+    q: [T, r, D]; k, v: [T, K, D] (rows >= lens[t] are padding, masked out); lens: [T] int64.
     Returns out fp32 [T, r, D], lse fp32 [T, r]; a task with no tokens gives out 0, lse -inf (like the native kernel)."""
-    k, v = k.to(q.dtype), v.to(q.dtype)  # bf16 staging; fp32 on a CPU device (as precise as the native kernel)
+    valid = torch.arange(k.shape[1], device=k.device)[None, :] < lens[:, None]  # [T, K]
+    return masked_attention(q, k, v, valid, scale)
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """block_attention with any token mask: valid bool [T, K] (the zero-copy layout has holes: partial blocks)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)  # bf16 on CUDA; fp32 on a CPU device (as precise as the native kernel)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [T, r, K]
-    pad = torch.arange(k.shape[1], device=k.device)[None, :] >= lens[:, None]  # [T, K]
-    scores.masked_fill_(pad[:, None, :], float("-inf"))
+    scores.masked_fill_(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [T, r]
     probs = torch.exp(scores - lse.clamp(min=torch.finfo(torch.float32).min)[..., None])  # -inf rows -> 0
+    # masked rows get weight 0, but 0 x NaN is NaN: padding may hold any bits (stale or never written pages)
+    v = v.masked_fill(~valid[..., None], 0)
     out = torch.matmul(probs.to(v.dtype), v).float()  # [T, r, D]
     return out, lse
 
@@ -69,6 +78,7 @@ class StepStats:
     pcie_bytes: float = 0.0  # H2D + D2H of the sparse path (staging, results, q, ids, new K/V)
     cpu_bytes: float = 0.0  # retrieval K+V bytes attended on the CPU
     gpu_bytes: float = 0.0  # ... sent to and attended on the GPU
+    zero_copy_bytes: float = 0.0  # read by the GPU from host pages through the alias (zero-copy feeder)
 
     def as_dict(self) -> dict[str, float]:
         n = max(1, self.steps)
@@ -86,6 +96,7 @@ class StepStats:
             "host_wait_ms": self.host_wait_s * ms,
             "pcie_mb": self.pcie_bytes / n / 1e6,
             "gpu_byte_fraction": self.gpu_bytes / total if total else 0.0,
+            "zero_copy_mb": self.zero_copy_bytes / n / 1e6,
         }
 
 
@@ -154,7 +165,7 @@ class HybridExecutor:
     """Runs a layer's retrieval tasks on the CPU worker and the GPU feeder; see the module docstring."""
 
     def __init__(self, device: torch.device, kv_dtype: torch.dtype, head_dim: int, r: int, costs: CostModel,
-                 placement: Placement, timer: Timer, stats: StepStats):
+                 placement: Placement, timer: Timer, stats: StepStats, feeder: ZeroCopyFeeder | None = None):
         self.device, self.kv_dtype, self.d, self.r = device, kv_dtype, head_dim, r
         self.cost_model, self.placement, self.timer, self.stats = costs, placement, timer, stats
         self.elem = torch.tensor([], dtype=kv_dtype).element_size()
@@ -165,9 +176,19 @@ class HybridExecutor:
         self._cpu_out = _Pinned(torch.float32, device)  # CPU results: out [Tc, r, D] then lse [Tc, r]
         self._meta = _Pinned(torch.int64, device)  # per GPU task: row offset, tokens, flat (seq, group); CPU bh
         self._last_use: torch.cuda.Event | None = None
+        # zero-copy GPU side (zero_copy.py): the GPU reads the selected blocks from the host pages itself; None:
+        # native gather into staging + H2D
+        self.feeder = feeder
+        self._zc_meta = _Pinned(torch.int32, device)
+        self.zc_calls = 0  # layers whose GPU part went through the feeder
 
     def close(self) -> None:
         self._worker.shutdown(wait=True)
+
+    def wait_idle(self) -> None:
+        """Wait until the device has finished the last layer's reads (before host pages can be reused)."""
+        if self._last_use is not None:
+            self._last_use.synchronize()
 
     def _reuse_guard(self) -> None:
         if self._last_use is not None and not self._last_use.query():
@@ -175,7 +196,7 @@ class HybridExecutor:
 
     def run(self, view: native.KVView, q_host: torch.Tensor, qg: torch.Tensor, tasks: np.ndarray, ids: np.ndarray,
             counts: np.ndarray, bh: np.ndarray, n_bh: int, scale: float,
-            placement: Placement | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            placement: Placement | None = None, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """tasks int32 [T, 9], ids int32 [T, k_cap], counts int32 [T], bh int64 [T] flat (seq * Hkv + group) index;
         q_host fp32 [B, Hq, D] (CPU), qg [B * Hkv, r, D] on the device. Returns device o fp32 [n_bh, r, D] and
         lse fp32 [n_bh, r] covering every task (lse -inf elsewhere)."""
@@ -190,9 +211,9 @@ class HybridExecutor:
         o_full = torch.zeros(n_bh, r, d, dtype=torch.float32, device=dev)
         lse_full = torch.full((n_bh, r), float("-inf"), dtype=torch.float32, device=dev)
 
-        # GPU feeder, part 1 (host): gather on the native pool before the CPU worker takes it
+        # GPU feeder, part 1 (host): gather on the native pool before the CPU worker takes it (not with zero-copy)
         gi = split.gpu
-        if len(gi):
+        if len(gi) and self.feeder is None:
             rows_per = counts[gi].astype(np.int64) * g[gi]  # [Tg] upper bound on tokens (full blocks)
             n_rows = int(rows_per.sum())
             self._staging.ensure(2 * n_rows * d)
@@ -213,8 +234,22 @@ class HybridExecutor:
             l_c = self._cpu_out.host[tc * r * d : tc * r * (d + 1)].view(tc, r)
             fut = self._worker.submit(self._cpu_attention, view, q_host, tasks[ci], ids[ci], counts[ci], scale,
                                       o_c, l_c)
-        # GPU feeder, part 2 (device): one H2D of K and V, attention over the gathered blocks, scatter
-        if len(gi):
+        # GPU feeder, part 2 (device): zero-copy read + attention, or one H2D of K and V + attention; scatter
+        if len(gi) and self.feeder is not None:
+            assert layer is not None, "the zero-copy feeder needs the layer"
+            a = self.timer.mark()
+            tg = len(gi)
+            self._zc_meta.ensure(self.feeder.meta_size(tg, counts[gi]))
+            o_g, lse_g, bh_g, nread = self.feeder.attend(layer, view.n_tokens, qg, tasks[gi], ids[gi], counts[gi],
+                                                         bh[gi], scale, self._zc_meta.host, self._zc_meta.dev)
+            o_full.index_copy_(0, bh_g, o_g)
+            lse_full.index_copy_(0, bh_g, lse_g)
+            self.timer.span("gpu_tasks", a, self.timer.mark())
+            st.pcie_bytes += nread
+            st.zero_copy_bytes += nread
+            self.zc_calls += 1
+            bh_cpu_dev = self._upload_bh(bh[ci]) if len(ci) else None
+        elif len(gi):
             tg, kmax = len(gi), int(toks.max()) if len(toks) else 0
             self._meta.ensure(3 * tg + len(ci))
             meta = self._meta.host
@@ -238,11 +273,7 @@ class HybridExecutor:
             self.timer.span("gpu_tasks", a, self.timer.mark())
             bh_cpu_dev = meta_dev[3 * tg :]
         elif len(ci):
-            self._meta.ensure(len(ci))
-            self._meta.host[: len(ci)] = torch.from_numpy(bh[ci])
-            bh_cpu_dev = self._meta.dev[: len(ci)]
-            if self.cuda:
-                bh_cpu_dev.copy_(self._meta.host[: len(ci)], non_blocking=True)
+            bh_cpu_dev = self._upload_bh(bh[ci])
         # CPU results -> device
         if fut is not None:
             t0 = time.perf_counter()
@@ -260,6 +291,16 @@ class HybridExecutor:
             self._last_use = torch.cuda.Event()
             self._last_use.record()
         return o_full, lse_full
+
+    def _upload_bh(self, bh_cpu: np.ndarray) -> torch.Tensor:
+        """The CPU tasks' rows of the full-size result on the device (int64 [Tc])."""
+        n = len(bh_cpu)
+        self._meta.ensure(n)
+        self._meta.host[:n] = torch.from_numpy(bh_cpu)
+        dev = self._meta.dev[:n]
+        if self.cuda:
+            dev.copy_(self._meta.host[:n], non_blocking=True)
+        return dev
 
     def _copy_kv(self, n: int) -> torch.Tensor:
         """One async H2D of the staging buffer's first n elements on the side stream; the main stream waits for it."""

@@ -14,6 +14,13 @@ thread pool, then the CPU worker's attention and the GPU's copy + attention run 
 
   makespan(C, G) = gather(G) + max(cpu(C), h2d(G))      (gather and h2d are 0 when G is empty)
 
+With the zero-copy feeder (fluxion_lite/zero_copy.py) the GPU reads the selected blocks from the pinned host pages
+itself over PCIe and the CPU does no gather, so the two sides overlap completely:
+
+  makespan(C, G) = max(cpu(C), zc_fixed + G / pcie_read_gbs + G / gpu_attn_gbs)
+
+with the PCIe read and device attention rates probed at start-up (zero_copy.probe), not constants.
+
 Pulling is simulated rather than raced: each task, largest first, goes to the side where the layer would finish
 sooner with it (a free worker declines a task the other side finishes earlier). The greedy result is compared with
 the two static placements and the best of the three is kept, so the split is never worse than all-CPU or all-GPU
@@ -48,6 +55,16 @@ class Costs:
     cpu_fixed_s: float = 0.0
     gather_fixed_s: float = 0.0
     h2d_fixed_s: float = 0.0  # copy launch + GPU attention launches + the merge of the GPU part
+    # zero-copy GPU side: when set, the GPU reads host pages itself (no gather, no staging copy)
+    zero_copy: bool = False
+    pcie_read_gbs: float | None = None  # GPU kernel reading pinned host memory through the alias
+    gpu_attn_gbs: float | None = None  # device attention over the bytes read (None: negligible)
+    zc_fixed_s: float = 0.0  # index math + read + attention launches and the scatter of the GPU part
+
+    @property
+    def has_gpu(self) -> bool:
+        """Whether there is a GPU side to place tasks on."""
+        return (self.pcie_read_gbs is not None) if self.zero_copy else (self.h2d_gbs is not None)
 
     def cpu_time(self, nbytes: float) -> float:
         return self.cpu_fixed_s + nbytes / (self.cpu_gbs * 1e9) if nbytes > 0 else 0.0
@@ -62,7 +79,18 @@ class Costs:
             return float("inf")
         return self.h2d_fixed_s + nbytes / (self.h2d_gbs * 1e9)
 
+    def zero_copy_time(self, nbytes: float) -> float:
+        """PCIe read of the selected blocks by the GPU plus the device attention over them."""
+        if nbytes <= 0:
+            return 0.0
+        if self.pcie_read_gbs is None:
+            return float("inf")
+        attn = nbytes / (self.gpu_attn_gbs * 1e9) if self.gpu_attn_gbs else 0.0
+        return self.zc_fixed_s + nbytes / (self.pcie_read_gbs * 1e9) + attn
+
     def makespan(self, cpu_bytes: float, gpu_bytes: float) -> float:
+        if self.zero_copy:  # nothing of the GPU side runs on the CPU: the sides overlap completely
+            return max(self.cpu_time(cpu_bytes), self.zero_copy_time(gpu_bytes))
         return self.gather_time(gpu_bytes) + max(self.cpu_time(cpu_bytes), self.h2d_time(gpu_bytes))
 
 
@@ -101,11 +129,11 @@ def split_tasks(nbytes: np.ndarray, costs: Costs, placement: Placement = "auto")
     order = priority_order(nbytes)
     total = float(nbytes.sum())
     empty = np.zeros(0, np.int64)
-    if placement == "gpu" and costs.h2d_gbs is None:
-        raise ValueError("placement='gpu' needs a GPU side (costs.h2d_gbs is None)")
+    if placement == "gpu" and not costs.has_gpu:
+        raise ValueError("placement='gpu' needs a GPU side (costs.h2d_gbs / pcie_read_gbs is None)")
     all_cpu = Split(order, order, empty, total, 0.0, costs.makespan(total, 0.0))
     all_gpu = Split(order, empty, order, 0.0, total, costs.makespan(0.0, total))
-    if placement == "cpu" or (placement == "auto" and costs.h2d_gbs is None) or len(order) == 0:
+    if placement == "cpu" or (placement == "auto" and not costs.has_gpu) or len(order) == 0:
         return all_cpu
     if placement == "gpu":
         return all_gpu
@@ -150,6 +178,15 @@ class CostModel:
         c = self.costs
         if c.h2d_gbs is not None:
             self.costs = replace(c, h2d_gbs=self._rate(c.h2d_gbs, nbytes, seconds, c.h2d_fixed_s))
+
+    def observe_zero_copy(self, nbytes: float, seconds: float) -> None:
+        """A zero-copy GPU part (read + attention) of nbytes took seconds: updates the read rate (the attention
+        share is taken out at its probed rate)."""
+        c = self.costs
+        if c.pcie_read_gbs is None:
+            return
+        attn = nbytes / (c.gpu_attn_gbs * 1e9) if c.gpu_attn_gbs else 0.0
+        self.costs = replace(c, pcie_read_gbs=self._rate(c.pcie_read_gbs, nbytes, seconds - attn, c.zc_fixed_s))
 
 
 # ---- start-up measurement -----------------------------------------------------------------------------------------

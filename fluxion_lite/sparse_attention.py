@@ -17,7 +17,9 @@ window (>= 1 token) covers it on the device, and top-k never selects a block tou
 """
 from __future__ import annotations
 
+import os
 import time
+from dataclasses import replace
 from typing import Literal
 
 import numpy as np
@@ -34,6 +36,7 @@ from .request_plan import RequestPlanner, RowPlan
 from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan
 from .sparse_step import GVALS, DecodeStep, build_step
+from . import zero_copy as zc
 
 MAX_G = max(GRANULARITIES)
 Selection = Literal["cpu", "gpu"]
@@ -45,7 +48,8 @@ def _align_up(x: int, a: int) -> int:
 
 class SparseAttention(AttentionBackend):
     def __init__(self, cfg: ModelConfig, plan: SparsePlan, dtype: torch.dtype, device: torch.device, max_seqs: int,
-                 placement: Placement = "auto", selection: Selection = "cpu", costs: Costs | None = None):
+                 placement: Placement = "auto", selection: Selection = "cpu", costs: Costs | None = None,
+                 zero_copy: bool | None = None):
         plan.validate(cfg.n_layers, cfg.n_kv_heads)
         if plan.window < 1:
             raise ValueError("the sparse backend needs window >= 1 (the newest token is attended on the device)")
@@ -91,12 +95,35 @@ class SparseAttention(AttentionBackend):
         if not cuda and costs is None:  # the "GPU" side is torch on this CPU: model it as a slow but usable side
             base = Costs(base.cpu_gbs, base.gather_gbs, h2d_gbs=base.cpu_gbs, cpu_fixed_s=base.cpu_fixed_s,
                          gather_fixed_s=base.gather_fixed_s)
+        # zero-copy GPU feeder (zero_copy.py): None = where the alias check passes on CUDA (FLUXION_ZERO_COPY=1 on
+        # a CPU device, where the "alias" is the host memory itself); False = staging; True = wherever it works
+        self.zero_copy = placement != "cpu" and self._want_zero_copy(zero_copy)
+        if self.zero_copy and not base.zero_copy:
+            if cuda:
+                pcie_gbs, attn_gbs, zc_fixed = zc.probe(device, head_dim=cfg.head_dim)
+            else:  # the CPU "GPU side" reads host memory at the rate the staging model gave it
+                pcie_gbs, attn_gbs, zc_fixed = base.h2d_gbs or base.cpu_gbs, None, base.h2d_fixed_s
+            base = replace(base, zero_copy=True, pcie_read_gbs=pcie_gbs, gpu_attn_gbs=attn_gbs, zc_fixed_s=zc_fixed)
+        elif not self.zero_copy and base.zero_copy:
+            base = replace(base, zero_copy=False)
         self.costs = CostModel(base)
         self.executor = HybridExecutor(device, torch.bfloat16, cfg.head_dim, self.r, self.costs, placement,
-                                       self.timer, self._st)
+                                       self.timer, self._st,
+                                       feeder=zc.ZeroCopyFeeder(self.store, device) if self.zero_copy else None)
+        self._zc_seen = (0.0, 0)  # zero-copy bytes and GPU calls at the last step's end (for the online rate)
         self._t_step = 0.0
         self._read_tokens = 0.0  # sum over decode (step, layer, seq, group) of tokens read
         self._context_tokens = 0.0  # same sum of context lengths
+
+    def _want_zero_copy(self, requested: bool | None) -> bool:
+        if requested is False:
+            return False
+        if self.device.type != "cuda":
+            return bool(requested) or os.environ.get("FLUXION_ZERO_COPY", "") == "1"
+        ok, why = zc.check(self.device)
+        if not ok:
+            zc.log_fallback(why)
+        return ok
 
     # ---- sequence lifecycle ---------------------------------------------------------------------------------------
     def allocate(self, seq_id: int) -> None:
@@ -122,6 +149,8 @@ class SparseAttention(AttentionBackend):
         self.flush()
         slot = self._slot.pop(seq_id, None)
         if slot is not None:
+            if self.zero_copy:  # the GPU may still read this slot's pages through the alias
+                self.executor.wait_idle()
             self.store.release(slot)
         self.scratch.free(seq_id)
         self._len.pop(seq_id, None)
@@ -150,11 +179,14 @@ class SparseAttention(AttentionBackend):
         frac = self._read_tokens / self._context_tokens if self._context_tokens else 0.0
         c = self.costs.costs
         return {"kv_read_fraction": frac, "streaming_fraction": self.plan.streaming_fraction, **self._st.as_dict(),
-                "cpu_gbs": c.cpu_gbs, "gather_gbs": c.gather_gbs, "h2d_gbs": c.h2d_gbs or 0.0}
+                "cpu_gbs": c.cpu_gbs, "gather_gbs": c.gather_gbs, "h2d_gbs": c.h2d_gbs or 0.0,
+                "zero_copy": float(self.zero_copy), "pcie_read_gbs": c.pcie_read_gbs or 0.0,
+                "gpu_attn_gbs": c.gpu_attn_gbs or 0.0}
 
     def reset_stats(self) -> None:
         self._read_tokens = self._context_tokens = 0.0
         self._st.__init__()  # type: ignore[misc]  # in place: the executor holds the same object
+        self._zc_seen = (0.0, self.executor.zc_calls)
         self.timer.collect()
 
     def flush(self) -> None:
@@ -263,6 +295,11 @@ class SparseAttention(AttentionBackend):
             s.step_s += time.perf_counter() - self._t_step
             s.gpu_compute_s += spans.get("stream", 0.0) + spans.get("gpu_tasks", 0.0) + spans.get("merge", 0.0)
             s.gpu_wait_s += max(0.0, spans.get("window", 0.0) - spans.get("gpu_tasks", 0.0))
+            if self.zero_copy:  # follow the zero-copy rate seen this step, per layer that had GPU tasks
+                nbytes, calls = s.zero_copy_bytes - self._zc_seen[0], self.executor.zc_calls - self._zc_seen[1]
+                if calls:
+                    self.costs.observe_zero_copy(nbytes / calls, spans.get("gpu_tasks", 0.0) / calls)
+                self._zc_seen = (s.zero_copy_bytes, self.executor.zc_calls)
         return out
 
     def _queue_host_append(self, layer: int, st: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -337,7 +374,7 @@ class SparseAttention(AttentionBackend):
             self._st.cpu_topk_s += time.perf_counter() - t0
             o_r, lse_r = self.executor.run(view, q_host, qg.reshape(B * hkv, r, d), tasks, ids, counts, bi * hkv + h,
                                            B * hkv, self.scale,
-                                           placement="gpu" if self._dsum is not None else None)
+                                           placement="gpu" if self._dsum is not None else None, layer=layer)
             self._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
             m2 = self.timer.mark()
             out = lse_merge(out, lse_s, o_r.view(B, hkv, r, d), lse_r.view(B, hkv, r))
