@@ -131,11 +131,9 @@ def group_outputs(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, po
     return results
 
 
-def calibrate_prompt(model: Transformer, tokens: list[int], m: int, sink: int, window: int,
-                     configs: list[Config]) -> dict[tuple[int, int, str], tuple[float, float]]:
-    """Labels for one prompt: (layer, group, config key) -> (mean effective error c*d, mean fraction read)."""
-    cfgm = model.cfg
-    cap = CaptureAttention(cfgm, model.device, len(tokens), m)
+def capture_prompt(model: Transformer, tokens: list[int], m: int) -> CaptureAttention:
+    """Dense forward over `tokens` (chunks of 512) recording q of the last m positions and every layer's K/V."""
+    cap = CaptureAttention(model.cfg, model.device, len(tokens), m)
     cap.allocate(0)
     chunk = 512
     for s in range(0, len(tokens), chunk):
@@ -143,25 +141,48 @@ def calibrate_prompt(model: Transformer, tokens: list[int], m: int, sink: int, w
         model.forward(torch.tensor(tokens[s : s + n]), torch.arange(s, s + n), [SeqChunk(0, s, n)], cap)
     cap.capture_kv(0)
     cap.free(0)
+    return cap
+
+
+def layer_errors(model: Transformer, layer: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                 positions: torch.Tensor, configs: list[Config], sink: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group and configuration of one layer: (mean effective error c*d, mean fraction read), each [Hkv, C].
+
+    q: [M, Hkv, r, D] at absolute `positions` [M]; keys/values: [Hkv, N, D] with N > max(positions).
+    """
+    m, hkv, r, d = q.shape
+    wo = model.layers[layer].wo.float()  # [d_model, Hq*D]
+    outs = [group_outputs(q[:, h], keys[h], values[h], positions, configs, sink, window, d**-0.5) for h in range(hkv)]
+    proj = torch.stack([(outs[h]["full"][0].reshape(m, r * d) @ wo[:, h * r * d : (h + 1) * r * d].T).norm(dim=-1)
+                        for h in range(hkv)])  # [Hkv, M]
+    contrib = proj / proj.sum(0, keepdim=True).clamp(min=1e-12)
+    err = torch.zeros(hkv, len(configs), dtype=torch.float64)
+    frac = torch.zeros_like(err)
+    for h in range(hkv):
+        full = outs[h]["full"][0]
+        ref_norm = full.reshape(m, -1).norm(dim=-1).clamp(min=1e-12)
+        for j, cfg in enumerate(configs):
+            o, fr = outs[h][cfg.key]
+            dev = (o - full).reshape(m, -1).norm(dim=-1) / ref_norm
+            err[h, j], frac[h, j] = float((contrib[h] * dev).mean()), float(fr.mean())
+    return err, frac
+
+
+def calibrate_prompt(model: Transformer, tokens: list[int], m: int, sink: int, window: int,
+                     configs: list[Config]) -> dict[tuple[int, int, str], tuple[float, float]]:
+    """Labels for one prompt: (layer, group, config key) -> (mean effective error c*d, mean fraction read)."""
+    cfgm = model.cfg
+    cap = capture_prompt(model, tokens, m)
     r, d, hkv = cfgm.gqa_ratio, cfgm.head_dim, cfgm.n_kv_heads
-    scale = d**-0.5
     positions = torch.arange(len(tokens) - m, len(tokens))
     labels: dict[tuple[int, int, str], tuple[float, float]] = {}
     for layer in range(cfgm.n_layers):
         q = torch.cat(cap.q[layer]).view(m, hkv, r, d)  # [M, Hkv, r, D]
         keys, values = cap.kv[layer]
-        wo = model.layers[layer].wo.float()  # [d_model, Hq*D]
-        outs = [group_outputs(q[:, h], keys[h], values[h], positions, configs, sink, window, scale) for h in range(hkv)]
-        proj = torch.stack([(outs[h]["full"][0].reshape(m, r * d) @ wo[:, h * r * d : (h + 1) * r * d].T).norm(dim=-1)
-                            for h in range(hkv)])  # [Hkv, M]
-        contrib = proj / proj.sum(0, keepdim=True).clamp(min=1e-12)
+        err, frac = layer_errors(model, layer, q, keys, values, positions, configs, sink, window)
         for h in range(hkv):
-            full = outs[h]["full"][0]
-            ref_norm = full.reshape(m, -1).norm(dim=-1).clamp(min=1e-12)
-            for cfg in configs:
-                o, frac = outs[h][cfg.key]
-                dev = (o - full).reshape(m, -1).norm(dim=-1) / ref_norm
-                labels[(layer, h, cfg.key)] = (float((contrib[h] * dev).mean()), float(frac.mean()))
+            for j, cfg in enumerate(configs):
+                labels[(layer, h, cfg.key)] = (float(err[h, j]), float(frac[h, j]))
     return labels
 
 

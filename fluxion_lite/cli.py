@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         "calibrate", help="measure per-group sparse-attention error and write the model's fluxion plan"
     )
     calibrate.add_argument("model", help="catalog name or .gguf path")
-    calibrate.add_argument("--samples", type=int, default=3, help="calibration prompts (default: 3)")
+    calibrate.add_argument("--samples", type=int, default=None,
+                           help="calibration prompts (default: 3; 20 with --train)")
     calibrate.add_argument("--context", type=int, default=4096, help="tokens per prompt (default: 4096)")
     calibrate.add_argument("--positions", type=int, default=32, help="query positions measured per prompt (default: 32)")
     calibrate.add_argument("--sink", type=int, default=16)
@@ -112,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--epsilon", type=float, default=None, help="error bound of the selector (default: policy's)")
     calibrate.add_argument("--from-labels", action="store_true", help="reuse the saved labels; only re-select the plan")
     calibrate.add_argument("--out-dir", default=None, help="where labels and plan go (default: the package's models/)")
+    calibrate.add_argument("--train", action="store_true",
+                           help="instead of the static plan: collect predictor data on varied prompts (or reuse it "
+                                "with --from-labels) and train the per-request head-property predictor")
+    calibrate.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     calibrate.set_defaults(handler=cmd_calibrate)
     return parser
 
@@ -335,6 +340,12 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from fluxion_lite.calibration import run_calibration
     from fluxion_lite.policy import DEFAULT_EPSILON, load_labels, save_labels, select_plan
 
+    if args.samples is None:
+        args.samples = 20 if args.train else 3
+    if args.threads is not None:
+        import torch
+
+        torch.set_num_threads(max(1, args.threads))
     for name in ("samples", "context", "positions"):
         if getattr(args, name) < 1:
             raise FluxionError(f"--{name} {getattr(args, name)}: must be >= 1")
@@ -344,6 +355,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = Path(args.model).stem if args.model.endswith(".gguf") else args.model
     labels_path, plan_path = out_dir / f"{name}.calib.json", out_dir / f"{name}.plan.json"
+    if args.train:
+        return _train_predictor(args, out_dir, name)
     if args.from_labels:
         if not labels_path.is_file():
             raise FluxionError(f"{labels_path}: no saved labels; run calibrate without --from-labels first")
@@ -360,6 +373,32 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     plan.save(plan_path)
     print(plan.explain())
     print(f"wrote {plan_path}")
+    return 0
+
+
+def _train_predictor(args: argparse.Namespace, out_dir: Path, name: str) -> int:
+    """calibrate --train: predictor data (collected, or the saved file with --from-labels), training, card."""
+    from fluxion_lite.policy import DEFAULT_EPSILON
+    from fluxion_lite.predictor_data import Dataset, collect
+    from fluxion_lite.predictor_train import train_and_report
+
+    data_path = out_dir / f"{name}.predictor-data.npz"
+    if args.from_labels:
+        if not data_path.is_file():
+            raise FluxionError(f"{data_path}: no saved predictor data; run calibrate --train without --from-labels")
+        ds = Dataset.load(data_path)
+    else:
+        ds = collect(args.model, samples=args.samples, context=args.context, positions=args.positions, sink=args.sink,
+                     window=args.window, seed=args.seed)
+        ds.save(data_path)
+        print(f"wrote {data_path}")
+    if len(ds.kinds) < 2:
+        raise FluxionError("--train needs at least 2 prompts (one is held out)")
+    epsilon = DEFAULT_EPSILON if args.epsilon is None else args.epsilon
+    pred, m = train_and_report(ds, out_dir, name, epsilon=epsilon, seed=args.seed)
+    print(f"predictor: {pred.n_params} parameters; held-out accuracy {m['accuracy']:.3f} (static {m['accuracy_static']:.3f}),"
+          f" deviation calibration error {m['ece_dev']:.3f} (log10), MAE {m['mae_log10']:.3f}")
+    print(f"wrote {out_dir / f'{name}.predictor.npz'} and {out_dir / f'{name}.predictor.md'}")
     return 0
 
 

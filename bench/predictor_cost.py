@@ -1,0 +1,77 @@
+"""Online cost of the per-request plan, per layer: features (head_features.layer_features) + predictor MLP + selector,
+i.e. what RequestPlanner.prefill_done does once per layer when a sequence's prefill ends.
+
+Shapes of the three catalog models, random tensors (the cost depends on shapes only), fp32 on the CPU, one thread.
+Reports thread CPU time (time.thread_time: the cost on an idle core; the 2-core VM is shared, so wall time there
+mostly measures other people's jobs) and wall time, median over reps.
+  python bench/predictor_cost.py [--threads 1] [--contexts 1024 4096 16384 32768]
+Prints a table and writes bench/results/predictor_cost.json.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fluxion_lite.head_features import FEATURE_QUERIES, N_FEATURES, layer_features
+from fluxion_lite.predictor import config_costs, select_groups, train
+
+SHAPES = {  # n_layers, n_heads, n_kv_heads, head_dim, d_model
+    "smollm2-135m": (30, 9, 3, 64, 576),
+    "qwen2.5-coder-0.5b": (24, 14, 2, 64, 896),
+    "qwen2.5-coder-1.5b": (28, 12, 2, 128, 1536),
+}
+
+
+def time_layer(shape: tuple[int, int, int, int, int], n: int, pred: object, reps: int) -> tuple[float, float, float]:
+    n_layers, hq, hkv, d, dm = shape
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(FEATURE_QUERIES, hkv, hq // hkv, d, generator=gen)
+    keys, values = torch.randn(hkv, n, d, generator=gen), torch.randn(hkv, n, d, generator=gen)
+    wo = torch.randn(dm, hq * d, generator=gen)
+    costs = config_costs(n, 16, 64, d)
+    pred.weights["prior"] = np.full((n_layers, hkv, 21), 0.05, np.float32)  # type: ignore[attr-defined]
+    feat_s, pred_s, wall_s = [], [], []
+    for _ in range(reps):
+        w0, t0 = time.perf_counter(), time.thread_time()
+        f = layer_features(q, keys, values, wo, 3, n_layers, 16, 64).numpy()
+        t1 = time.thread_time()
+        p, err = pred.predict_layer(f, 3)  # type: ignore[attr-defined]
+        select_groups(p, err, costs, 0.1)
+        t2, w2 = time.thread_time(), time.perf_counter()
+        feat_s.append(t1 - t0)
+        pred_s.append(t2 - t1)
+        wall_s.append(w2 - w0)
+    return float(np.median(feat_s)), float(np.median(pred_s)), float(np.median(wall_s))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
+    ap.add_argument("--reps", type=int, default=7)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rng = np.random.default_rng(0)
+    e = rng.uniform(0, 1, (64, 21)).astype(np.float32)
+    pred = train(rng.standard_normal((64, N_FEATURES)).astype(np.float32), e, e, epsilon=0.1, epochs=1,
+                 prior_table=np.full((30, 3, 21), 0.05))  # weights do not change the cost
+    rows = []
+    print(f"{'model':<20} {'context':>8} {'features ms':>12} {'MLP+select ms':>14} {'total ms/layer':>15} {'wall ms':>8}")
+    for name, shape in SHAPES.items():
+        for n in args.contexts:
+            f, p, w = time_layer(shape, n, pred, args.reps)
+            rows.append({"model": name, "context": n, "features_cpu_ms": 1e3 * f, "predict_select_cpu_ms": 1e3 * p,
+                         "total_cpu_ms": 1e3 * (f + p), "total_wall_ms": 1e3 * w})
+            print(f"{name:<20} {n:>8} {1e3 * f:>12.3f} {1e3 * p:>14.3f} {1e3 * (f + p):>15.3f} {1e3 * w:>8.2f}")
+    out = Path(__file__).parent / "results" / "predictor_cost.json"
+    out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
