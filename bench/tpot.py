@@ -30,11 +30,12 @@ from pathlib import Path
 
 import torch
 
-from fluxion_lite import native
+from fluxion_lite import native, zero_copy
 from fluxion_lite.attention import DenseAttention, SeqChunk
 from fluxion_lite.config import ModelConfig
 from fluxion_lite.engine import make_attention
 from fluxion_lite.gguf_loader import GGUFModel, load_gguf
+from fluxion_lite.host_kv import page_stride
 from fluxion_lite.model import Transformer
 from fluxion_lite.sparse_attention import SparseAttention
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
@@ -90,12 +91,10 @@ def borrowed_plan(cfg: ModelConfig, source: Path, seed: int = 0) -> SparsePlan:
 
 
 def host_bytes_per_token(cfg: ModelConfig) -> float:
-    """Host RAM per token of context: pages of 256 tokens (K, V bf16 + 4 summaries), which torch's pinned allocator
-    rounds up to a power of two on CUDA machines."""
-    page = native.page_bytes(cfg.n_kv_heads, cfg.head_dim, 256, (16, 32, 64, 128))
-    if torch.cuda.is_available():
-        page = 1 << (page - 1).bit_length()
-    return page * cfg.n_layers / 256
+    """Host RAM per token of context: pages of 256 tokens (K, V bf16 + 4 summaries) at their stride in the store's
+    slabs (no power-of-two rounding per page any more), plus ~1% for partly used slabs."""
+    page = page_stride(native.page_bytes(cfg.n_kv_heads, cfg.head_dim, 256, (16, 32, 64, 128)), cfg.head_dim)
+    return page * cfg.n_layers / 256 * 1.01
 
 
 def mem_available() -> float:
@@ -241,12 +240,15 @@ def main() -> None:
     machine = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or platform.node()
     note = (f"{name} ({weights}, {dtype}); fluxion plan: {plan.source}; machine {machine}, {os.cpu_count()} CPUs, "
             f"native threads {native.get_threads()}, commit {commit or '?'}")
+    zc_ok, zc_why = (zero_copy.check(dev) if dev.type == "cuda" else
+                     (os.environ.get("FLUXION_ZERO_COPY") == "1", "CPU device: staging unless FLUXION_ZERO_COPY=1"))
+    note += f"; zero-copy feeder: {'on' if zc_ok else 'off'} ({zc_why})"
     print(note, flush=True)
     print("command: python " + " ".join(sys.argv), flush=True)
     out = Path(args.out or f"bench/results/tpot_{name}{'_' + dev.type if dev.type != 'cuda' else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     hdr = (f"{'mode':<11}{'ctx':>7}{'B':>3}{'TPOT ms':>9}{'KV read':>8}{'wait%':>7}{'wait ms':>8}{'gpu ms':>7}"
-           f"{'topk':>6}{'cpuatt':>7}{'gather':>7}{'PCIe MB':>8}{'GPU%':>5}")
+           f"{'topk':>6}{'cpuatt':>7}{'gather':>7}{'PCIe MB':>8}{'GPU%':>5}{'ZC':>3}{'zcGB/s':>7}")
     print(hdr, flush=True)
     rows: list[dict] = []
     skipped: list[str] = []
@@ -274,10 +276,14 @@ def main() -> None:
                       f"{100 * r.get('gpu_wait_ratio', 0):>7.1f}{r.get('gpu_wait_ms', 0):>8.2f}"
                       f"{r.get('gpu_compute_ms', 0):>7.2f}{r.get('cpu_topk_ms', 0):>6.1f}{r.get('cpu_attn_ms', 0):>7.1f}"
                       f"{r.get('gather_ms', 0):>7.1f}{r.get('pcie_mb', 0):>8.1f}{100 * r.get('gpu_byte_fraction', 0):>5.0f}"
+                      f"{'y' if r.get('zero_copy') else '-':>3}{r.get('pcie_read_gbs', 0):>7.1f}"
                       f"   (fill {r['fill_s']:.1f}s)", flush=True)
                 out.write_text(json.dumps({"model": name, "weights": weights, "note": note, "machine": machine,
                                            "commit": commit, "command": "python " + " ".join(sys.argv),
                                            "dtype": str(dtype), "plan": plan.source,
+                                           "zero_copy": {"available": zc_ok, "why": zc_why,
+                                                         "pcie_read_gbs": max((r.get("pcie_read_gbs", 0.0)
+                                                                               for r in rows), default=0.0)},
                                            "peer_llamacpp_ms": {"kv_gpu": PEER_KV_GPU_MS, "kv_host": PEER_KV_HOST_MS},
                                            "rows": rows, "skipped": skipped,
                                            "summary": summary_lines(rows)}, indent=1))

@@ -240,8 +240,9 @@ class HostKVStore:
                 f"{len(self.slabs)} slabs, {self.bytes_used / 2**30:.2f} GiB of pages in use); another "
                 f"{size / 2**20:.0f} MiB slab does not fit: fewer or shorter sequences, or a larger bound")
         try:
-            # zeros: rows a GPU gather reads past a task's valid tokens (masked out) must hold finite values
-            slab = torch.zeros(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+            # not zeroed: rows a GPU gather reads past a task's valid tokens are masked, NaN bits included
+            # (hybrid.masked_attention), and zeroing 100+ GiB of slabs would cost seconds
+            slab = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
         except RuntimeError as e:  # pinned (page-locked) memory is limited by RAM and ulimit -l
             raise CapacityError(f"host KV store: could not allocate a {size / 2**20:.0f} MiB "
                                 f"{'pinned ' if self.pin_memory else ''}slab after {reserved / 2**30:.2f} GiB: {e}") from e

@@ -2,9 +2,10 @@
 
 Given the layer's tasks (sequence x KV group) with their selected blocks, the scheduler (fluxion_lite/scheduler.py)
 splits them; then, in this order:
-  1. GPU tasks: native gather of the selected blocks into a pinned staging buffer (on the native pool; allocated once,
-     grown rarely), one non_blocking H2D of K and V together on a side CUDA stream, batched attention on the device
-     over the gathered blocks (padded per task, masked) -> (o, lse) per task.
+  1. GPU tasks: with the zero-copy feeder (zero_copy.py) the device reads the selected blocks from the pinned host
+     pages itself and nothing runs on the CPU; otherwise a native gather of the selected blocks into a pinned staging
+     buffer (on the native pool; allocated once, grown rarely) and one non_blocking H2D of K and V together on a side
+     CUDA stream. Then batched attention on the device over the blocks (padded per task, masked) -> (o, lse) per task.
   2. CPU tasks: native sparse attention in place over host KV, in a worker thread (the call releases the GIL), so the
      main thread enqueues step 1's device work while the CPU computes.
   3. The CPU results go to the device (pinned, non_blocking) and both parts are scattered into full-size

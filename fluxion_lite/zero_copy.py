@@ -150,7 +150,8 @@ def _round_trip(device: torch.device) -> tuple[bool, str]:
         return False, f"alias read mismatch ({int((got != want).sum())} of {got.numel()} words differ)"
     lo.view(torch.int64)[:16] = 0x5A5A  # host writes after the alias exists are seen by the next kernel
     torch.cuda.synchronize(device)
-    if not torch.equal(span[:16].clone().cpu(), lo.view(torch.int64)[:16]):
+    # read by a kernel again (index_select, as the feeder does; a memcpy may take another route)
+    if not torch.equal(span.index_select(0, rows_lo[:16]).cpu(), lo.view(torch.int64)[:16]):
         return False, "alias does not see host writes"
     return True, f"alias round trip ok (2 x {n >> 20} MiB pinned, read by index_select on {device})"
 
@@ -302,11 +303,11 @@ class ZeroCopyFeeder:
         padded = torch.zeros(2, T * n_chunks, rows.shape[1], dtype=torch.int64, device=dev)
         padded.index_copy_(1, dest, rows.view(2, n_read, -1))
         kv = padded.view(torch.bfloat16).view(2, T, n_chunks * CHUNK_TOKENS, self.d)  # [2, T, C * 16, D]
-        valid = torch.zeros(T * n_chunks, CHUNK_TOKENS, dtype=torch.bool, device=dev)
-        valid.index_copy_(0, dest, t0[:, None] + torch.arange(CHUNK_TOKENS, device=dev) < ntok[t_of, None])
+        valid = torch.zeros(T * n_chunks, CHUNK_TOKENS, dtype=torch.uint8, device=dev)  # uint8: any index_copy_
+        valid.index_copy_(0, dest, (t0[:, None] + torch.arange(CHUNK_TOKENS, device=dev) < ntok[t_of, None]).to(torch.uint8))
         from .hybrid import masked_attention
 
-        out, lse = masked_attention(qg[bh_dev], kv[0], kv[1], valid.view(T, -1), scale)  # [T, r, D], [T, r]
+        out, lse = masked_attention(qg[bh_dev], kv[0], kv[1], valid.view(T, -1).bool(), scale)  # [T, r, D], [T, r]
         return out, lse, bh_dev, 2 * n_read * self.store.chunk_bytes
 
     @staticmethod

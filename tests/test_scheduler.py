@@ -109,3 +109,39 @@ def test_measured_costs_are_positive_and_cached() -> None:
     costs = measure_costs("cpu", probe_mib=16)
     assert costs.cpu_gbs > 0 and costs.gather_gbs > 0 and costs.h2d_gbs is None
     assert measure_costs("cpu", probe_mib=16) is costs
+
+
+def test_zero_copy_model_drops_the_gather_term() -> None:
+    # the H200 host's kernels: with staging the GPU side is never worth it; with zero-copy the CPU does no gather
+    # and the two sides overlap, so the split follows the bandwidth ratio
+    h200 = dict(cpu_gbs=65, gather_gbs=53, h2d_gbs=55, cpu_fixed_s=2e-5, gather_fixed_s=2e-5, h2d_fixed_s=1e-5)
+    zc = Costs(**h200, zero_copy=True, pcie_read_gbs=40, gpu_attn_gbs=None, zc_fixed_s=3e-5)
+    assert zc.has_gpu and zc.makespan(8 * MB, 0) == pytest.approx(2e-5 + 8 * MB / 65e9)
+    assert zc.makespan(3 * MB, 5 * MB) == pytest.approx(max(2e-5 + 3 * MB / 65e9, 3e-5 + 5 * MB / 40e9))
+    nbytes = [0.5 * MB] * 40
+    split = split_tasks(nbytes, zc)
+    exactly_once(split, 40)
+    assert split.gpu_fraction == pytest.approx(40 / 105, abs=0.03)
+    assert split_tasks(nbytes, Costs(**h200)).gpu.size == 0  # the staging model: all-CPU
+    # the device attention adds to the GPU side: a slower one takes fewer bytes
+    slow = Costs(**h200, zero_copy=True, pcie_read_gbs=40, gpu_attn_gbs=40, zc_fixed_s=3e-5)
+    assert slow.zero_copy_time(4 * MB) == pytest.approx(3e-5 + 4 * MB / 40e9 + 4 * MB / 40e9)
+    assert split_tasks(nbytes, slow).gpu_fraction < split.gpu_fraction
+
+
+def test_zero_copy_without_a_probed_rate_has_no_gpu_side() -> None:
+    costs = Costs(cpu_gbs=10, gather_gbs=10, h2d_gbs=10, zero_copy=True, pcie_read_gbs=None)
+    assert not costs.has_gpu and costs.zero_copy_time(1.0) == float("inf")
+    assert split_tasks([1 * MB, 2 * MB], costs).gpu.size == 0
+    with pytest.raises(ValueError, match="GPU side"):
+        split_tasks([1 * MB], costs, placement="gpu")
+
+
+def test_cost_model_follows_the_zero_copy_rate() -> None:
+    model = CostModel(Costs(cpu_gbs=10, gather_gbs=10, h2d_gbs=10, zero_copy=True, pcie_read_gbs=20,
+                            gpu_attn_gbs=1000), alpha=0.5)
+    for _ in range(30):
+        model.observe_zero_copy(10 * MB, 10 * MB / 30e9 + 10 * MB / 1000e9)  # reads at 30 GB/s
+    assert model.costs.pcie_read_gbs == pytest.approx(30, rel=1e-3)
+    model.observe_zero_copy(1e3, 1.0)  # too small: ignored
+    assert model.costs.pcie_read_gbs == pytest.approx(30, rel=1e-3)
