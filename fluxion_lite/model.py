@@ -153,8 +153,8 @@ class Transformer:
             return t[name].to(device=self.device, dtype=dtype)
 
         def cat(*names: str) -> torch.Tensor:
-            # concatenate on the host in the source dtype, then one copy to the device: no second device-sized
-            # temporary per fused weight
+            # concatenate where the loaded tensors are (the host, for GGUF loads) in their dtype, then one conversion
+            # to the device: no second device-sized temporary per fused weight
             return torch.cat([t[n] for n in names]).to(device=self.device, dtype=dtype).contiguous()
 
         self.embed = w("token_embd.weight")  # [V, d]
@@ -181,6 +181,8 @@ class Transformer:
             for lw in self.layers:
                 lw.prepack()
             self.output_mm = _pack(self.output)
+            if not cfg.tied_embeddings:
+                self.output = self.output_mm  # nothing else reads it: do not keep a plain copy as well
         self.rope = RotaryEmbedding(cfg, self.device, dtype)
         self.rope.ensure(min(cfg.context_length, MIN_ROPE_POSITIONS))
         # On CUDA torch's rms_norm is one fused kernel (fp32 inside); on the CPU it is a slower composite of the same
