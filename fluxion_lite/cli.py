@@ -249,6 +249,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not text.endswith("\n"):
         sys.stdout.write("\n")
     sys.stdout.flush()
+    planner = getattr(llm.engine.attn, "planner", None)
+    if args.explain and planner is not None:  # the request's own plan, made by the predictor after its prefill
+        used = planner.last_plan is not None or planner.last_seq is not None
+        print("after the request: " + ("the predictor planned it:\n" + planner.describe() if used else
+                                       "prompt too short for the predictor; the static plan was used"), file=sys.stderr)
     return 0
 
 
