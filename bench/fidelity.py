@@ -24,10 +24,9 @@ from typing import Any
 
 import torch
 
-import fluxion_lite.engine as engine_mod
 from fluxion_lite.attention import AttentionBackend, SeqChunk
 from fluxion_lite.engine import Engine
-from fluxion_lite.errors import FluxionError, RequestError
+from fluxion_lite.errors import FluxionError
 from fluxion_lite.eval_text import essay_text
 from fluxion_lite.model import Transformer
 
@@ -81,26 +80,14 @@ def compare(ref: torch.Tensor, test: torch.Tensor, next_tokens: list[int]) -> di
     }
 
 
-def backend_for(mode: str, full: Engine, args: argparse.Namespace) -> tuple[Transformer, AttentionBackend] | str:
-    """(model, attention backend) for a mode, or the reason it is unavailable."""
-    if mode == "full":
-        return full.model, full.attn
-    factory = getattr(engine_mod, "make_attention", None)
-    if factory is not None:
-        try:
-            attn = factory(mode, full.config, engine_mod.DTYPES[args.dtype], torch.device(args.device), max_seqs=2,
-                           model_name=full.model_name)
-            return full.model, attn
-        except FluxionError as exc:
-            return str(exc)
-        except TypeError as exc:  # the factory's signature changed: fall through to a second engine
-            print(f"[info] make_attention signature differs ({exc}); loading a second engine", file=sys.stderr)
+def backend_for(mode: str, full: Engine) -> tuple[Transformer, AttentionBackend] | str:
+    """(model, attention backend) for a mode on the one loaded model, or the reason it is unavailable. Goes through
+    the engine, so `fluxion` gets the per-request predictor where the model ships one, as in serving."""
     try:
-        eng = Engine(args.model, attention=mode, device=args.device, dtype=args.dtype, max_context=args.context + 1,
-                     prefix_cache_entries=0, load_tokenizer=False)
-        return eng.model, eng.attn
-    except RequestError as exc:
+        full.set_attention(mode)
+    except FluxionError as exc:
         return str(exc)
+    return full.model, full.attn
 
 
 def main() -> None:
@@ -146,7 +133,7 @@ def main() -> None:
     }
     ref: torch.Tensor | None = None
     for mode in modes:
-        got = backend_for(mode, full, args)
+        got = backend_for(mode, full)
         if isinstance(got, str):
             print(f"[skip] mode {mode!r}: {got}", file=sys.stderr)
             result["modes"][mode] = {"skipped": got}

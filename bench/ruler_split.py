@@ -96,7 +96,7 @@ def load_ids(meta_path: Path, ids_path: Path) -> tuple[dict[str, Any], list[list
 def answer(args: argparse.Namespace) -> None:
     import torch
 
-    from fluxion_lite.engine import DTYPES, Engine, make_attention
+    from fluxion_lite.engine import Engine
     from fluxion_lite.sampling import SamplingParams
 
     sets = [p for p in sorted(Path(args.dir).glob(f"{args.tag or ''}*_*.json")) if p.with_suffix(".ids.xz").exists()]
@@ -115,13 +115,7 @@ def answer(args: argparse.Namespace) -> None:
     # Lengths outside, modes inside: a run cut short by a time limit still has every mode of the lengths it did.
     for meta, prompts in loaded:
         for mode in args.modes:
-            # One model load serves every mode: only the attention backend changes between runs.
-            engine.attn = None  # type: ignore[assignment]  # free the last backend's KV before the next allocates
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            engine.attn = make_attention(mode, engine.config, DTYPES[args.dtype], torch.device(args.device),
-                                         max_seqs=args.max_batch + 4, model_name=meta["model"])
-            engine.attention_mode = mode
+            engine.set_attention(mode)  # one model load serves every mode: only the attention backend changes
             engine.eog_ids = frozenset(meta["eog_ids"])
             engine.attn.reset_stats()
             t0 = time.perf_counter()

@@ -111,14 +111,11 @@ class Engine:
         self.tokenizer = Tokenizer(path, loaded.metadata) if load_tokenizer else None
         del loaded  # the dequantised fp32 copies: the model holds its own (possibly bf16/GPU) weights
         self.context_length = min(max_context or self.config.context_length, self.config.context_length)
-        self.attention_mode = attention
         cfg = self.config
-        self.attn: AttentionBackend = make_attention(
-            attention, cfg, DTYPES[dtype], torch.device(device), max_seqs=max_batch + 4, model_name=self.model_name
-        )
-        if attention == "fluxion" and isinstance(self.attn, SparseAttention):
-            # per-request plans when the model ships a predictor (models/<model>.predictor.npz); else the static plan
-            self.attn.planner = load_planner(self.model_name, cfg, self.attn.plan, [lw.wo for lw in self.model.layers])
+        self.dtype, self.device = DTYPES[dtype], torch.device(device)
+        self.max_batch = max_batch
+        self.attn: AttentionBackend = self._make_backend(attention)
+        self.attention_mode = attention
         if not isinstance(self.attn, DenseAttention):
             prefix_cache_entries = 0  # the host store cannot truncate a sequence yet, so no prefix reuse
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(torch.tensor([], dtype=DTYPES[dtype]).element_size())
@@ -132,6 +129,32 @@ class Engine:
         self._prefix_cache: OrderedDict[int, list[int]] = OrderedDict()  # slot -> token ids whose KV it holds
         self._slots = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+
+    def _make_backend(self, mode: str) -> AttentionBackend:
+        attn = make_attention(mode, self.config, self.dtype, self.device, max_seqs=self.max_batch + 4,
+                              model_name=self.model_name)
+        if mode == "fluxion" and isinstance(attn, SparseAttention):
+            # per-request plans when the model ships a predictor (models/<model>.predictor.npz); else the static plan
+            attn.planner = load_planner(self.model_name, self.config, attn.plan, [lw.wo for lw in self.model.layers])
+        return attn
+
+    def set_attention(self, mode: str) -> None:
+        """Switch the attention mode between runs on one loaded model (benchmarks compare modes this way).
+
+        Only when no request is live; the prefix cache is dropped (its KV lives in the old backend).
+        """
+        if mode not in ATTENTION_MODES:
+            raise RequestError(f"attention={mode!r}: supported modes are {', '.join(ATTENTION_MODES)}")
+        if self.running or self.waiting:
+            raise RequestError("set_attention: requests are still running")
+        self._prefix_cache.clear()
+        self.attn = None  # type: ignore[assignment]  # free the old backend's KV before the new one allocates
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.attn = self._make_backend(mode)
+        self.attention_mode = mode
+        if not isinstance(self.attn, DenseAttention):
+            self.prefix_cache_entries = 0
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
