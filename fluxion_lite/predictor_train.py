@@ -17,12 +17,12 @@ FEATURE_DOC = {
     "mass_window": "mass on the recent `window` tokens",
     "log_mass_rest": "log of the mass outside sink + window",
     "entropy_norm": "attention entropy / log(context)",
-    "log_dev_stream": "log ||o_stream - o_full|| / ||o_full|| on those queries (streaming deviation, measured)",
-    "contribution": "the group's share of ||W_o o|| among the layer's groups",
+    "log_dev_stream": "log norm(o_stream - o_full) / norm(o_full) on those queries (streaming deviation, measured)",
+    "contribution": "the group's share of norm(W_o o) among the layer's groups",
     "log_err_stream": "log(contribution x streaming deviation)",
     "recall_g*_b*": "share of the outside mass inside the Quest-bound top-k blocks at block size g and budget b",
     "oracle_top5_g16": "share of the outside mass inside the best 5% of g=16 blocks (how concentrated it is)",
-    "log_vnorm_sink_ratio": "log(mean ||v|| of sink tokens / mean ||v||)",
+    "log_vnorm_sink_ratio": "log(mean norm(v) of sink tokens / mean norm(v))",
     "layer_frac": "layer / (n_layers - 1)",
     "log_context": "log(prompt tokens) / log(32768)",
 }
@@ -34,6 +34,8 @@ EPOCH_CHOICES = (30, 100, 300)
 def choose_epochs(features: np.ndarray, errors: np.ndarray, epsilon: float, seed: int) -> tuple[int, dict[int, float]]:
     """Epochs by a validation split *inside* the training prompts (their last rotation of kinds): best streaming
     accuracy, then lower log-error MAE. Small models of the data overfit at different points per model."""
+    if len(features) < 2:  # nothing to validate on (smoke runs): the default
+        return 100, {}
     fit, val = split_prompts(len(features), len(KINDS))
     prior = errors[fit].mean(0)
     y = errors[val][..., 0] <= epsilon
