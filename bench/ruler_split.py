@@ -106,9 +106,11 @@ def answer(args: argparse.Namespace) -> None:
         sys.exit(f"error: no exported samples in {args.dir}")
     loaded = [load_ids(p, p.with_suffix(".ids.xz")) for p in sets]
     max_len = max(m["length"] for m, _ in loaded)
+    t_load = time.perf_counter()
     engine = Engine(args.gguf, attention="full", device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                     max_context=max_len, prefill_chunk=args.prefill_chunk, prefix_cache_entries=0,
                     load_tokenizer=False)
+    print(f"model loaded in {time.perf_counter() - t_load:.0f} s", flush=True)
     results: dict[str, Any] = {"machine": platform.node(), "device": args.device, "dtype": args.dtype,
                                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "runs": []}
     out = Path(args.out)
@@ -124,9 +126,15 @@ def answer(args: argparse.Namespace) -> None:
                 rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=s["max_new_tokens"]))
                 ids_by_req[rid] = k
             outputs: list[list[int]] = [[] for _ in prompts]
+            steps, done = 0, 0
             while engine.has_unfinished():
                 for o in engine.step():
                     outputs[ids_by_req[o.request_id]].extend(o.new_token_ids)
+                    done += o.finished
+                steps += 1
+                if steps % 50 == 0:  # progress: a slow run shows where the time goes before a time limit hits
+                    print(f"  [{mode} {meta['length']}] step {steps}: {done}/{len(prompts)} done, "
+                          f"{len(engine.running)} running, {time.perf_counter() - t0:.0f} s", flush=True)
             seconds = time.perf_counter() - t0
             stats = {k: float(v) for k, v in engine.attn.stats().items()}
             results["runs"].append({"mode": mode, "length": meta["length"], "model": meta["model"],

@@ -100,8 +100,23 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     """
     _, hq, d = q.shape
     hkv = k.shape[0]
-    out = F.scaled_dot_product_attention(q.view(1, hkv, hq // hkv, d), k[None], v[None], scale=scale)  # [1, Hkv, r, D]
+    out = gqa_decode(q.view(1, hkv, hq // hkv, d), k[None], v[None], scale)  # [1, Hkv, r, D]
     return out.reshape(1, hq, d)
+
+
+def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [1, Hkv, r, D] over k, v [1, Hkv, L, D] (views allowed) -> [1, Hkv, r, D], no mask.
+
+    On CUDA this is two batched matmuls and a softmax, not SDPA: torch's fused SDPA kernels parallelise over
+    (batch, head, query block) only, so one decode query per KV head gives them Hkv thread blocks (2-8) on a 132-SM
+    GPU and they stream the whole KV through a handful of SMs; cuBLAS splits the L dimension across the GPU.
+    The CPU keeps SDPA (its flash kernel is the fastest CPU path measured, see docs/decode_path.md).
+    """
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [1, Hkv, r, L]
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    return torch.matmul(probs, v)
 
 
 def fused_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -169,6 +184,6 @@ class DenseAttention(AttentionBackend):
         hkv = k.shape[1]
         kvs = self.cache.append_decode(layer, [c.seq_id for c in chunks], [c.start for c in chunks], k, v)
         qs = q.view(b, 1, hkv, hq // hkv, d).unbind(0)  # B x [1, Hkv, r, D]
-        outs = [F.scaled_dot_product_attention(qi, ki, vi, scale=self.scale) for qi, (ki, vi) in zip(qs, kvs)]
+        outs = [gqa_decode(qi, ki, vi, self.scale) for qi, (ki, vi) in zip(qs, kvs)]
         out = outs[0] if b == 1 else torch.cat(outs)  # [B, Hkv, r, D]
         return out.reshape(b, hq, d)
