@@ -236,7 +236,9 @@ def main() -> None:
         name, weights = args.shape, "random weights"
     cfg = model.cfg
     plan = borrowed_plan(cfg, Path(args.plan_source))
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    # A copied working tree (the device tool's) may carry a stale .git: FLUXION_COMMIT, when set, names the real one.
+    commit = os.environ.get("FLUXION_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     machine = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or platform.node()
     note = (f"{name} ({weights}, {dtype}); fluxion plan: {plan.source}; machine {machine}, {os.cpu_count()} CPUs, "
             f"native threads {native.get_threads()}, commit {commit or '?'}")
