@@ -254,6 +254,10 @@ class SparseAttention(AttentionBackend):
         if dec:
             idx = torch.tensor(rows, device=q.device)
             out[idx] = self._attend_decode(layer, q[idx], self._step_for(dec))
+        if layer == self.cfg.n_layers - 1:
+            # Mixed steps are not counted as decode steps: drop their timer marks, or their spans would be charged
+            # to the next pure decode step (its GPU wait could then exceed its own duration).
+            self.timer.collect()
         return out
 
     def _write_near(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -166,3 +166,30 @@ def test_block_attention_and_merge_equal_one_softmax() -> None:
     ref = torch.softmax(q[1] @ k[1, :4].T * 0.25, -1) @ v[1, :4]
     assert torch.allclose(o[1], ref, atol=1e-5)
     assert np.isfinite(lse_merge(o[2:], lse[2:], o[:1], lse[:1]).numpy()).all()
+
+
+def test_mixed_prefill_decode_step_leaves_no_timer_marks_for_the_next_step() -> None:
+    """A call with a prefill chunk and a decode row times its decode part but is not a counted step: its marks must
+    be dropped at its last layer, or the next decode step would be charged for them (GPU wait > step time)."""
+    cfg = config(8, 2, 64, n_layers=2)
+    attn = SparseAttention(cfg, mixed_plan(cfg, 0.1), torch.float32, torch.device("cpu"), max_seqs=4,
+                           placement="auto", costs=SPLIT_COSTS)  # type: ignore[arg-type]
+    gen = torch.Generator().manual_seed(3)
+    hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    attn.allocate(0)
+    attn.allocate(1)
+    for layer in range(cfg.n_layers):  # sequence 0: 600 tokens of prefill
+        attn.attend(layer, torch.randn(600, hq, d, generator=gen), torch.randn(600, hkv, d, generator=gen),
+                    torch.randn(600, hkv, d, generator=gen), [SeqChunk(0, 0, 600)])
+    for layer in range(cfg.n_layers):  # one call: sequence 0 decodes while sequence 1 prefills
+        attn.attend(layer, torch.randn(101, hq, d, generator=gen), torch.randn(101, hkv, d, generator=gen),
+                    torch.randn(101, hkv, d, generator=gen), [SeqChunk(0, 600, 1), SeqChunk(1, 0, 100)])
+    assert attn.timer._marks == [] and attn.timer._spans == []
+    for i in range(2):  # the first ends sequence 1's prefill (a mixed call again); the second is a decode step
+        for layer in range(cfg.n_layers):
+            attn.attend(layer, torch.randn(2, hq, d, generator=gen), torch.randn(2, hkv, d, generator=gen),
+                        torch.randn(2, hkv, d, generator=gen), [SeqChunk(0, 601 + i, 1), SeqChunk(1, 100 + i, 1)])
+        assert attn.timer._marks == []
+    s = attn.stats()
+    assert s["steps"] == 1 and 0.0 <= s["gpu_wait_ms"] <= s["step_ms"]
+    attn.executor.close()
