@@ -114,6 +114,9 @@ class SparseAttention(AttentionBackend):
         self._t_step = 0.0
         self._read_tokens = 0.0  # sum over decode (step, layer, seq, group) of tokens read
         self._context_tokens = 0.0  # same sum of context lengths
+        # (layer, seq, group) decode evaluations that streamed / all of them: with per-request plans the streaming
+        # share differs from the static plan's
+        self._stream_groups = self._all_groups = 0.0
 
     def _want_zero_copy(self, requested: bool | None) -> bool:
         if requested is False:
@@ -178,13 +181,15 @@ class SparseAttention(AttentionBackend):
     def stats(self) -> dict[str, float]:
         frac = self._read_tokens / self._context_tokens if self._context_tokens else 0.0
         c = self.costs.costs
-        return {"kv_read_fraction": frac, "streaming_fraction": self.plan.streaming_fraction, **self._st.as_dict(),
+        streaming = self._stream_groups / self._all_groups if self._all_groups else self.plan.streaming_fraction
+        return {"kv_read_fraction": frac, "streaming_fraction": streaming, **self._st.as_dict(),
                 "cpu_gbs": c.cpu_gbs, "gather_gbs": c.gather_gbs, "h2d_gbs": c.h2d_gbs or 0.0,
                 "zero_copy": float(self.zero_copy), "pcie_read_gbs": c.pcie_read_gbs or 0.0,
                 "gpu_attn_gbs": c.gpu_attn_gbs or 0.0}
 
     def reset_stats(self) -> None:
         self._read_tokens = self._context_tokens = 0.0
+        self._stream_groups = self._all_groups = 0.0
         self._st.__init__()  # type: ignore[misc]  # in place: the executor holds the same object
         self._zc_seen = (0.0, self.executor.zc_calls)
         self.timer.collect()
@@ -403,6 +408,8 @@ class SparseAttention(AttentionBackend):
         else:  # per-request plans: [B, Hkv]
             gi, g, ret, bud = rp.gidx[layer], rp.g[layer], rp.retrieval[layer], rp.budget[layer]
         rows = np.arange(st.batch)[:, None]
+        self._stream_groups += float(st.batch * ret.shape[-1] - np.broadcast_to(ret, (st.batch, ret.shape[-1])).sum())
+        self._all_groups += float(st.batch * ret.shape[-1])
         lo, hi = st.sink_hi[gi, rows], st.win_lo[gi, rows]  # [B, Hkv]
         wanted = ret & (hi - lo >= g)
         bi, h = np.nonzero(wanted)

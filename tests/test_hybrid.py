@@ -193,3 +193,14 @@ def test_mixed_prefill_decode_step_leaves_no_timer_marks_for_the_next_step() -> 
     s = attn.stats()
     assert s["steps"] == 1 and 0.0 <= s["gpu_wait_ms"] <= s["step_ms"]
     attn.executor.close()
+
+
+def test_streaming_fraction_counts_the_groups_decode_actually_streamed() -> None:
+    cfg = config(8, 2, 64, n_layers=3)
+    plan = mixed_plan(cfg, 0.1)  # 1 streaming group of 6
+    attn = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4)
+    run(attn, cfg, [700, 300], 3, seed=2)
+    assert attn.stats()["streaming_fraction"] == pytest.approx(1 / 6) == pytest.approx(plan.streaming_fraction)
+    attn.reset_stats()
+    assert attn.stats()["streaming_fraction"] == plan.streaming_fraction  # no decode yet: the plan's own share
+    attn.executor.close()

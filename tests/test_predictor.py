@@ -208,6 +208,7 @@ def test_per_request_plan_changes_what_decode_reads(tiny_model: Transformer) -> 
     attn = _planner_backend(tiny_model, pred)
     _run(tiny_model, attn, np.random.default_rng(2).integers(0, SPEC.vocab, 404).tolist(), 4)
     assert attn.planner is not None and attn.planner.plan_of(0).streaming_fraction == 1.0  # type: ignore[union-attr]
+    assert attn.stats()["streaming_fraction"] == 1.0  # what decode did, not the static plan's share
     # the static plan would have read 5% blocks on top: streaming-only reads sink + window (+ the new tokens)
     assert attn.stats()["kv_read_fraction"] < (16 + 64 + 1) / 400 + 1e-3
 
