@@ -82,7 +82,7 @@ def compare(ref: torch.Tensor, test: torch.Tensor, next_tokens: list[int]) -> di
 
 def backend_for(mode: str, full: Engine) -> tuple[Transformer, AttentionBackend] | str:
     """(model, attention backend) for a mode on the one loaded model, or the reason it is unavailable. Goes through
-    the engine, so `fluxion` gets the per-request predictor where the model ships one, as in serving."""
+    the engine, so `fluxion` gets the per-request predictor when --predictor is given, as in serving."""
     try:
         full.set_attention(mode)
     except FluxionError as exc:
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--predictor", action="store_true", help="fluxion plans each request with the predictor")
     ap.add_argument("--tokens", default=None, help="read the text's token ids from this JSON file (no tokenizer)")
     ap.add_argument("--export-tokens", default=None, help="write the text's token ids to this JSON file and stop")
     ap.add_argument("--out", default=None, help="default bench/results/fidelity_<model>_<context>.json")
@@ -110,7 +111,8 @@ def main() -> None:
 
     try:
         full = Engine(args.model, attention="full", device=args.device, dtype=args.dtype,
-                      max_context=args.context + 1, prefix_cache_entries=0, load_tokenizer=args.tokens is None)
+                      max_context=args.context + 1, prefix_cache_entries=0, load_tokenizer=args.tokens is None,
+                      predictor=args.predictor)
     except FluxionError as exc:
         sys.exit(f"error: {exc}")
     if args.tokens:  # pre-tokenised (a machine without the tokenizer): the file holds the essay's token ids

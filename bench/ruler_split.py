@@ -109,7 +109,7 @@ def answer(args: argparse.Namespace) -> None:
     t_load = time.perf_counter()
     engine = Engine(args.gguf, attention="full", device=args.device, dtype=args.dtype, max_batch=args.max_batch,
                     max_context=max_len, prefill_chunk=args.prefill_chunk, prefix_cache_entries=0,
-                    load_tokenizer=False)
+                    load_tokenizer=False, predictor=args.predictor)
     print(f"model loaded in {time.perf_counter() - t_load:.0f} s", flush=True)
     results: dict[str, Any] = {"machine": platform.node(), "device": args.device, "dtype": args.dtype,
                                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "runs": []}
@@ -137,7 +137,8 @@ def answer(args: argparse.Namespace) -> None:
                           f"{len(engine.running)} running, {time.perf_counter() - t0:.0f} s", flush=True)
             seconds = time.perf_counter() - t0
             stats = {k: float(v) for k, v in engine.attn.stats().items()}
-            results["runs"].append({"mode": mode, "length": meta["length"], "model": meta["model"],
+            results["runs"].append({"mode": mode + ("+predictor" if mode == "fluxion" and args.predictor else ""),
+                                    "length": meta["length"], "model": meta["model"],
                                     "seconds": seconds, "sparse": stats, "outputs": outputs})
             print(f"[{mode} {meta['length']}] {len(prompts)} samples in {seconds:.1f} s {stats}", flush=True)
             out.write_text(json.dumps(results))  # after every run: a timeout still leaves what finished
@@ -207,6 +208,7 @@ def main() -> None:
     a.add_argument("--max-batch", type=int, default=64)
     a.add_argument("--prefill-chunk", type=int, default=8192)
     a.add_argument("--out", default="answers.json")
+    a.add_argument("--predictor", action="store_true", help="fluxion plans each request with the predictor")
     s = sub.add_parser("score")
     s.add_argument("--model", default="qwen2.5-coder-0.5b")
     s.add_argument("--dir", default=".ruler_ids")

@@ -41,6 +41,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--explain", action="store_true", help="print the sparse-attention plan after loading")
+    parser.add_argument("--predictor", action="store_true",
+                        help="fluxion: plan each request with the head-property predictor (experimental; default: "
+                             "the calibrated static plan)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -165,7 +168,8 @@ def _load_llm(args: argparse.Namespace) -> LLM:
         import torch
 
         torch.set_num_threads(args.threads)
-    llm = LLM(model, device=args.device, dtype=args.dtype, attention=args.attention, max_context=args.max_context)
+    llm = LLM(model, device=args.device, dtype=args.dtype, attention=args.attention, max_context=args.max_context,
+              predictor=args.predictor)
     if args.explain:
         print(llm.engine.explain(), file=sys.stderr)
     return llm

@@ -93,6 +93,7 @@ class Engine:
         kv_budget_bytes: int | None = None,
         prefix_cache_entries: int = 8,
         load_tokenizer: bool = True,
+        predictor: bool = False,
     ):
         if attention not in ATTENTION_MODES:
             raise RequestError(f"attention={attention!r}: supported modes are {', '.join(ATTENTION_MODES)}")
@@ -114,6 +115,9 @@ class Engine:
         cfg = self.config
         self.dtype, self.device = DTYPES[dtype], torch.device(device)
         self.max_batch = max_batch
+        # Opt-in: on RULER at 4K the shipped predictor's plans read half the KV of the static plan but lost most
+        # retrieval tasks (docs/design-notes.md); the calibrated static plan stays the default until that is fixed.
+        self.use_predictor = predictor
         self.attn: AttentionBackend = self._make_backend(attention)
         self.attention_mode = attention
         if not isinstance(self.attn, DenseAttention):
@@ -133,7 +137,7 @@ class Engine:
     def _make_backend(self, mode: str) -> AttentionBackend:
         attn = make_attention(mode, self.config, self.dtype, self.device, max_seqs=self.max_batch + 4,
                               model_name=self.model_name)
-        if mode == "fluxion" and isinstance(attn, SparseAttention):
+        if mode == "fluxion" and self.use_predictor and isinstance(attn, SparseAttention):
             # per-request plans when the model ships a predictor (models/<model>.predictor.npz); else the static plan
             attn.planner = load_planner(self.model_name, self.config, attn.plan, [lw.wo for lw in self.model.layers])
         return attn

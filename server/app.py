@@ -543,6 +543,7 @@ def build_engine_loader(args: Any) -> Callable[[], Any]:
             "attention": getattr(args, "attention", None) or "full",
             "max_batch": getattr(args, "max_batch", None) or 16,
             "max_context": getattr(args, "max_context", None),
+            "predictor": bool(getattr(args, "predictor", False)),
         }
         prefill_chunk = getattr(args, "prefill_chunk", None)
         if prefill_chunk:

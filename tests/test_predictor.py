@@ -246,7 +246,7 @@ def test_engine_uses_the_shipped_predictor_per_request() -> None:
     from fluxion_lite.eval_text import essay_text
     from fluxion_lite.sampling import SamplingParams
 
-    engine = Engine("smollm2-135m", attention="fluxion", max_context=2048, prefix_cache_entries=0)
+    engine = Engine("smollm2-135m", attention="fluxion", max_context=2048, prefix_cache_entries=0, predictor=True)
     assert "per-request plans: predictor" in engine.explain()
     attn = engine.attn
     assert isinstance(attn, SparseAttention) and attn.planner is not None
