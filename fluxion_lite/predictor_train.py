@@ -81,8 +81,9 @@ def _card(name: str, pred: Predictor, ds: Dataset, tr: np.ndarray, te: np.ndarra
         f"# Head-property predictor card: {name}",
         "",
         f"Written by `fluxion-lite calibrate {name} --train` (fluxion_lite/predictor_train.py). Weights: "
-        f"`{name}.predictor.npz` (float32, no pickles). Used by `--attention fluxion` per request; the static "
-        f"`{name}.plan.json` stays the fallback.",
+        f"`{name}.predictor.npz` (float32, no pickles). Used per request by `--attention fluxion "
+        f"--predictor` (opt-in: on RULER it lost retrieval accuracy, see docs/design-notes.md); the default is the "
+        f"static `{name}.plan.json`.",
         "",
         "## Model",
         "",
