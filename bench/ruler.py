@@ -133,18 +133,19 @@ def _fmt(x: float | None, pct: bool = True) -> str:
 
 def print_tables(length: int, tasks: list[str], modes: dict[str, Any]) -> None:
     ran = [m for m, r in modes.items() if "skipped" not in r]
+    w = max([10] + [len(m) + 2 for m in modes])  # column width: mode names such as "fluxion+predictor" fit
     print(f"\nRULER @ {length} tokens: accuracy (substring match), samples per task")
-    print(f"{'task':<18}" + "".join(f"{m:>10}" for m in ran) + f"{'n':>5}")
+    print(f"{'task':<18}" + "".join(f"{m:>{w}}" for m in ran) + f"{'n':>5}")
     for task in tasks:
         n = modes[ran[0]]["tasks"][task]["samples"] if ran else 0
-        print(f"{task:<18}" + "".join(f"{_fmt(modes[m]['tasks'][task]['accuracy']):>10}" for m in ran) + f"{n:>5}")
-    print(f"\n{'mode':<10}{'accuracy':>10}{'samples':>9}{'KV read/step':>14}{'streaming':>11}{'s/sample':>10}")
+        print(f"{task:<18}" + "".join(f"{_fmt(modes[m]['tasks'][task]['accuracy']):>{w}}" for m in ran) + f"{n:>5}")
+    print(f"\n{'mode':<{w}}{'accuracy':>10}{'samples':>9}{'KV read/step':>14}{'streaming':>11}{'s/sample':>10}")
     for mode, r in modes.items():
         if "skipped" in r:
-            print(f"{mode:<10}  skipped: {r['skipped']}")
+            print(f"{mode:<{w}}  skipped: {r['skipped']}")
             continue
         print(
-            f"{mode:<10}{_fmt(r['mean_accuracy']):>10}{r['samples']:>9}{_fmt(r['kv_read_fraction']):>14}"
+            f"{mode:<{w}}{_fmt(r['mean_accuracy']):>10}{r['samples']:>9}{_fmt(r['kv_read_fraction']):>14}"
             f"{_fmt(r['streaming_fraction']):>11}{_fmt(r['seconds_per_sample'], pct=False):>10}"
         )
 
