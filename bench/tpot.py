@@ -34,7 +34,7 @@ from fluxion_lite import native, zero_copy
 from fluxion_lite.attention import DenseAttention, SeqChunk
 from fluxion_lite.config import ModelConfig
 from fluxion_lite.engine import make_attention
-from fluxion_lite.gguf_loader import GGUFModel, load_gguf
+from fluxion_lite.gguf_loader import GGUFModel, load_gguf, tensor_shapes
 from fluxion_lite.host_kv import page_stride
 from fluxion_lite.model import Transformer
 from fluxion_lite.sparse_attention import SparseAttention
@@ -58,23 +58,13 @@ def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int
     s = SHAPES[shape]
     cfg = ModelConfig(context_length=131072 + 64, rms_eps=1e-5, rope_dim=s["head_dim"], tied_embeddings=False, **s)
     gen = torch.Generator(device=device).manual_seed(seed)
-    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
 
     def rnd(*shape_: int) -> torch.Tensor:
         return (torch.randn(*shape_, generator=gen, device=device, dtype=torch.float32) * 0.02).to(dtype)
 
-    t = {"token_embd.weight": rnd(cfg.vocab_size, cfg.d_model), "output.weight": rnd(cfg.vocab_size, cfg.d_model),
-         "output_norm.weight": torch.ones(cfg.d_model, device=device, dtype=dtype)}
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        t |= {p + "attn_norm.weight": torch.ones(cfg.d_model, device=device, dtype=dtype),
-              p + "ffn_norm.weight": torch.ones(cfg.d_model, device=device, dtype=dtype),
-              p + "attn_q.weight": rnd(q_out, cfg.d_model), p + "attn_k.weight": rnd(kv_out, cfg.d_model),
-              p + "attn_v.weight": rnd(kv_out, cfg.d_model), p + "attn_output.weight": rnd(cfg.d_model, q_out),
-              p + "ffn_gate.weight": rnd(cfg.d_ff, cfg.d_model), p + "ffn_up.weight": rnd(cfg.d_ff, cfg.d_model),
-              p + "ffn_down.weight": rnd(cfg.d_model, cfg.d_ff)}
-        if cfg.qkv_bias:
-            t |= {p + "attn_q.bias": rnd(q_out), p + "attn_k.bias": rnd(kv_out), p + "attn_v.bias": rnd(kv_out)}
+    # norms are ones (a random model that keeps activations in range), everything else small noise
+    t = {n: torch.ones(s, device=device, dtype=dtype) if n.endswith("norm.weight") else rnd(*s)
+         for n, s in tensor_shapes(cfg).items()}
     return Transformer(GGUFModel(Path(shape), cfg, {}, t), device=device, dtype=dtype)
 
 

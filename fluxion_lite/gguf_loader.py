@@ -184,19 +184,23 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) 
     return GGUFModel(path=path, config=cfg, metadata=md, tensors=tensors)
 
 
-def _check_shapes(path: Path, cfg: ModelConfig, t: dict[str, torch.Tensor]) -> None:
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs (required_tensor_names, same order) with its shape in torch order ([out, in])."""
     q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    expect = {
-        "attn_q.weight": (q_out, cfg.d_model),
-        "attn_k.weight": (kv_out, cfg.d_model),
-        "attn_v.weight": (kv_out, cfg.d_model),
-        "attn_output.weight": (cfg.d_model, q_out),
-        "ffn_gate.weight": (cfg.d_ff, cfg.d_model),
-        "ffn_up.weight": (cfg.d_ff, cfg.d_model),
+    per_layer = {
+        "attn_norm.weight": (cfg.d_model,), "ffn_norm.weight": (cfg.d_model,),
+        "attn_q.weight": (q_out, cfg.d_model), "attn_k.weight": (kv_out, cfg.d_model),
+        "attn_v.weight": (kv_out, cfg.d_model), "attn_output.weight": (cfg.d_model, q_out),
+        "ffn_gate.weight": (cfg.d_ff, cfg.d_model), "ffn_up.weight": (cfg.d_ff, cfg.d_model),
         "ffn_down.weight": (cfg.d_model, cfg.d_ff),
+        "attn_q.bias": (q_out,), "attn_k.bias": (kv_out,), "attn_v.bias": (kv_out,),
     }
-    for i in range(cfg.n_layers):
-        for suffix, shape in expect.items():
-            name = f"blk.{i}.{suffix}"
-            if tuple(t[name].shape) != shape:
-                raise ModelFileError(f"{path}: tensor {name!r} has shape {tuple(t[name].shape)}, expected {shape}")
+    model = {"token_embd.weight": (cfg.vocab_size, cfg.d_model), "output_norm.weight": (cfg.d_model,),
+             "output.weight": (cfg.vocab_size, cfg.d_model)}
+    return {n: model[n] if n in model else per_layer[n.split(".", 2)[2]] for n in required_tensor_names(cfg)}
+
+
+def _check_shapes(path: Path, cfg: ModelConfig, t: dict[str, torch.Tensor]) -> None:
+    for name, shape in tensor_shapes(cfg).items():
+        if name.startswith("blk.") and len(shape) == 2 and tuple(t[name].shape) != shape:  # the layers' matrices
+            raise ModelFileError(f"{path}: tensor {name!r} has shape {tuple(t[name].shape)}, expected {shape}")

@@ -10,7 +10,7 @@ import torch
 
 from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention, decode_attention
 from fluxion_lite.config import ModelConfig
-from fluxion_lite.gguf_loader import GGUFModel
+from fluxion_lite.gguf_loader import GGUFModel, tensor_shapes
 from fluxion_lite.kv_cache import INITIAL_CAPACITY, DenseKVCache
 from fluxion_lite.model import MIN_ROPE_POSITIONS, RotaryEmbedding, Transformer, prepack_supported
 
@@ -30,19 +30,9 @@ def random_weights(cfg: ModelConfig, seed: int) -> dict[str, torch.Tensor]:
     def rnd(*shape: int, scale: float = 0.3) -> torch.Tensor:
         return torch.randn(*shape, generator=g, dtype=F64) * scale
 
-    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    t = {"token_embd.weight": rnd(cfg.vocab_size, cfg.d_model, scale=1.0), "output.weight": rnd(cfg.vocab_size, cfg.d_model),
-         "output_norm.weight": 1 + rnd(cfg.d_model, scale=0.1)}
-    for i in range(cfg.n_layers):
-        p = f"blk.{i}."
-        t |= {p + "attn_norm.weight": 1 + rnd(cfg.d_model, scale=0.1), p + "ffn_norm.weight": 1 + rnd(cfg.d_model, scale=0.1),
-              p + "attn_q.weight": rnd(q_out, cfg.d_model), p + "attn_k.weight": rnd(kv_out, cfg.d_model),
-              p + "attn_v.weight": rnd(kv_out, cfg.d_model), p + "attn_output.weight": rnd(cfg.d_model, q_out),
-              p + "ffn_gate.weight": rnd(cfg.d_ff, cfg.d_model), p + "ffn_up.weight": rnd(cfg.d_ff, cfg.d_model),
-              p + "ffn_down.weight": rnd(cfg.d_model, cfg.d_ff)}
-        if cfg.qkv_bias:
-            t |= {p + "attn_q.bias": rnd(q_out), p + "attn_k.bias": rnd(kv_out), p + "attn_v.bias": rnd(kv_out)}
-    return t
+    scales = {"token_embd.weight": 1.0}
+    return {n: 1 + rnd(*s, scale=0.1) if n.endswith("norm.weight") else rnd(*s, scale=scales.get(n, 0.3))
+            for n, s in tensor_shapes(cfg).items()}
 
 
 def rope_formula(x: torch.Tensor, pos: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
