@@ -114,12 +114,49 @@ def fill_context(attn: object, cfg: ModelConfig, batch: int, context: int, dev: 
                     attn.import_kv(layer, b, s, k, v)  # type: ignore[attr-defined]
 
 
-def measure(model: Transformer, mode: str, context: int, batch: int, steps: int, plan: SparsePlan) -> dict:
-    cfg, dev = model.cfg, model.device
-    attn = make_attention(mode, cfg, model.dtype, dev, batch + 1, "synthetic",
+def new_attention(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan) -> object:
+    attn = make_attention(mode, model.cfg, model.dtype, model.device, batch + 1, "synthetic",
                           plan=plan if mode == "fluxion" else None)
+    fill_context(attn, model.cfg, batch, context, model.device, seed=context + batch)
+    return attn
+
+
+def close_attention(attn: object, batch: int) -> None:
+    for b in range(batch):
+        attn.free(b)  # type: ignore[attr-defined]
+    if isinstance(attn, SparseAttention):
+        attn.executor.close()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def check_graphs(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan, steps: int = 3) -> str:
+    """Logits of decode steps through the CUDA graphs vs the eager forward, on two identically filled caches."""
+    graphs, worst, agree, total = model.graphs, 0.0, 0, 0
+    runs = []
+    for use in (False, True):
+        model.graphs = graphs if use else None
+        attn = new_attention(model, mode, context, batch, plan)
+        outs = []
+        for i in range(steps):
+            pos = context + i
+            outs.append(model.forward(torch.full((batch,), 7 + i), torch.full((batch,), pos),
+                                      [SeqChunk(b, pos, 1) for b in range(batch)], attn).cpu())
+        close_attention(attn, batch)
+        runs.append(outs)
+    model.graphs = graphs
+    for a, b in zip(*runs):
+        worst = max(worst, float((a - b).abs().max() / a.abs().max()))
+        agree += int((a.argmax(-1) == b.argmax(-1)).sum())
+        total += a.shape[0]
+    return f"graphs vs eager, {mode} ctx {context} batch {batch}: max |diff|/max|logit| {worst:.2e}, top-1 {agree}/{total}"
+
+
+def measure(model: Transformer, mode: str, context: int, batch: int, steps: int, plan: SparsePlan,
+            profile: Path | None = None) -> dict:
+    cfg, dev = model.cfg, model.device
     t0 = time.perf_counter()
-    fill_context(attn, cfg, batch, context, dev, seed=context + batch)
+    attn = new_attention(model, mode, context, batch, plan)
     fill_s = time.perf_counter() - t0
     tokens = torch.randint(0, cfg.vocab_size, (steps + 1,))
     times = []
@@ -137,13 +174,27 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
         times.append(time.perf_counter() - t)
     host, gpu = attn.bytes_used()
     stats = attn.stats()
-    for b in range(batch):
-        attn.free(b)
-    if isinstance(attn, SparseAttention):
-        attn.executor.close()
+    if profile is not None:  # where the host time of a step goes (Python functions, cumulative)
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(3):
+            pos = context + steps + 1 + i
+            model.forward(tokens[:1].repeat(batch), torch.full((batch,), pos),
+                          [SeqChunk(b, pos, 1) for b in range(batch)], attn)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        prof.disable()
+        buf = io.StringIO()
+        pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(45)
+        with profile.open("a") as f:
+            f.write(f"===== {mode} ctx {context} batch {batch} graphs {model.graphs is not None}: 3 steps\n")
+            f.write(buf.getvalue())
+    close_attention(attn, batch)
     del attn
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
     return {"tpot_ms": 1000 * statistics.median(times[2:]), "tpot_all_ms": [1000 * t for t in times],
             "fill_s": fill_s, "kv_host_bytes": host, "kv_device_bytes": gpu, **stats,
             "kv_read_fraction": stats.get("kv_read_fraction", 1.0)}
@@ -211,6 +262,11 @@ def main() -> None:
     ap.add_argument("--native-threads", type=int, default=None,
                     help="native pool size; default on CUDA: physical cores - 1, so the main thread (enqueuing GPU "
                          "work while the CPU worker's call holds the pool) keeps a core of its own")
+    ap.add_argument("--graphs", choices=["on", "off", "both"], default="on",
+                    help="CUDA graphs for the dense part of decode steps (decode_graphs.py); both: every case twice")
+    ap.add_argument("--check-graphs", action="store_true",
+                    help="first compare graph and eager logits for each mode at the smallest context and batch")
+    ap.add_argument("--profile", default=None, help="append a cProfile of 3 extra steps per case to this file")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     start = time.perf_counter()
@@ -239,7 +295,17 @@ def main() -> None:
     print("command: python " + " ".join(sys.argv), flush=True)
     out = Path(args.out or f"bench/results/tpot_{name}{'_' + dev.type if dev.type != 'cuda' else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    hdr = (f"{'mode':<11}{'ctx':>7}{'B':>3}{'TPOT ms':>9}{'KV read':>8}{'wait%':>7}{'wait ms':>8}{'gpu ms':>7}"
+    graph_runner = model.graphs
+
+    def shown(rows: list[dict]) -> list[dict]:
+        """The rows the summary and the plot use: the graphed ones, unless graphs are off or unavailable."""
+        graphed = graph_runner is not None and args.graphs != "off"
+        return [r for r in rows if r["cuda_graphs"] == graphed]
+
+    if args.check_graphs and graph_runner is not None:
+        for mode in ["full-gpu" if m == "full" else m for m in args.modes]:
+            print(check_graphs(model, mode, min(args.contexts), min(args.batches), plan), flush=True)
+    hdr = (f"{'mode':<11}{'G':>2}{'ctx':>7}{'B':>3}{'TPOT ms':>9}{'KV read':>8}{'wait%':>7}{'wait ms':>8}{'gpu ms':>7}"
            f"{'topk':>6}{'cpuatt':>7}{'gather':>7}{'PCIe MB':>8}{'GPU%':>5}{'ZC':>3}{'zcGB/s':>7}")
     print(hdr, flush=True)
     rows: list[dict] = []
@@ -249,8 +315,9 @@ def main() -> None:
     modes = ["full-gpu" if m == "full" else m for m in args.modes]
     for context in sorted(args.contexts):
         for batch in sorted(args.batches):
-            for mode in modes:
-                case = f"{mode} ctx {context} batch {batch}"
+            for mode, graphed in [(m, g) for m in modes for g in
+                                  {"on": [True], "off": [False], "both": [False, True]}[args.graphs]]:
+                case = f"{mode} ctx {context} batch {batch}{'' if graphed else ' (no graphs)'}"
                 host_need = context * batch * host_bytes_per_token(cfg)
                 dev_need = context * batch * cfg.kv_bytes_per_token(2) * 1.5  # dense cache grows by doubling
                 if mode != "full-gpu" and host_need > host_cap:
@@ -262,9 +329,11 @@ def main() -> None:
                 if time.perf_counter() - start > args.time_budget:
                     skipped.append(f"{case}: time budget")
                     continue
-                r = measure(model, mode, context, batch, args.steps, plan)
-                rows.append({"mode": mode, "context": context, "batch": batch, **r})
-                print(f"{mode:<11}{context:>7}{batch:>3}{r['tpot_ms']:>9.2f}{r['kv_read_fraction']:>8.3f}"
+                model.graphs = graph_runner if graphed else None
+                r = measure(model, mode, context, batch, args.steps, plan, Path(args.profile) if args.profile else None)
+                rows.append({"mode": mode, "context": context, "batch": batch,
+                             "cuda_graphs": model.graphs is not None, **r})
+                print(f"{mode:<11}{'y' if model.graphs is not None else '-':>2}{context:>7}{batch:>3}{r['tpot_ms']:>9.2f}{r['kv_read_fraction']:>8.3f}"
                       f"{100 * r.get('gpu_wait_ratio', 0):>7.1f}{r.get('gpu_wait_ms', 0):>8.2f}"
                       f"{r.get('gpu_compute_ms', 0):>7.2f}{r.get('cpu_topk_ms', 0):>6.1f}{r.get('cpu_attn_ms', 0):>7.1f}"
                       f"{r.get('gather_ms', 0):>7.1f}{r.get('pcie_mb', 0):>8.1f}{100 * r.get('gpu_byte_fraction', 0):>5.0f}"
@@ -278,12 +347,12 @@ def main() -> None:
                                                                                for r in rows), default=0.0)},
                                            "peer_llamacpp_ms": {"kv_gpu": PEER_KV_GPU_MS, "kv_host": PEER_KV_HOST_MS},
                                            "rows": rows, "skipped": skipped,
-                                           "summary": summary_lines(rows)}, indent=1))
-    print("\n".join(summary_lines(rows)), flush=True)
+                                           "summary": summary_lines(shown(rows))}, indent=1))
+    print("\n".join(summary_lines(shown(rows))), flush=True)
     for s in skipped:
         print(f"skipped {s}", flush=True)
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s)", flush=True)
-    plot(rows, out.with_suffix(".png"), note)
+    plot(shown(rows), out.with_suffix(".png"), note)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from .attention import AttentionBackend, SeqChunk
 from .config import ModelConfig
+from .decode_graphs import DecodeGraphs, graphs_wanted
 from .gguf_loader import GGUFModel
 
 MIN_ROPE_POSITIONS = 4096  # first table size; it doubles when a position beyond it arrives
@@ -140,8 +141,10 @@ class RotaryEmbedding:
 
 class Transformer:
     def __init__(self, gguf_model: GGUFModel, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 prepack: bool | None = None):
-        """prepack: oneDNN-packed matmul weights (None: wherever prepack_supported says they pay, i.e. CPU bf16)."""
+                 prepack: bool | None = None, cuda_graphs: bool | None = None):
+        """prepack: oneDNN-packed matmul weights (None: wherever prepack_supported says they pay, i.e. CPU bf16).
+        cuda_graphs: run pure decode steps through piecewise CUDA graphs (decode_graphs.py; None: on CUDA unless
+        FLUXION_CUDA_GRAPHS=0)."""
         self.cfg = cfg = gguf_model.config
         self.device, self.dtype = torch.device(device), dtype
         if self.device.type == "cuda" and self.device.index is None:
@@ -188,6 +191,7 @@ class Transformer:
         # On CUDA torch's rms_norm is one fused kernel (fp32 inside); on the CPU it is a slower composite of the same
         # ops, so the CPU keeps ours.
         self._fused_norm = self.device.type == "cuda"
+        self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, cuda_graphs) else None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._fused_norm:
@@ -247,39 +251,64 @@ class Transformer:
     ) -> torch.Tensor:
         """tokens, positions: [T] packed over `chunks` (positions inside each chunk's [start, start + length)).
         Returns logits [R, V] (fp32) for the rows in logit_rows (default: the last token of every chunk)."""
-        cfg = self.cfg
-        hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         n_tok = tokens.shape[0]
         rows = self._rows(logit_rows, chunks, n_tok)
+        if rows is None and self.graphs is not None and self.graphs.handles(chunks):
+            return self.graphs.forward(tokens, positions, chunks, attn)
         tokens, positions, rows = self._inputs(tokens, positions, rows)
         # The table size comes from the chunks (host ints), never from reading positions back from the device.
-        table = self.rope.ensure(max(c.start + c.length for c in chunks))
-        cs = table[positions][:, :, None, :]  # [T, 2, 1, R]: gathered once, shared by every layer
-        cos, sin = cs[:, 0], cs[:, 1]  # [T, 1, R]
-        x = F.embedding(tokens, self.embed)  # [T, d], a fresh tensor: the residual stream is updated in place
-        qk_cols = (hq + hkv) * d
+        self.rope.ensure(max(c.start + c.length for c in chunks))
+        x, cos, sin = self.embed_tokens(tokens, positions)
         for i, lw in enumerate(self.layers):
-            h = self._norm(x, lw.attn_norm)
-            qkv = linear(h, lw.wqkv, lw.bqkv)  # [T, (Hq + 2 Hkv) D]
-            qk, v = qkv.split((qk_cols, hkv * d), dim=-1)  # views of qkv
-            qk = qk.view(n_tok, hq + hkv, d)  # [T, Hq + Hkv, D]: q and k rotate together
-            self.rope.apply_(qk, cos, sin)
-            q, k = qk.split((hq, hkv), dim=1)  # [T, Hq, D], [T, Hkv, D]
-            v = v.view(n_tok, hkv, d)  # [T, Hkv, D]
+            q, k, v = self.pre_attention(lw, x, cos, sin)
             o = attn.attend(i, q, k, v, chunks)  # [T, Hq, D]
-            o = o.reshape(n_tok, hq * d)
-            if lw.wo_packed is None:
-                x.addmm_(o, lw.wo_t)  # x += o @ wo^T in the matmul itself
-            else:
-                x = torch.ops.mkldnn._linear_pointwise.binary(o, x, lw.wo_packed, None, "add")  # x + o @ wo^T
-            h = self._norm(x, lw.ffn_norm)
-            gate_up = linear(h, lw.w_gate_up)  # [T, 2F]
-            gate, up = gate_up.chunk(2, dim=-1)  # [T, F] views
-            act = F.silu(gate).mul_(up)  # [T, F]
-            if lw.w_down_t is not None:
-                x.addmm_(act, lw.w_down_t)
-            else:
-                x = torch.ops.mkldnn._linear_pointwise.binary(act, x, lw.w_down, None, "add")
+            x = self.post_attention(lw, x, o)
+        return self.logits(x, rows)
+
+    # The pieces of a forward, shared by the eager loop above and the CUDA-graph runner (decode_graphs.py), which
+    # captures everything between two attention calls as one graph.
+
+    def embed_tokens(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """tokens, positions: [T] long on the device -> residual stream x [T, d] (a fresh tensor, updated in place by
+        post_attention on CUDA) and cos, sin [T, 1, R] gathered once from the RoPE table for every layer."""
+        cs = self.rope.table[positions][:, :, None, :]  # [T, 2, 1, R]
+        return F.embedding(tokens, self.embed), cs[:, 0], cs[:, 1]
+
+    def pre_attention(
+        self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Norm, q/k/v projection and RoPE: x [T, d] -> q [T, Hq, D], k, v [T, Hkv, D] (views of one qkv buffer)."""
+        cfg = self.cfg
+        hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        n_tok = x.shape[0]
+        h = self._norm(x, lw.attn_norm)
+        qkv = linear(h, lw.wqkv, lw.bqkv)  # [T, (Hq + 2 Hkv) D]
+        qk, v = qkv.split(((hq + hkv) * d, hkv * d), dim=-1)  # views of qkv
+        qk = qk.view(n_tok, hq + hkv, d)  # [T, Hq + Hkv, D]: q and k rotate together
+        self.rope.apply_(qk, cos, sin)
+        q, k = qk.split((hq, hkv), dim=1)  # [T, Hq, D], [T, Hkv, D]
+        return q, k, v.view(n_tok, hkv, d)
+
+    def post_attention(self, lw: LayerWeights, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """Output projection and MLP with both residual adds: x [T, d], o [T, Hq, D] -> the new x (the same tensor,
+        updated in place, except with oneDNN-packed weights on the CPU)."""
+        o = o.reshape(x.shape[0], -1)  # [T, Hq D]
+        if lw.wo_packed is None:
+            x.addmm_(o, lw.wo_t)  # x += o @ wo^T in the matmul itself
+        else:
+            x = torch.ops.mkldnn._linear_pointwise.binary(o, x, lw.wo_packed, None, "add")  # x + o @ wo^T
+        h = self._norm(x, lw.ffn_norm)
+        gate_up = linear(h, lw.w_gate_up)  # [T, 2F]
+        gate, up = gate_up.chunk(2, dim=-1)  # [T, F] views
+        act = F.silu(gate).mul_(up)  # [T, F]
+        if lw.w_down_t is not None:
+            x.addmm_(act, lw.w_down_t)
+        else:
+            x = torch.ops.mkldnn._linear_pointwise.binary(act, x, lw.w_down, None, "add")
+        return x
+
+    def logits(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """x [T, d] -> fp32 logits [R, V] for the rows asked for (None: every row)."""
         if rows is not None:
             x = x[rows]  # [R, d]: the vocabulary matmul only for the rows asked for
         return linear(self._norm(x, self.output_norm), self.output_mm).float()  # [R, V]

@@ -1,0 +1,82 @@
+"""The piecewise decode runner (decode_graphs.py) against the eager forward. Without CUDA the runner cannot capture,
+so it runs its segments eagerly through the same static buffers (DecodeGraphs(capture=False)): what is checked here
+is the plumbing (layer order, static q/k/v and o buffers, RoPE rows, batch-size sets); the capture itself is checked on
+a CUDA host by bench/tpot.py --check-graphs."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from fluxion_lite.attention import DenseAttention, SeqChunk
+from fluxion_lite.decode_graphs import MAX_GRAPH_SETS, DecodeGraphs, graphs_wanted
+from fluxion_lite.gguf_loader import GGUFModel
+from fluxion_lite.model import Transformer
+from test_decode_fastpath import make_cfg, random_weights
+
+
+def models(arch: str) -> tuple[Transformer, Transformer]:
+    cfg = make_cfg(arch)
+    w = random_weights(cfg, seed=3)
+    eager = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float64)
+    runner = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float64)
+    runner.graphs = DecodeGraphs(runner, capture=False)
+    return eager, runner
+
+
+def backend(m: Transformer) -> DenseAttention:
+    return DenseAttention(m.cfg.n_layers, m.cfg.n_kv_heads, m.cfg.head_dim, torch.float64, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_runner_matches_eager_forward_over_batch_changes(arch: str) -> None:
+    eager, runner = models(arch)
+    a_eager, a_runner = backend(eager), backend(runner)
+    g = torch.Generator().manual_seed(5)
+    lengths = [7, 12, 3]
+    for sid, n in enumerate(lengths):
+        toks = torch.randint(0, eager.cfg.vocab_size, (n,), generator=g)
+        for m, a in ((eager, a_eager), (runner, a_runner)):
+            a.allocate(sid)
+            m.forward(toks, torch.arange(n), [SeqChunk(sid, 0, n)], a)
+    pos = list(lengths)
+    # batch sizes 3, 2, 3: a second set is captured, then the first is reused
+    for live in ([0, 1, 2], [0, 2], [0, 1, 2], [1]):
+        toks = torch.randint(0, eager.cfg.vocab_size, (len(live),), generator=g)
+        chunks = [SeqChunk(s, pos[s], 1) for s in live]
+        positions = torch.tensor([pos[s] for s in live])
+        want = eager.forward(toks, positions, chunks, a_eager)
+        got = runner.forward(toks, positions, chunks, a_runner)
+        assert got.shape == want.shape == (len(live), eager.cfg.vocab_size)
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        for s in live:
+            pos[s] += 1
+    assert sorted(runner.graphs.sets) == [1, 2, 3]
+
+
+def test_sets_are_bounded_and_prefill_stays_eager() -> None:
+    eager, runner = models("llama")
+    a = backend(runner)
+    graphs = runner.graphs
+    assert graphs is not None
+    assert not graphs.handles([SeqChunk(0, 0, 5)])  # a prefill chunk
+    assert not graphs.handles([SeqChunk(0, runner.cfg.context_length, 1)])  # past the RoPE table
+    for b in range(1, MAX_GRAPH_SETS + 3):
+        for s in range(b):
+            if s not in a.cache._len:
+                a.allocate(s)
+                runner.forward(torch.tensor([1, 2]), torch.arange(2), [SeqChunk(s, 0, 2)], a)
+        chunks = [SeqChunk(s, a.seq_len(s), 1) for s in range(b)]
+        runner.forward(torch.ones(b, dtype=torch.long), torch.tensor([c.start for c in chunks]), chunks, a)
+    assert len(graphs.sets) == MAX_GRAPH_SETS
+    assert max(graphs.sets) == MAX_GRAPH_SETS + 2
+
+
+def test_graphs_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not graphs_wanted(torch.device("cpu"), None)
+    assert not graphs_wanted(torch.device("cpu"), True)
+    assert graphs_wanted(torch.device("cuda"), None)
+    monkeypatch.setenv("FLUXION_CUDA_GRAPHS", "0")
+    assert not graphs_wanted(torch.device("cuda"), None)
+    assert graphs_wanted(torch.device("cuda"), True)
