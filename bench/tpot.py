@@ -153,7 +153,7 @@ def check_graphs(model: Transformer, mode: str, context: int, batch: int, plan: 
 
 
 def measure(model: Transformer, mode: str, context: int, batch: int, steps: int, plan: SparsePlan,
-            profile: Path | None = None) -> dict:
+            profile: Path | None = None, kernel_profile: Path | None = None) -> dict:
     cfg, dev = model.cfg, model.device
     t0 = time.perf_counter()
     attn = new_attention(model, mode, context, batch, plan)
@@ -193,6 +193,26 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
         with profile.open("a") as f:
             f.write(f"===== {mode} ctx {context} batch {batch} graphs {model.graphs is not None}: 3 steps\n")
             f.write(buf.getvalue())
+    if kernel_profile is not None:  # device busy time vs step time: is the GPU idle, and which ops cost the host?
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as torch_profile
+
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+        with torch_profile(activities=acts) as prof:
+            t = time.perf_counter()
+            for i in range(3):
+                pos = context + steps + 1 + (3 if profile is not None else 0) + i
+                model.forward(tokens[:1].repeat(batch), torch.full((batch,), pos),
+                              [SeqChunk(b, pos, 1) for b in range(batch)], attn)
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - t
+        events = prof.key_averages()
+        busy_us = sum(e.self_device_time_total for e in events) if dev.type == "cuda" else 0.0
+        with kernel_profile.open("a") as f:
+            f.write(f"===== {mode} ctx {context} batch {batch} graphs {model.graphs is not None}: 3 steps, "
+                    f"wall {1000 * wall / 3:.2f} ms/step (profiled), device busy {busy_us / 3000:.2f} ms/step\n")
+            f.write(events.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
     close_attention(attn, batch)
     del attn
     return {"tpot_ms": 1000 * statistics.median(times[2:]), "tpot_all_ms": [1000 * t for t in times],
@@ -267,6 +287,8 @@ def main() -> None:
     ap.add_argument("--check-graphs", action="store_true",
                     help="first compare graph and eager logits for each mode at the smallest context and batch")
     ap.add_argument("--profile", default=None, help="append a cProfile of 3 extra steps per case to this file")
+    ap.add_argument("--kernel-profile", default=None,
+                    help="append a torch.profiler table of 3 extra steps per case (host ops, device busy time)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     start = time.perf_counter()
@@ -330,7 +352,8 @@ def main() -> None:
                     skipped.append(f"{case}: time budget")
                     continue
                 model.graphs = graph_runner if graphed else None
-                r = measure(model, mode, context, batch, args.steps, plan, Path(args.profile) if args.profile else None)
+                r = measure(model, mode, context, batch, args.steps, plan, Path(args.profile) if args.profile else None,
+                            Path(args.kernel_profile) if args.kernel_profile else None)
                 rows.append({"mode": mode, "context": context, "batch": batch,
                              "cuda_graphs": model.graphs is not None, **r})
                 print(f"{mode:<11}{'y' if model.graphs is not None else '-':>2}{context:>7}{batch:>3}{r['tpot_ms']:>9.2f}{r['kv_read_fraction']:>8.3f}"

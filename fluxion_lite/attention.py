@@ -107,16 +107,73 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     """q [1, Hkv, r, D] over k, v [1, Hkv, L, D] (views allowed) -> [1, Hkv, r, D], no mask.
 
-    On CUDA this is two batched matmuls and a softmax, not SDPA: torch's fused SDPA kernels parallelise over
-    (batch, head, query block) only, so one decode query per KV head gives them Hkv thread blocks (2-8) on a 132-SM
-    GPU and they stream the whole KV through a handful of SMs; cuBLAS splits the L dimension across the GPU.
-    The CPU keeps SDPA (its flash kernel is the fastest CPU path measured, see docs/decode_path.md).
+    On CUDA this is split-L ("flash decoding"): torch's fused SDPA parallelises over (batch, head, query block) only,
+    so one decode query per KV head gives it Hkv thread blocks (2-8) on a 132-SM GPU, and a P @ V matmul has the same
+    problem (tiny M and N, the whole L as its reduction). Cutting L into chunks that become the batch dimension of one
+    flash call gives S x Hkv blocks; the chunks' partial outputs merge by their log-sum-exp. The CPU keeps SDPA (its
+    flash kernel is the fastest CPU path measured, see docs/decode_path.md).
     """
+    if q.is_cuda and _split_decode_ok:
+        try:
+            return split_decode(q, k, v, scale)
+        except RuntimeError:  # an SDPA build without the flash kernel for this shape: matmuls from now on
+            _disable_split_decode()
     if not q.is_cuda:
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [1, Hkv, r, L]
     probs = torch.softmax(scores, dim=-1).to(v.dtype)
     return torch.matmul(probs, v)
+
+
+_split_decode_ok = True
+SPLIT_TARGET_BLOCKS = 256  # chunks x KV heads: about two thread blocks per SM of an H100/H200
+SPLIT_MIN_CHUNK = 128
+
+
+def _disable_split_decode() -> None:
+    global _split_decode_ok
+    _split_decode_ok = False
+
+
+def split_chunk(n_keys: int, n_kv_heads: int) -> int:
+    """Keys per chunk: enough chunks for SPLIT_TARGET_BLOCKS blocks, chunks of at least SPLIT_MIN_CHUNK keys, and a
+    multiple of 128 (whole flash key tiles)."""
+    per = -(-n_keys * n_kv_heads // SPLIT_TARGET_BLOCKS)
+    return max(SPLIT_MIN_CHUNK, -(-per // 128) * 128)
+
+
+def _flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One flash-attention call that also returns the log-sum-exp: q [B, H, n, D], k, v [B, H, L, D] (any batch/head
+    strides, last dim contiguous) -> out [B, H, n, D], lse fp32 [B, H, n]."""
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
+    return res[0], res[1]
+
+
+def split_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """gqa_decode's CUDA path: q [1, Hkv, r, D], k, v [1, Hkv, L, D] -> [1, Hkv, r, D] (q's dtype)."""
+    hkv, n_keys = k.shape[1], k.shape[2]
+    chunk = split_chunk(n_keys, hkv)
+    n_full = n_keys // chunk
+    outs, lses = [], []
+    if n_full:
+        span = n_full * chunk
+        kc = k[0, :, :span].unflatten(1, (n_full, chunk)).transpose(0, 1)  # [S, Hkv, C, D]: views, no copy
+        vc = v[0, :, :span].unflatten(1, (n_full, chunk)).transpose(0, 1)
+        qc = q.expand(n_full, -1, -1, -1).contiguous()  # [S, Hkv, r, D] (small)
+        o, lse = _flash_with_lse(qc, kc, vc, scale)
+        outs.append(o)
+        lses.append(lse)
+    if n_full * chunk < n_keys:  # the tail chunk
+        o, lse = _flash_with_lse(q, k[:, :, n_full * chunk :], v[:, :, n_full * chunk :], scale)
+        outs.append(o)
+        lses.append(lse)
+    if len(outs) == 1 and outs[0].shape[0] == 1:
+        return outs[0]
+    o_all = torch.cat(outs) if len(outs) > 1 else outs[0]  # [S', Hkv, r, D]
+    lse_all = torch.cat(lses) if len(lses) > 1 else lses[0]  # [S', Hkv, r]
+    w = torch.softmax(lse_all, dim=0)  # each chunk's share of the total softmax mass
+    return (o_all.float() * w[..., None]).sum(0, keepdim=True).to(q.dtype)
 
 
 def fused_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
