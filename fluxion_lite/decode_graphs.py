@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Hashable, Protocol
 
 import torch
 
@@ -42,59 +42,85 @@ def graphs_wanted(device: torch.device, requested: bool | None) -> bool:
 class _Eager:
     """A segment run as plain torch calls where it would be replayed (no CUDA: tests of the plumbing)."""
 
-    def __init__(self, segment):
+    def __init__(self, segment: Callable[[], None]):
         self.replay = segment
 
 
-class _GraphSet:
-    """The captured graphs of one batch size and their static input/output tensors."""
+class DecodeHooks(Protocol):
+    """What a backend offers to have its decode attention captured too (sparse_graph.GraphedDecode): prologue and
+    epilogue run inside the graphs, host() between replays; begin/end bracket a step."""
 
-    def __init__(self, model: Transformer, batch: int, pool: tuple[int, int] | None):
-        """pool None: no capture, the segments run eagerly on replay (the same plumbing, testable on the CPU)."""
+    def key(self, batch: int) -> Hashable: ...
+    def begin(self, chunks: list[SeqChunk]) -> None: ...
+    def prologue(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
+    def host(self, layer: int) -> None: ...
+    def epilogue(self, layer: int) -> torch.Tensor: ...
+    def end(self) -> None: ...
+
+
+class _GraphSet:
+    """The graphs of one batch size (and, with hooks, one backend state) and their static input/output tensors.
+
+    Captured on the first run, after that run's inputs (and the hooks' step) are in the static buffers: the
+    warm-up pass writes the step's K/V where the real replay then writes them again."""
+
+    def __init__(self, model: Transformer, batch: int, pool: tuple[int, int] | None, hooks: DecodeHooks | None):
         cfg, dev = model.cfg, model.device
-        self.model, self.batch = model, batch
+        self.model, self.batch, self.pool, self.hooks = model, batch, pool, hooks
         self.inputs = torch.zeros(2, batch, dtype=torch.long, device=dev)  # [2, B]: tokens, positions
         self.o_in = torch.zeros(batch, cfg.n_heads, cfg.head_dim, dtype=model.dtype, device=dev)  # [B, Hq, D]
         self.x = self.cos = self.sin = torch.empty(0)
         self.qkv: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self.logits = torch.empty(0)
         self.graphs: list[torch.cuda.CUDAGraph | _Eager] = []
-        segments = [self._first] + [self._middle(i) for i in range(1, cfg.n_layers)] + [self._last]
-        if pool is None:
-            self.graphs = [_Eager(seg) for seg in segments]
+        self.segments = [self._first] + [self._middle(i) for i in range(1, cfg.n_layers)] + [self._last]
+
+    def _capture(self) -> None:
+        if self.pool is None:
+            self.graphs = [_Eager(seg) for seg in self.segments]
             return
+        dev = self.model.device
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):  # warm-up outside capture: lazy library initialisation, workspace allocation
-            for seg in segments:
+            for seg in self.segments:
                 seg()
         torch.cuda.current_stream(dev).wait_stream(side)
-        for seg in segments:
+        for seg in self.segments:
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=pool):
+            with torch.cuda.graph(g, pool=self.pool):
                 seg()
             self.graphs.append(g)
 
     # Each segment stores its outputs on self; the tensors made during capture live in the graph pool at fixed
     # addresses, which the next segments (and the replays) read.
-    def _first(self) -> None:
+    def _pre(self, i: int) -> None:
         m = self.model
-        self.x, self.cos, self.sin = m.embed_tokens(self.inputs[0], self.inputs[1])
-        self.qkv = [m.pre_attention(m.layers[0], self.x, self.cos, self.sin)]
+        q, k, v = m.pre_attention(m.layers[i], self.x, self.cos, self.sin)
+        self.qkv = self.qkv[:i] + [(q, k, v)]
+        if self.hooks is not None:
+            self.hooks.prologue(i, q, k, v)
 
-    def _middle(self, i: int):
+    def _post(self, i: int) -> None:
+        m = self.model
+        o = self.o_in if self.hooks is None else self.hooks.epilogue(i)
+        x = m.post_attention(m.layers[i], self.x, o)
+        assert x is self.x, "graphed layers must update the residual stream in place"
+
+    def _first(self) -> None:
+        self.x, self.cos, self.sin = self.model.embed_tokens(self.inputs[0], self.inputs[1])
+        self._pre(0)
+
+    def _middle(self, i: int) -> Callable[[], None]:
         def segment() -> None:
-            m = self.model
-            x = m.post_attention(m.layers[i - 1], self.x, self.o_in)
-            assert x is self.x, "graphed layers must update the residual stream in place"
-            self.qkv = self.qkv[:i] + [m.pre_attention(m.layers[i], self.x, self.cos, self.sin)]
+            self._post(i - 1)
+            self._pre(i)
 
         return segment
 
     def _last(self) -> None:
-        m = self.model
-        m.post_attention(m.layers[-1], self.x, self.o_in)
-        self.logits = m.logits(self.x, None)
+        self._post(self.model.cfg.n_layers - 1)
+        self.logits = self.model.logits(self.x, None)
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, chunks: list[SeqChunk],
             attn: AttentionBackend) -> torch.Tensor:
@@ -102,12 +128,21 @@ class _GraphSet:
         if host.device.type == "cpu" and self.inputs.is_cuda:
             host = host.pin_memory()  # a fresh pinned buffer per step: the async copy never races a later write
         self.inputs.copy_(host, non_blocking=True)
+        if self.hooks is not None:
+            self.hooks.begin(chunks)
+        if not self.graphs:
+            self._capture()
         self.graphs[0].replay()
         for i in range(self.model.cfg.n_layers):
-            q, k, v = self.qkv[i]
-            o = attn.attend(i, q, k, v, chunks)  # [B, Hq, D], eager: reads the static q/k/v of this layer
-            self.o_in.copy_(o)
+            if self.hooks is not None:
+                self.hooks.host(i)
+            else:
+                q, k, v = self.qkv[i]
+                o = attn.attend(i, q, k, v, chunks)  # [B, Hq, D], eager: reads the static q/k/v of this layer
+                self.o_in.copy_(o)
             self.graphs[i + 1].replay()
+        if self.hooks is not None:
+            self.hooks.end()
         return self.logits.clone()  # the static buffer is overwritten by the next step
 
 
@@ -118,7 +153,7 @@ class DecodeGraphs:
         """capture False: the same runner without CUDA graphs (segments run eagerly), for CPU tests."""
         self.model = model
         self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.sets: OrderedDict[int, _GraphSet] = OrderedDict()
+        self.sets: OrderedDict[Hashable, _GraphSet] = OrderedDict()
         self.table_ptr = -1
 
     def handles(self, chunks: list[SeqChunk]) -> bool:
@@ -134,10 +169,12 @@ class DecodeGraphs:
             self.sets.clear()
             self.table_ptr = rope.table.data_ptr()
         b = len(chunks)
-        graph_set = self.sets.get(b)
+        hooks = attn.decode_hooks(chunks) if hasattr(attn, "decode_hooks") else None
+        key: Hashable = ("plain", b) if hooks is None else ("hooked", hooks.key(b))
+        graph_set = self.sets.get(key)
         if graph_set is None:
             if len(self.sets) >= MAX_GRAPH_SETS:
                 self.sets.popitem(last=False)
-            graph_set = self.sets[b] = _GraphSet(self.model, b, self.pool)
-        self.sets.move_to_end(b)
+            graph_set = self.sets[key] = _GraphSet(self.model, b, self.pool, hooks)
+        self.sets.move_to_end(key)
         return graph_set.run(tokens, positions, chunks, attn)

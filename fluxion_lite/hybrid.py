@@ -240,11 +240,13 @@ class HybridExecutor:
             assert layer is not None, "the zero-copy feeder needs the layer"
             a = self.timer.mark()
             tg = len(gi)
+            t_host = time.perf_counter()
             self._zc_meta.ensure(self.feeder.meta_size(tg, counts[gi]))
             o_g, lse_g, bh_g, nread = self.feeder.attend(layer, view.n_tokens, qg, tasks[gi], ids[gi], counts[gi],
                                                          bh[gi], scale, self._zc_meta.host, self._zc_meta.dev)
             o_full.index_copy_(0, bh_g, o_g)
             lse_full.index_copy_(0, bh_g, lse_g)
+            self.cost_model.observe_zero_copy_host(time.perf_counter() - t_host)
             self.timer.span("gpu_tasks", a, self.timer.mark())
             st.pcie_bytes += nread
             st.zero_copy_bytes += nread

@@ -159,6 +159,8 @@ class CostModel:
 
     def __init__(self, costs: Costs, alpha: float = 0.2, min_bytes: float = 256 * 1024):
         self.costs, self.alpha, self.min_bytes = costs, alpha, min_bytes
+        self._zc_probe_s = costs.zc_fixed_s  # the device-side fixed cost probed at start-up
+        self._zc_host_s: float | None = None  # EMA of the host time to queue a zero-copy GPU part
 
     def _rate(self, old: float, nbytes: float, seconds: float, fixed: float) -> float:
         if nbytes < self.min_bytes or seconds <= fixed:
@@ -178,6 +180,16 @@ class CostModel:
         c = self.costs
         if c.h2d_gbs is not None:
             self.costs = replace(c, h2d_gbs=self._rate(c.h2d_gbs, nbytes, seconds, c.h2d_fixed_s))
+
+    def observe_zero_copy_host(self, seconds: float) -> None:
+        """The host time to queue a zero-copy GPU part (index math, launches): the GPU side cannot finish sooner, so
+        the fixed cost follows it when it exceeds the probed device-side fixed cost (small layers then stay on the
+        CPU instead of paying ~30 launches for a few KiB)."""
+        c = self.costs
+        if c.pcie_read_gbs is None:
+            return
+        self._zc_host_s = seconds if self._zc_host_s is None else 0.8 * self._zc_host_s + 0.2 * seconds
+        self.costs = replace(c, zc_fixed_s=max(self._zc_probe_s, self._zc_host_s))
 
     def observe_zero_copy(self, nbytes: float, seconds: float) -> None:
         """A zero-copy GPU part (read + attention) of nbytes took seconds: updates the read rate (the attention

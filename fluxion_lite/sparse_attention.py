@@ -17,6 +17,7 @@ window (>= 1 token) covers it on the device, and top-k never selects a block tou
 """
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from dataclasses import replace
@@ -35,10 +36,12 @@ from .kv_cache import DenseKVCache
 from .request_plan import RequestPlanner, RowPlan
 from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan
+from .sparse_graph import GraphedDecode
 from .sparse_step import GVALS, DecodeStep, build_step
 from . import zero_copy as zc
 
 MAX_G = max(GRANULARITIES)
+_serials = itertools.count()  # identifies a backend in the CUDA-graph cache (an id() could be reused)
 Selection = Literal["cpu", "gpu"]
 
 
@@ -117,6 +120,29 @@ class SparseAttention(AttentionBackend):
         # (layer, seq, group) decode evaluations that streamed / all of them: with per-request plans the streaming
         # share differs from the static plan's
         self._stream_groups = self._all_groups = 0.0
+        self.serial = next(_serials)
+        self._graphed = GraphedDecode(self)
+
+    def decode_hooks(self, chunks: list[SeqChunk]) -> GraphedDecode | None:
+        """The captured form of this decode step (sparse_graph.py), or None where it must run eagerly: prefill
+        chunks or a sequence's first decode step, a token still landing in the sink, per-request plans, device-side
+        selection."""
+        if self.selection != "cpu" or self.planner is not None:
+            return None
+        if any(c.length != 1 or c.seq_id in self._prefilling or c.start < self.sink_cap for c in chunks):
+            return None
+        return self._graphed
+
+    def ensure_decode_buffers(self, batch: int) -> None:
+        """Pinned q and new-K/V buffers with room for `batch` rows (grown by doubling; graphs address them)."""
+        if self._kv_out.shape[2] < batch:
+            self.flush()  # the old buffer's rows are about to go
+            shape = list(self._kv_out.shape)
+            shape[2] = max(batch, 2 * shape[2])
+            self._kv_out = torch.empty(shape, dtype=torch.bfloat16, pin_memory=self.device.type == "cuda")
+        if self._q_out.shape[0] < batch:
+            self._q_out = torch.empty(max(batch, 2 * self._q_out.shape[0]), *self._q_out.shape[1:],
+                                      pin_memory=self.device.type == "cuda")
 
     def _want_zero_copy(self, requested: bool | None) -> bool:
         if requested is False:
@@ -313,11 +339,7 @@ class SparseAttention(AttentionBackend):
 
     def _queue_host_append(self, layer: int, st: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
         B = st.batch
-        if self._kv_out.shape[2] < B:
-            self.flush()  # the old buffer's rows are about to go
-            shape = list(self._kv_out.shape)
-            shape[2] = max(B, 2 * shape[2])
-            self._kv_out = torch.empty(shape, dtype=torch.bfloat16, pin_memory=self.device.type == "cuda")
+        self.ensure_decode_buffers(B)
         self._kv_out[layer, 0, :B].copy_(k, non_blocking=True)  # [B, Hkv, D] each, contiguous
         self._kv_out[layer, 1, :B].copy_(v, non_blocking=True)
         ev = None
@@ -345,8 +367,7 @@ class SparseAttention(AttentionBackend):
         tasks, meta = self._layer_tasks(layer, st, rp)
         ev_q = None
         if len(tasks) and self.selection == "cpu" and cuda:  # queued before the streaming part so it lands first
-            if self._q_out.shape[0] < B:
-                self._q_out = torch.empty(B, *self._q_out.shape[1:], pin_memory=True)
+            self.ensure_decode_buffers(B)
             self._q_out[:B].copy_(q, non_blocking=True)
             ev_q = torch.cuda.Event()
             ev_q.record()

@@ -52,7 +52,7 @@ def test_runner_matches_eager_forward_over_batch_changes(arch: str) -> None:
         torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
         for s in live:
             pos[s] += 1
-    assert sorted(runner.graphs.sets) == [1, 2, 3]
+    assert sorted(runner.graphs.sets) == [("plain", 1), ("plain", 2), ("plain", 3)]
 
 
 def test_sets_are_bounded_and_prefill_stays_eager() -> None:
@@ -70,7 +70,7 @@ def test_sets_are_bounded_and_prefill_stays_eager() -> None:
         chunks = [SeqChunk(s, a.seq_len(s), 1) for s in range(b)]
         runner.forward(torch.ones(b, dtype=torch.long), torch.tensor([c.start for c in chunks]), chunks, a)
     assert len(graphs.sets) == MAX_GRAPH_SETS
-    assert max(graphs.sets) == MAX_GRAPH_SETS + 2
+    assert max(b for _, b in graphs.sets) == MAX_GRAPH_SETS + 2
 
 
 def test_graphs_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,3 +80,50 @@ def test_graphs_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLUXION_CUDA_GRAPHS", "0")
     assert not graphs_wanted(torch.device("cuda"), None)
     assert graphs_wanted(torch.device("cuda"), True)
+
+
+@pytest.mark.parametrize("placement,zero_copy", [("cpu", False), ("gpu", True), ("auto", True)])
+def test_sparse_hooks_match_the_eager_sparse_backend(placement: str, zero_copy: bool) -> None:
+    """SparseAttention's captured form (sparse_graph.py: prologue / host / epilogue around the replays) gives the
+    logits of its eager decode path, for CPU-only, GPU-only (zero-copy feeder) and split placements."""
+    from fluxion_lite.scheduler import Costs
+    from fluxion_lite.sparse_attention import SparseAttention
+    from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+
+    cfg = make_cfg("qwen2", hq=4, hkv=2, d=32)
+    w = random_weights(cfg, seed=4)
+    eager = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
+    runner = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
+    runner.graphs = DecodeGraphs(runner, capture=False)
+    groups = [[GroupPlan(layer == 0 and h == 0, (16, 64)[h], 0.1) for h in range(cfg.n_kv_heads)]
+              for layer in range(cfg.n_layers)]
+    plan = SparsePlan(sink=8, window=40, groups=groups, source="test")
+    costs = Costs(cpu_gbs=10.0, gather_gbs=1000.0, h2d_gbs=10.0)
+    g = torch.Generator().manual_seed(9)
+    lengths = [300, 450]
+    backends = []
+    for m in (eager, runner):
+        a = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, placement=placement,
+                            costs=costs, zero_copy=zero_copy)  # type: ignore[arg-type]
+        backends.append(a)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    for m, a in zip((eager, runner), backends):
+        for sid, toks in enumerate(prompts):
+            a.allocate(sid)
+            m.forward(toks, torch.arange(len(toks)), [SeqChunk(sid, 0, len(toks))], a)
+    pos = list(lengths)
+    for step in range(5):
+        toks = torch.randint(0, cfg.vocab_size, (2,), generator=g)
+        chunks = [SeqChunk(s, pos[s], 1) for s in range(2)]
+        positions = torch.tensor(pos)
+        want = eager.forward(toks, positions, chunks, backends[0])
+        got = runner.forward(toks, positions, chunks, backends[1])
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+        pos = [p + 1 for p in pos]
+    assert any(k[0] == "hooked" for k in runner.graphs.sets)  # the first decode step ran eagerly, then hooked
+    s_eager, s_hooked = backends[0].stats(), backends[1].stats()
+    assert s_hooked["steps"] == 4 and s_hooked["kv_read_fraction"] == pytest.approx(s_eager["kv_read_fraction"])
+    if placement == "gpu":
+        assert s_hooked["gpu_byte_fraction"] == 1.0
+    for a in backends:
+        a.executor.close()

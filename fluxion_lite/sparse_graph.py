@@ -1,0 +1,230 @@
+"""The sparse backend's decode step in CUDA-graph form: device work captured, host work between replays.
+
+Eager, one hybrid decode layer costs ~60 kernel launches and ~100 torch calls on the host, ~2-3 ms on the H200 host
+for ~0.3 ms of device work. Here a layer's device work is split into two pieces with static shapes and addresses,
+which decode_graphs.py captures next to the dense layer parts:
+
+  prologue(layer)   write the new K/V into the device sink/ring slab; copy K, V and q to pinned host buffers;
+                    streaming attention over sink + window -> (out_s, lse_s)
+  host(layer)       (eager, between replays) wait for q; append the new K/V to the host store; native top-k;
+                    the scheduler splits the tasks; CPU tasks run native sparse attention and their results go into
+                    a pinned full-size buffer (lse = -inf for rows without a CPU task); GPU tasks run through the
+                    zero-copy feeder (eager device work) into full-size device buffers
+  epilogue(layer)   one H2D of the CPU results; three-way LSE merge (streaming, CPU, GPU) -> o [B, Hq, D]; reset
+                    the GPU buffers' lse to -inf for the next layer
+
+Replays and host work alternate on one stream, so each buffer is written only after its previous reader finished:
+host(layer) starts by waiting for an event recorded after the replay holding prologue(layer), which comes after
+epilogue(layer - 1) read the CPU results; the feeder's eager kernels are queued after that replay too.
+
+Used for pure decode steps of the static plan with CPU selection, once every sequence is past the sink (then no
+token goes to a sink slot). Anything else (prefill chunks, per-request plans, device selection) runs eagerly.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from . import native
+from .attention import SeqChunk
+from .scheduler import split_tasks, task_bytes
+from .sparse_step import GVALS, DecodeStep
+
+if TYPE_CHECKING:
+    from .sparse_attention import SparseAttention
+
+
+class StaticStep:
+    """Per batch size: the step's index tensors and the result buffers the graphs read and write at fixed addresses."""
+
+    def __init__(self, owner: SparseAttention, batch: int):
+        cfg, dev = owner.cfg, owner.device
+        cuda = dev.type == "cuda"
+        hkv, r, d = cfg.n_kv_heads, owner.r, cfg.head_dim
+        n_bh = batch * hkv
+        ltot = owner.sink_cap + owner.ring_cap
+        self.batch = batch
+        self.slots = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] rows of the device slab
+        self.ring = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] the new token's ring slot
+        self.bias = torch.zeros(len(GVALS), batch, ltot, dtype=torch.float32, device=dev)  # [G, B, Ltot]
+        # CPU results, out and lse side by side: [B Hkv, r, D + 1] (pinned) and its device twin
+        self.res_host = torch.zeros(n_bh, r, d + 1, dtype=torch.float32, pin_memory=cuda)
+        self.res_dev = torch.zeros(n_bh, r, d + 1, dtype=torch.float32, device=dev) if cuda else self.res_host
+        self.o_gpu = torch.zeros(n_bh, r, d, dtype=torch.float32, device=dev)  # zero-copy GPU tasks' results
+        self.lse_gpu = torch.full((n_bh, r), float("-inf"), dtype=torch.float32, device=dev)
+        self.out_s: list[torch.Tensor | None] = [None] * cfg.n_layers  # streaming part per layer (graph outputs)
+        self.lse_s: list[torch.Tensor | None] = [None] * cfg.n_layers
+        self.q: list[torch.Tensor | None] = [None] * cfg.n_layers  # the layer's q [B Hkv, r, D] (graph buffer)
+
+    def load(self, st: DecodeStep) -> None:
+        """This step's indices into the static tensors (device-to-device copies, no sync)."""
+        self.slots.copy_(st.slots_dev)
+        self.ring.copy_(st.ring_dev)
+        self.bias.copy_(st.bias)
+
+
+class GraphedDecode:
+    """The hooks decode_graphs.py calls for a graphable SparseAttention step (see the module docstring)."""
+
+    def __init__(self, owner: SparseAttention):
+        self.a = owner
+        self.static: dict[int, StaticStep] = {}
+        self.ss: StaticStep | None = None
+        self.st: DecodeStep | None = None
+        self.slots_list: list[int] = []
+        self.chunks: list[SeqChunk] = []
+        self._t0 = self._wait0 = 0.0
+
+    # ---- per step ------------------------------------------------------------------------------------------------
+    def key(self, batch: int) -> tuple[int, ...]:
+        """Changes whenever a buffer a captured graph addresses was reallocated: then the graphs are captured anew."""
+        a = self.a
+        a.ensure_decode_buffers(batch)
+        ss = self.static.get(batch)
+        if ss is None:
+            ss = self.static[batch] = StaticStep(a, batch)
+        return (a.serial, batch, a._near.data_ptr(), a._kv_out.data_ptr(), a._q_out.data_ptr(), id(ss))
+
+    def begin(self, chunks: list[SeqChunk]) -> None:
+        a = self.a
+        self.chunks = chunks
+        for layer in range(a.cfg.n_layers):  # K/V queued by an eager step (the first decode step) go in first
+            a._flush(layer)
+        self.st = a._step_for(chunks)
+        self.slots_list = self.st.slots.tolist()
+        self.ss = self.static[len(chunks)]
+        self.ss.load(self.st)
+        self._wait0 = a._st.gpu_wait_s
+        self._t0 = time.perf_counter()
+
+    def end(self) -> None:
+        a = self.a
+        for c in self.chunks:
+            a._len[c.seq_id] = c.start + c.length
+        if a.device.type == "cuda":
+            torch.cuda.current_stream(a.device).synchronize()  # the step's end on the device (logits are read next)
+        a._st.steps += 1
+        step = time.perf_counter() - self._t0
+        a._st.step_s += step
+        a._st.gpu_compute_s += max(0.0, step - (a._st.gpu_wait_s - self._wait0))  # the device was busy otherwise
+
+    # ---- captured pieces -----------------------------------------------------------------------------------------
+    def prologue(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """q [B, Hq, D], k, v [B, Hkv, D] (graph buffers): device slab write, D2H of k, v, q, streaming part."""
+        a, ss = self.a, self.ss
+        assert ss is not None
+        B, hkv, r, d = ss.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
+        near = a._near[layer]  # [slots, 2, Hkv, Ltot, D]
+        near[ss.slots, :, :, ss.ring] = torch.stack([k, v], dim=1).to(a.dtype)  # [B, 2, Hkv, D]
+        a._kv_out[layer, 0, :B].copy_(k, non_blocking=True)
+        a._kv_out[layer, 1, :B].copy_(v, non_blocking=True)
+        a._q_out[:B].copy_(q, non_blocking=True)
+        kv = near[ss.slots]  # [B, 2, Hkv, Ltot, D]
+        qg = q.view(B, hkv, r, d)
+        scores = torch.matmul(qg, kv[:, 0].transpose(-1, -2)).float() * a.scale  # [B, Hkv, r, Ltot]
+        scores += ss.bias[a._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
+        lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, r]
+        ss.out_s[layer] = torch.matmul(torch.exp(scores - lse[..., None]).to(a.dtype), kv[:, 1]).float()
+        ss.lse_s[layer] = lse
+        ss.q[layer] = qg.reshape(B * hkv, r, d)  # the GPU tasks' queries (a copy inside the graph if q is strided)
+
+    def epilogue(self, layer: int) -> torch.Tensor:
+        """Merge streaming, CPU and GPU parts by LSE -> o [B, Hq, D] in the model dtype."""
+        a, ss = self.a, self.ss
+        assert ss is not None
+        B, hkv, r, d = ss.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
+        out_s, lse_s = ss.out_s[layer], ss.lse_s[layer]
+        assert out_s is not None and lse_s is not None
+        if ss.res_dev is not ss.res_host:
+            ss.res_dev.copy_(ss.res_host, non_blocking=True)
+        o_c, lse_c = ss.res_dev[..., :d].view(B, hkv, r, d), ss.res_dev[..., d].view(B, hkv, r)
+        o_g, lse_g = ss.o_gpu.view(B, hkv, r, d), ss.lse_gpu.view(B, hkv, r)
+        m = torch.maximum(torch.maximum(lse_s, lse_c), lse_g)  # finite: the streaming part always has tokens
+        w_s, w_c, w_g = torch.exp(lse_s - m), torch.exp(lse_c - m), torch.exp(lse_g - m)
+        out = (out_s * w_s[..., None] + o_c * w_c[..., None] + o_g * w_g[..., None]) / (w_s + w_c + w_g)[..., None]
+        ss.lse_gpu.fill_(float("-inf"))  # the next layer's GPU part starts empty
+        return out.view(B, hkv * r, d).to(a.dtype)
+
+    # ---- host work between replays -------------------------------------------------------------------------------
+    def host(self, layer: int) -> None:
+        a, ss, st = self.a, self.ss, self.st
+        assert ss is not None and st is not None
+        B, hkv, r, d = ss.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
+        cuda = a.device.type == "cuda"
+        ev = None
+        if cuda:
+            ev = torch.cuda.Event()
+            ev.record()  # after the replay holding this layer's prologue
+        tasks, (bi, h, _, _, _) = a._layer_tasks(layer, st)
+        gi_read = a._gidx[layer][None, :]
+        a._read_tokens += float(st.stream_read[gi_read, np.arange(B)[:, None]].sum())
+        a._context_tokens += float(st.n.sum()) * hkv
+        if ev is not None:
+            ev.synchronize()
+        t_idle = time.perf_counter()  # from here until the next replay the device waits for the host
+        a.store.append_batch(layer, self.slots_list, a._kv_out[layer, 0, :B], a._kv_out[layer, 1, :B])
+        res = ss.res_host
+        res[..., d] = float("-inf")  # rows without a CPU task
+        if len(tasks):
+            view = a.store.view(layer)
+            q_host = a._q_out[:B]
+            t0 = time.perf_counter()
+            ids, _, counts = native.group_topk(view, q_host, tasks)
+            a._st.cpu_topk_s += time.perf_counter() - t0
+            a._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
+            q_dev = ss.q[layer]
+            assert q_dev is not None
+            self._run_tasks(layer, view, q_host, q_dev, tasks, ids, counts, bi * hkv + h)
+        a._st.gpu_wait_s += time.perf_counter() - t_idle
+
+    def _run_tasks(self, layer: int, view: native.KVView, q_host: torch.Tensor, qg: torch.Tensor, tasks: np.ndarray,
+                   ids: np.ndarray, counts: np.ndarray, bh: np.ndarray) -> None:
+        """CPU tasks into the pinned result buffer, GPU tasks (zero-copy feeder) into the device buffers."""
+        a, ss = self.a, self.ss
+        assert ss is not None
+        ex, d = a.executor, a.cfg.head_dim
+        nbytes = task_bytes(counts, tasks[:, 3].astype(np.int64), d, ex.elem)
+        placement = a.placement if ex.feeder is not None else "cpu"
+        split = split_tasks(nbytes, ex.cost_model.costs, placement)
+        a._st.cpu_bytes += split.cpu_bytes
+        a._st.gpu_bytes += split.gpu_bytes
+        ci, gi = split.cpu, split.gpu
+        fut = None
+        if len(ci) and len(gi):  # both sides: the CPU part in the worker while this thread queues the GPU part
+            fut = ex._worker.submit(self._cpu_part, view, q_host, tasks[ci], ids[ci], counts[ci], bh[ci])
+        if len(gi):
+            assert ex.feeder is not None
+            t0 = time.perf_counter()
+            ex._zc_meta.ensure(ex.feeder.meta_size(len(gi), counts[gi]))
+            o_g, lse_g, bh_g, nread = ex.feeder.attend(layer, view.n_tokens, qg, tasks[gi], ids[gi], counts[gi],
+                                                       bh[gi], a.scale, ex._zc_meta.host, ex._zc_meta.dev)
+            ss.o_gpu.index_copy_(0, bh_g, o_g)
+            ss.lse_gpu.index_copy_(0, bh_g, lse_g)
+            ex.cost_model.observe_zero_copy_host(time.perf_counter() - t0)
+            a._st.pcie_bytes += nread
+            a._st.zero_copy_bytes += nread
+            ex.zc_calls += 1
+        if fut is not None:
+            t0 = time.perf_counter()
+            fut.result()
+            a._st.host_wait_s += time.perf_counter() - t0
+        elif len(ci):
+            self._cpu_part(view, q_host, tasks[ci], ids[ci], counts[ci], bh[ci])
+
+    def _cpu_part(self, view: native.KVView, q_host: torch.Tensor, tasks: np.ndarray, ids: np.ndarray,
+                  counts: np.ndarray, bh: np.ndarray) -> None:
+        a, ss = self.a, self.ss
+        assert ss is not None
+        d = a.cfg.head_dim
+        t0 = time.perf_counter()
+        o, lse = native.sparse_attention(view, q_host, tasks, ids, counts, a.scale)  # [Tc, r, D], [Tc, r]
+        dt = time.perf_counter() - t0
+        a._st.cpu_attn_s += dt
+        a.executor.cost_model.observe_cpu(float(task_bytes(counts, tasks[:, 3].astype(np.int64), d,
+                                                           a.executor.elem).sum()), dt)
+        res = ss.res_host.numpy()  # [B Hkv, r, D + 1]
+        res[bh, :, :d] = o
+        res[bh, :, d] = lse
