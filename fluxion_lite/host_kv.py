@@ -157,6 +157,17 @@ class HostKVStore:
         row_start[1:] = np.cumsum(counts_a)[:-1]
         native.append(self._views[layer], slots_a.astype(np.int32), row_start, counts_a, k, v)
 
+    def append_decode(self, layer: int, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
+        """append_batch for one new token per slot, on the decode hot path: slots int64 [B] (allocated, distinct:
+        the caller checked them once per step), k, v [B, Hkv, D] in the store's dtype on the host. Pages are
+        looked at only for the slots whose token opens a new page."""
+        n_before = self._n_tokens[layer, slots]
+        for i in np.flatnonzero(n_before % self.page_tokens == 0):
+            self._ensure_pages(layer, int(slots[i]), int(n_before[i]) + 1)
+        ones = np.ones(len(slots), np.int64)
+        native.append(self._views[layer], slots.astype(np.int32), np.cumsum(ones) - 1, ones,
+                      k.contiguous(), v.contiguous())
+
     # ---- what the kernels need ----
 
     def view(self, layer: int) -> native.KVView:

@@ -4,13 +4,14 @@ Eager, one hybrid decode layer costs ~60 kernel launches and ~100 torch calls on
 for ~0.3 ms of device work. Here a layer's device work is split into two pieces with static shapes and addresses,
 which decode_graphs.py captures next to the dense layer parts:
 
-  prologue(layer)   write the new K/V into the device sink/ring slab; copy K, V and q to pinned host buffers;
-                    streaming attention over sink + window -> (out_s, lse_s)
-  host(layer)       (eager, between replays) wait for q; append the new K/V to the host store; native top-k;
+  prologue(layer)   write the new K/V into the device sink/ring slab; stage q, k, v side by side in one device
+                    buffer; streaming attention over sink + window -> (out_s, lse_s)
+  host(layer)       (eager, between replays) one D2H of the staged q, k, v (pinned) and wait for it; append the
+                    new K/V to the host store; native top-k;
                     the scheduler splits the tasks; CPU tasks run native sparse attention and their results go into
                     a pinned full-size buffer (lse = -inf for rows without a CPU task); GPU tasks run through the
-                    zero-copy feeder (eager device work) into full-size device buffers
-  epilogue(layer)   one H2D of the CPU results; three-way LSE merge (streaming, CPU, GPU) -> o [B, Hq, D]; reset
+                    zero-copy feeder (eager device work) into full-size device buffers; one H2D of the CPU results
+  epilogue(layer)   three-way LSE merge (streaming, CPU, GPU) -> o [B, Hq, D]; reset
                     the GPU buffers' lse to -inf for the next layer
 
 Replays and host work alternate on one stream, so each buffer is written only after its previous reader finished:
@@ -37,6 +38,29 @@ if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
 
 
+def step_tasks(a: SparseAttention, st: DecodeStep) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Every layer's retrieval tasks of a step in one pass over [L, B, Hkv] (the static plan's arrays), as the eager
+    path's _layer_tasks builds them layer by layer; also adds the step's read and streaming counters.
+    Returns per layer (task table int32 [T, 9], sequence row [T], group [T])."""
+    n_layers, hkv, B = a.cfg.n_layers, a.cfg.n_kv_heads, st.batch
+    rows = np.arange(B)[None, :, None]  # [1, B, 1]
+    gi = a._gidx[:, None, :]  # [L, 1, Hkv]
+    lo, hi = st.sink_hi[gi, rows], st.win_lo[gi, rows]  # [L, B, Hkv]: the gap between sink and window
+    g = np.broadcast_to(a._g[:, None, :], lo.shape)
+    wanted = a._retrieval[:, None, :] & (hi - lo >= g)
+    li, bi, h = np.nonzero(wanted)  # layer-major order, as the per-layer slices below need
+    gh = g[li, bi, h]
+    budget = np.broadcast_to(a._budget[:, None, :], lo.shape)[li, bi, h]
+    k_blocks = np.ceil(budget * st.n[bi] / gh).astype(np.int64)
+    tasks = native.make_tasks(st.slots[bi], bi, h, gh, k_blocks, exclude=[(0, lo[li, bi, h]), (hi[li, bi, h], st.n[bi])])
+    a._read_tokens += float(st.stream_read[gi, rows].sum())
+    a._context_tokens += float(st.n.sum()) * hkv * n_layers
+    a._stream_groups += float(n_layers * B * hkv - B * a._retrieval.sum())
+    a._all_groups += float(n_layers * B * hkv)
+    ends = np.searchsorted(li, np.arange(n_layers + 1))
+    return [(tasks[s:e], bi[s:e], h[s:e]) for s, e in zip(ends[:-1], ends[1:])]
+
+
 class StaticStep:
     """Per batch size: the step's index tensors and the result buffers the graphs read and write at fixed addresses."""
 
@@ -58,6 +82,12 @@ class StaticStep:
         self.out_s: list[torch.Tensor | None] = [None] * cfg.n_layers  # streaming part per layer (graph outputs)
         self.lse_s: list[torch.Tensor | None] = [None] * cfg.n_layers
         self.q: list[torch.Tensor | None] = [None] * cfg.n_layers  # the layer's q [B Hkv, r, D] (graph buffer)
+        # q, k, v of the current layer side by side, [B, Hq + 2 Hkv, D] in the model dtype: filled inside the graph,
+        # copied to the host by one eager D2H after the replay (memcpy nodes to host memory made each graph launch
+        # cost ~190 us of host time on the H200 host, against ~30 us without them)
+        hq = cfg.n_heads
+        self.stage = torch.zeros(batch, hq + 2 * hkv, d, dtype=owner.dtype, device=dev)
+        self.stage_host = torch.zeros(batch, hq + 2 * hkv, d, dtype=owner.dtype, pin_memory=cuda)
 
     def load(self, st: DecodeStep) -> None:
         """This step's indices into the static tensors (device-to-device copies, no sync)."""
@@ -74,29 +104,28 @@ class GraphedDecode:
         self.static: dict[int, StaticStep] = {}
         self.ss: StaticStep | None = None
         self.st: DecodeStep | None = None
-        self.slots_list: list[int] = []
         self.chunks: list[SeqChunk] = []
+        self.tasks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per layer: task table, seq row, group
         self._t0 = self._wait0 = 0.0
 
     # ---- per step ------------------------------------------------------------------------------------------------
     def key(self, batch: int) -> tuple[int, ...]:
         """Changes whenever a buffer a captured graph addresses was reallocated: then the graphs are captured anew."""
         a = self.a
-        a.ensure_decode_buffers(batch)
         ss = self.static.get(batch)
         if ss is None:
             ss = self.static[batch] = StaticStep(a, batch)
-        return (a.serial, batch, a._near.data_ptr(), a._kv_out.data_ptr(), a._q_out.data_ptr(), id(ss))
+        return (a.serial, batch, a._near.data_ptr(), id(ss))
 
     def begin(self, chunks: list[SeqChunk]) -> None:
         a = self.a
         self.chunks = chunks
         for layer in range(a.cfg.n_layers):  # K/V queued by an eager step (the first decode step) go in first
             a._flush(layer)
-        self.st = a._step_for(chunks)
-        self.slots_list = self.st.slots.tolist()
+        self.st = st = a._step_for(chunks)
         self.ss = self.static[len(chunks)]
-        self.ss.load(self.st)
+        self.ss.load(st)
+        self.tasks = step_tasks(a, st)
         self._wait0 = a._st.gpu_wait_s
         self._t0 = time.perf_counter()
 
@@ -119,9 +148,10 @@ class GraphedDecode:
         B, hkv, r, d = ss.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
         near = a._near[layer]  # [slots, 2, Hkv, Ltot, D]
         near[ss.slots, :, :, ss.ring] = torch.stack([k, v], dim=1).to(a.dtype)  # [B, 2, Hkv, D]
-        a._kv_out[layer, 0, :B].copy_(k, non_blocking=True)
-        a._kv_out[layer, 1, :B].copy_(v, non_blocking=True)
-        a._q_out[:B].copy_(q, non_blocking=True)
+        hq = a.cfg.n_heads
+        ss.stage[:, :hq] = q
+        ss.stage[:, hq : hq + hkv] = k
+        ss.stage[:, hq + hkv :] = v
         kv = near[ss.slots]  # [B, 2, Hkv, Ltot, D]
         qg = q.view(B, hkv, r, d)
         scores = torch.matmul(qg, kv[:, 0].transpose(-1, -2)).float() * a.scale  # [B, Hkv, r, Ltot]
@@ -138,8 +168,6 @@ class GraphedDecode:
         B, hkv, r, d = ss.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
         out_s, lse_s = ss.out_s[layer], ss.lse_s[layer]
         assert out_s is not None and lse_s is not None
-        if ss.res_dev is not ss.res_host:
-            ss.res_dev.copy_(ss.res_host, non_blocking=True)
         o_c, lse_c = ss.res_dev[..., :d].view(B, hkv, r, d), ss.res_dev[..., d].view(B, hkv, r)
         o_g, lse_g = ss.o_gpu.view(B, hkv, r, d), ss.lse_gpu.view(B, hkv, r)
         m = torch.maximum(torch.maximum(lse_s, lse_c), lse_g)  # finite: the streaming part always has tokens
@@ -155,22 +183,25 @@ class GraphedDecode:
         B, hkv, r, d = ss.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
         cuda = a.device.type == "cuda"
         ev = None
+        hq = a.cfg.n_heads
         if cuda:
+            ss.stage_host.copy_(ss.stage, non_blocking=True)  # q, k, v of this layer (the replay just queued)
             ev = torch.cuda.Event()
-            ev.record()  # after the replay holding this layer's prologue
-        tasks, (bi, h, _, _, _) = a._layer_tasks(layer, st)
-        gi_read = a._gidx[layer][None, :]
-        a._read_tokens += float(st.stream_read[gi_read, np.arange(B)[:, None]].sum())
-        a._context_tokens += float(st.n.sum()) * hkv
+            ev.record()
+        else:
+            ss.stage_host.copy_(ss.stage)
+        tasks, bi, h = self.tasks[layer]
         if ev is not None:
             ev.synchronize()
         t_idle = time.perf_counter()  # from here until the next replay the device waits for the host
-        a.store.append_batch(layer, self.slots_list, a._kv_out[layer, 0, :B], a._kv_out[layer, 1, :B])
+        staged = ss.stage_host
+        kv_host = staged[:, hq:].to(torch.bfloat16)  # the store's dtype (no copy when the model runs in bf16)
+        a.store.append_decode(layer, st.slots, kv_host[:, :hkv], kv_host[:, hkv:])
         res = ss.res_host
         res[..., d] = float("-inf")  # rows without a CPU task
         if len(tasks):
             view = a.store.view(layer)
-            q_host = a._q_out[:B]
+            q_host = staged[:, :hq].float().contiguous()  # [B, Hq, D] fp32 for the native kernels
             t0 = time.perf_counter()
             ids, _, counts = native.group_topk(view, q_host, tasks)
             a._st.cpu_topk_s += time.perf_counter() - t0
@@ -178,6 +209,8 @@ class GraphedDecode:
             q_dev = ss.q[layer]
             assert q_dev is not None
             self._run_tasks(layer, view, q_host, q_dev, tasks, ids, counts, bi * hkv + h)
+        if ss.res_dev is not ss.res_host:
+            ss.res_dev.copy_(res, non_blocking=True)  # read by the next replay's epilogue
         a._st.gpu_wait_s += time.perf_counter() - t_idle
 
     def _run_tasks(self, layer: int, view: native.KVView, q_host: torch.Tensor, qg: torch.Tensor, tasks: np.ndarray,

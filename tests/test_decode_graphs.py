@@ -100,7 +100,7 @@ def test_sparse_hooks_match_the_eager_sparse_backend(placement: str, zero_copy: 
     plan = SparsePlan(sink=8, window=40, groups=groups, source="test")
     costs = Costs(cpu_gbs=10.0, gather_gbs=1000.0, h2d_gbs=10.0)
     g = torch.Generator().manual_seed(9)
-    lengths = [300, 450]
+    lengths = [300, 510]  # the second crosses a 256-token page boundary while decoding
     backends = []
     for m in (eager, runner):
         a = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, placement=placement,
@@ -123,6 +123,7 @@ def test_sparse_hooks_match_the_eager_sparse_backend(placement: str, zero_copy: 
     assert any(k[0] == "hooked" for k in runner.graphs.sets)  # the first decode step ran eagerly, then hooked
     s_eager, s_hooked = backends[0].stats(), backends[1].stats()
     assert s_hooked["steps"] == 4 and s_hooked["kv_read_fraction"] == pytest.approx(s_eager["kv_read_fraction"])
+    assert s_hooked["streaming_fraction"] == pytest.approx(s_eager["streaming_fraction"])
     if placement == "gpu":
         assert s_hooked["gpu_byte_fraction"] == 1.0
     for a in backends:
