@@ -174,6 +174,23 @@ def _init_from_env() -> None:
 _init_from_env()
 
 # ------------------------------------------------------------------------------------------------ array helpers --
+#
+# A decode step calls every kernel once per layer, so the wrappers' fixed cost adds up: the checks below take a
+# fast path for the usual arguments (a numpy array or a contiguous CPU torch tensor already of the right dtype and
+# shape) and fall back to the generic path, which also words every error message, for anything else.
+
+_F32, _I32, _I64, _U16, _U64 = (np.dtype(t) for t in (np.float32, np.int32, np.int64, np.uint16, np.uint64))
+
+# cffi array types per numpy dtype, built once (ffi.from_buffer with a type object skips parsing a C type string)
+_C_ARRAY = {dt: ffi.typeof(f"{name}[]") for dt, name in
+            ((_F32, "float"), (_I32, "int32_t"), (_I64, "int64_t"), (_U16, "uint16_t"), (_U64, "uint64_t"))}
+_C_POINTER = {dt: ffi.typeof(f"{name}*") for dt, name in
+              ((_F32, "float"), (_I32, "int32_t"), (_I64, "int64_t"), (_U16, "uint16_t"))}
+# torch dtypes whose memory a numpy dtype stands for (16-bit floats travel as raw uint16)
+_TORCH_DTYPES: dict[np.dtype, tuple[Any, ...]] = {} if torch is None else {
+    _F32: (torch.float32,), _I32: (torch.int32,), _I64: (torch.int64,),
+    _U16: (torch.float16, torch.bfloat16, torch.int16),
+}
 
 
 def _is_torch(x: Any) -> bool:
@@ -198,8 +215,26 @@ def _np_view(x: Any, name: str) -> np.ndarray:
     raise ValueError(f"{name} must be a numpy array or a torch tensor, got {type(x).__name__}")
 
 
-def _arr(x: Any, name: str, dtype: type, ndim: int | None = None, shape: tuple[int | None, ...] | None = None,
+def _shape_fits(have: Sequence[int], want: tuple[int | None, ...] | None) -> bool:
+    """have matches want on every axis where want is not None (the ranks are checked by the caller)."""
+    if want is None or have == want:  # a whole-tuple compare settles the usual case without a Python loop
+        return True
+    for h, w in zip(have, want):
+        if w is not None and h != w:
+            return False
+    return True
+
+
+def _arr(x: Any, name: str, dtype: Any, ndim: int | None = None, shape: tuple[int | None, ...] | None = None,
          writable: bool = False) -> np.ndarray:
+    """x as a C-contiguous numpy array of dtype (a view, never a copy); ValueError naming `name` otherwise."""
+    # Fast path: a numpy array exactly as required (builtin dtypes are singletons, so `is` compares them; an equal
+    # but distinct dtype object only takes the slow path).
+    if type(x) is np.ndarray:
+        shp = x.shape
+        if (x.dtype is dtype and (ndim is None or len(shp) == ndim) and x.flags.c_contiguous
+                and (not writable or x.flags.writeable) and (shape is None or shp == shape or _shape_fits(shp, shape))):
+            return x
     a = _np_view(x, name)
     if a.dtype != np.dtype(dtype):
         raise ValueError(f"{name} must have dtype {np.dtype(dtype).name}, got {a.dtype.name}")
@@ -216,13 +251,50 @@ def _arr(x: Any, name: str, dtype: type, ndim: int | None = None, shape: tuple[i
     return a
 
 
-_ARRAY_TYPE = {"float *": "float[]", "int32_t *": "int32_t[]", "int64_t *": "int64_t[]", "void *": "char[]",
-               "uint8_t **": "uint8_t *[]"}
+def _buf(x: Any, name: str, dtype: np.dtype, ndim: int, shape: tuple[int | None, ...] | None = None,
+         writable: bool = False) -> tuple[Any, tuple[int, ...]]:
+    """(C pointer, shape) of an array argument that C only reads or fills (no numpy view needed afterwards).
+
+    A contiguous CPU torch tensor (queries, outputs, k/v, pinned staging buffers) goes straight through
+    data_ptr(): a numpy view of a tensor costs 1-2 us, a visible share of a call.  Empty tensors (data_ptr 0)
+    and anything unusual take the generic path, which also raises the error messages."""
+    if type(x) is np.ndarray:  # _arr's fast path, inlined: one call level less on every numpy argument
+        shp = x.shape
+        if (x.dtype is dtype and len(shp) == ndim and x.flags.c_contiguous and (not writable or x.flags.writeable)
+                and (shape is None or shp == shape or _shape_fits(shp, shape))):
+            return ffi.from_buffer(_C_ARRAY[dtype], x), shp
+    elif torch is not None and isinstance(x, torch.Tensor):
+        shp = x.shape  # a new torch.Size (a tuple) per access: read it once
+        if (len(shp) == ndim and x.dtype in _TORCH_DTYPES[dtype] and x.is_cpu and x.is_contiguous()
+                and (shape is None or shp == shape or _shape_fits(shp, shape))):
+            addr = x.data_ptr()
+            if addr:
+                return ffi.cast(_C_POINTER[dtype], addr), shp
+    a = _arr(x, name, dtype, ndim, shape, writable)
+    return ffi.from_buffer(_C_ARRAY[dtype], a), a.shape
+
+
+def _cptr(a: np.ndarray) -> Any:
+    """A C pointer into a contiguous numpy array of one of the kernels' dtypes (no copy; a keeps the memory)."""
+    return ffi.from_buffer(_C_ARRAY[a.dtype], a)
+
+
+_ARRAY_TYPE = {"float *": ffi.typeof("float[]"), "int32_t *": ffi.typeof("int32_t[]"),
+               "int64_t *": ffi.typeof("int64_t[]"), "void *": ffi.typeof("char[]"),
+               "uint8_t **": ffi.typeof("uint8_t *[]")}
 
 
 def _ptr(a: np.ndarray, ctype: str) -> Any:
     """A C pointer into a contiguous numpy array's memory (no copy; the array must outlive the call)."""
     return ffi.from_buffer(_ARRAY_TYPE[ctype], a)
+
+
+def _int_vector(x: Any, n: int, dtype: np.dtype = _I64) -> np.ndarray:
+    """x (a scalar or n values) as a contiguous 1-D array of n values; an array already so is passed through."""
+    a = np.asarray(x, dtype=dtype)
+    if a.shape != (n,):
+        a = np.broadcast_to(a, (n,))  # scalars (and length-1 arrays); anything else raises numpy's ValueError
+    return np.ascontiguousarray(a)
 
 
 def _dtype_code(dtype: Any) -> int:
@@ -233,6 +305,29 @@ def _dtype_code(dtype: Any) -> int:
     return DTYPES.index(dtype)
 
 
+class _Scratch(threading.local):
+    """Per Python thread (concurrent calls must not share them): the kernels' workspace, grown and never shrunk,
+    with its C pointer made once, and the error-index cell every C call writes."""
+
+    def __init__(self) -> None:
+        self.err = ffi.new("int64_t[1]")
+        self.ws_floats = 0
+        self.grow(1 << 16)
+
+    def grow(self, n_floats: int) -> None:
+        """Make the workspace (ws_ptr, ws_floats) at least n_floats long.
+
+        By 1.5x at least: the need grows with the longest sequence during decode, and each growth costs the
+        calling wrapper a rejected C call first (see group_topk)."""
+        if self.ws_floats < n_floats:
+            n_floats = max(n_floats, self.ws_floats * 3 // 2)
+            self.ws = np.empty(n_floats, np.float32)  # ws_ptr keeps it alive too; the old one is freed
+            self.ws_ptr, self.ws_floats = _cptr(self.ws), n_floats
+
+
+_scratch = _Scratch()
+
+
 # --------------------------------------------------------------------------------------------------------- view --
 
 
@@ -241,12 +336,13 @@ class KVView:
 
     pages: uint64 [n_slots, max_pages] page base addresses (0 = not allocated); n_tokens: int64 [n_slots].
     Both arrays are read (and n_tokens written by append) in place, so keep them alive and pass the same arrays.
+    The struct holding their C pointers is built once here; every call passes it as is.
     """
 
     def __init__(self, pages: np.ndarray, n_tokens: np.ndarray, *, n_kv_heads: int, head_dim: int,
                  page_tokens: int, dtype: Any, granularities: Sequence[int]) -> None:
-        pages = _arr(pages, "pages", np.uint64, ndim=2)
-        n_tokens = _arr(n_tokens, "n_tokens", np.int64, ndim=1, shape=(pages.shape[0],), writable=True)
+        pages = _arr(pages, "pages", _U64, ndim=2)
+        n_tokens = _arr(n_tokens, "n_tokens", _I64, ndim=1, shape=(pages.shape[0],), writable=True)
         if n_kv_heads < 1:
             raise ValueError(f"n_kv_heads must be >= 1, got {n_kv_heads}")
         if head_dim < 16 or head_dim % 16 or head_dim > MAX_DIM:
@@ -256,7 +352,10 @@ class KVView:
         self.pages, self.n_tokens = pages, n_tokens
         self.n_kv_heads, self.head_dim, self.page_tokens = n_kv_heads, head_dim, page_tokens
         self.dtype = DTYPES[_dtype_code(dtype)]
+        # the torch dtype append() accepts for k/v (None without torch)
+        self.torch_dtype = None if torch is None else getattr(torch, self.dtype)
         self.granularities = tuple(sorted(set(granularities)))
+        self._n_slots = int(pages.shape[0])
         self.struct = ffi.new("fx_kv_view *")
         s = self.struct
         s.n_slots, s.max_pages = pages.shape
@@ -267,7 +366,7 @@ class KVView:
 
     @property
     def n_slots(self) -> int:
-        return int(self.pages.shape[0])
+        return self._n_slots
 
     @property
     def page_bytes(self) -> int:
@@ -275,6 +374,8 @@ class KVView:
 
 
 # -------------------------------------------------------------------------------------------------------- tasks --
+
+_INT32_SPAN = 1 << 32
 
 
 def make_tasks(slots: Any, q_rows: Any, kv_heads: Any, g: Any, k: Any = 0,
@@ -288,23 +389,32 @@ def make_tasks(slots: Any, q_rows: Any, kv_heads: Any, g: Any, k: Any = 0,
     cols = [slots, q_rows, kv_heads, g, k]
     for lo, hi in list(exclude) + [(0, 0)] * (2 - len(exclude)):
         cols += [lo, hi]
-    parts = np.broadcast_arrays(*[np.asarray(c, dtype=np.int64) for c in cols])
-    table = np.stack([p.reshape(-1) for p in parts], axis=1)
-    if table.size and (table.max() > np.iinfo(np.int32).max or table.min() < np.iinfo(np.int32).min):
+    # Fill one int64 table column by column (numpy broadcasts each column on assignment): no per-column
+    # conversion, broadcast copy and stack, which cost ~30 us per call.
+    table = np.empty(np.broadcast(*cols).shape + (TASK_FIELDS,), np.int64)
+    for j, col in enumerate(cols):
+        table[..., j] = col
+    # Every field fits in int32 iff x + 2**31 lies in [0, 2**32) for all of them: one reduction over the table
+    # (values that wrap past int64 land far above 2**32 as uint64, so they are caught too).
+    if table.size and int((table + (_INT32_SPAN >> 1)).view(np.uint64).max()) >= _INT32_SPAN:
         raise ValueError("tasks: a field does not fit in int32")
-    return np.ascontiguousarray(table.astype(np.int32))
+    return table.reshape(-1, TASK_FIELDS).astype(np.int32)
 
 
 _FIELD_NAMES = ("slot", "q_row", "kv_head", "g")
 
 
 def _tasks_array(tasks: Any) -> np.ndarray:
-    return _arr(tasks, "tasks", np.int32, ndim=2, shape=(None, TASK_FIELDS))
+    # every kernel call checks its tasks: the usual table (make_tasks' output) is recognised without _arr's loop
+    if (type(tasks) is np.ndarray and tasks.dtype is _I32 and tasks.ndim == 2 and tasks.shape[1] == TASK_FIELDS
+            and tasks.flags.c_contiguous):
+        return tasks
+    return _arr(tasks, "tasks", _I32, ndim=2, shape=(None, TASK_FIELDS))
 
 
-def _check_q(view: KVView, q: Any) -> tuple[np.ndarray, int]:
-    a = _arr(q, "q", np.float32, ndim=3)
-    n_q_heads, d = a.shape[1], a.shape[2]
+def _check_q(view: KVView, q: Any) -> tuple[Any, int, int, int]:
+    """(pointer, q_rows, n_q_heads, r) of the fp32 queries q [q_rows, Hq, D]."""
+    q_ptr, (q_rows, n_q_heads, d) = _buf(q, "q", _F32, 3)
     if d != view.head_dim:
         raise ValueError(f"q has head_dim {d}, the KV store has {view.head_dim}")
     if n_q_heads % view.n_kv_heads:
@@ -312,13 +422,18 @@ def _check_q(view: KVView, q: Any) -> tuple[np.ndarray, int]:
     r = n_q_heads // view.n_kv_heads
     if r > MAX_GROUP:
         raise ValueError(f"q: group of {r} query heads per KV head exceeds {MAX_GROUP}")
-    return a, r
+    return q_ptr, q_rows, n_q_heads, r
 
 
 def _selection_arrays(t: np.ndarray, ids: Any, counts: Any) -> tuple[np.ndarray, np.ndarray]:
-    ids_a = _arr(ids, "ids", np.int32, ndim=2, shape=(len(t), None))
-    counts_a = _arr(counts, "counts", np.int32, ndim=1, shape=(len(t),))
-    return ids_a, counts_a
+    """ids int32 [T, k_cap] and counts int32 [T] for the tasks t (group_topk's output is recognised inline)."""
+    n = len(t)
+    if (type(ids) is np.ndarray and type(counts) is np.ndarray and ids.dtype is _I32 and counts.dtype is _I32
+            and ids.ndim == 2 and ids.shape[0] == n and counts.shape == (n,) and ids.flags.c_contiguous
+            and counts.flags.c_contiguous):
+        return ids, counts
+    return (_arr(ids, "ids", _I32, ndim=2, shape=(n, None)),
+            _arr(counts, "counts", _I32, ndim=1, shape=(n,)))
 
 
 def _native_error(rc: int, err_index: Any, what: str, view: KVView, t: np.ndarray, *, q_rows: int | None = None,
@@ -355,114 +470,132 @@ def _native_error(rc: int, err_index: Any, what: str, view: KVView, t: np.ndarra
 
 # ------------------------------------------------------------------------------------------------------ kernels --
 
+_E_OUTPUT = 9  # FX_E_OUTPUT
+_INF = float("inf")
+
+
+def _kv_rows(view: KVView, x: Any, name: str, rows: int | None) -> tuple[Any, tuple[int, ...]]:
+    """(pointer, shape) of append's k or v: [rows, Hkv, D] 16-bit; a torch tensor must have the store's dtype."""
+    if _is_torch(x) and x.dtype is not view.torch_dtype:
+        if x.dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"{name} must be float16 or bfloat16, got {x.dtype}")
+        raise ValueError(f"{name} has dtype {x.dtype}, the KV store holds {view.dtype}")
+    return _buf(x, name, _U16, 3, (rows, view.n_kv_heads, view.head_dim))
+
 
 def append(view: KVView, slots: Any, row_start: Any, row_count: Any, k: Any, v: Any) -> None:
     """Append rows of k, v [n_rows, Hkv, D] (16-bit, the store's dtype) to slots; updates summaries and n_tokens.
 
     Slot slots[i] gets rows row_start[i] .. row_start[i]+row_count[i]-1.  Pages must already be allocated.
+    All items are checked before anything is written, so a rejected call changes nothing.
     """
-    if _is_torch(k) and k.dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(f"k must be float16 or bfloat16, got {k.dtype}")
-    if _is_torch(k) and DTYPES[_dtype_code(k.dtype)] != view.dtype:
-        raise ValueError(f"k has dtype {k.dtype}, the KV store holds {view.dtype}")
-    ka = _arr(k, "k", np.uint16, ndim=3, shape=(None, view.n_kv_heads, view.head_dim))
-    va = _arr(v, "v", np.uint16, ndim=3, shape=ka.shape)
+    k_ptr, k_shape = _kv_rows(view, k, "k", None)
+    n_rows = k_shape[0]
+    v_ptr, _ = _kv_rows(view, v, "v", n_rows)
     s = np.ascontiguousarray(np.asarray(slots, dtype=np.int32).reshape(-1))
-    rs = np.ascontiguousarray(np.broadcast_to(np.asarray(row_start, dtype=np.int64), s.shape))
-    rc_ = np.ascontiguousarray(np.broadcast_to(np.asarray(row_count, dtype=np.int64), s.shape))
-    if len(np.unique(s)) != len(s):
+    rs, rc_ = _int_vector(row_start, len(s)), _int_vector(row_count, len(s))
+    # The checks run on Python ints with builtin min/max/set: about 0.1 us per item against a numpy call's
+    # ~1 us each, and an item's copy in C costs several times that, so this never dominates a call.
+    sl, rsl, rcl = s.tolist(), rs.tolist(), rc_.tolist()
+    if len(set(sl)) != len(sl):
         raise ValueError("slots: each slot may appear once per append call")
-    if s.size and ((s < 0).any() or (s >= view.n_slots).any()):
+    if sl and (min(sl) < 0 or max(sl) >= view.n_slots):
         raise ValueError(f"slots: values must be in [0, {view.n_slots})")
-    if s.size and ((rs < 0).any() or (rc_ < 0).any() or (rs + rc_ > ka.shape[0]).any()):
-        raise ValueError(f"row_start/row_count: rows must lie within k's {ka.shape[0]} rows")
-    err = ffi.new("int64_t[1]")
-    rc = lib.fx_append(view.struct, _ptr(s, "int32_t *"), _ptr(rs, "int64_t *"), _ptr(rc_, "int64_t *"), len(s),
-                       _ptr(ka, "void *"), _ptr(va, "void *"), ka.shape[0], err)
+    if sl and (min(rsl) < 0 or min(rcl) < 0 or max(a + b for a, b in zip(rsl, rcl)) > n_rows):
+        raise ValueError(f"row_start/row_count: rows must lie within k's {n_rows} rows")
+    err = _scratch.err
+    rc = lib.fx_append(view.struct, _cptr(s), _cptr(rs), _cptr(rc_), len(s), k_ptr, v_ptr, n_rows, err)
     _raise_for(rc, err, "append")
 
 
 def summaries_update(view: KVView, slots: Any, from_token: Any) -> None:
     """Rebuild summaries of tokens [from_token, n_tokens) (K written into pages by other means)."""
     s = np.ascontiguousarray(np.asarray(slots, dtype=np.int32).reshape(-1))
-    f = np.ascontiguousarray(np.broadcast_to(np.asarray(from_token, dtype=np.int64), s.shape))
-    err = ffi.new("int64_t[1]")
-    rc = lib.fx_summaries_update(view.struct, _ptr(s, "int32_t *"), _ptr(f, "int64_t *"), len(s), err)
+    f = _int_vector(from_token, len(s))
+    err = _scratch.err
+    rc = lib.fx_summaries_update(view.struct, _cptr(s), _cptr(f), len(s), err)
     _raise_for(rc, err, "summaries_update")
 
 
-# Scratch for the C kernels, one per Python thread (concurrent calls must not share it); grown, never shrunk.
-_workspace = threading.local()
-
-
-def _workspace_for(n_floats: int) -> np.ndarray:
-    ws = getattr(_workspace, "buf", None)
-    if ws is None or ws.size < n_floats:
-        ws = np.empty(max(n_floats, 1 << 16), np.float32)
-        _workspace.buf = ws
-    return ws
-
-
 def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
-               out: tuple[Any, Any, Any] | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+               out: tuple[Any, Any, Any] | None = None) -> tuple[Any, Any, Any]:
     """Per task, the k highest-scoring eligible blocks (Quest bound summed over the group's query heads).
 
     q: fp32 [q_rows, Hq, D]; tasks: int32 [T, TASK_FIELDS] (make_tasks).  Returns ids int32 [T, k_cap] (ascending
     block ids), scores fp32 [T, k_cap], counts int32 [T]; only ids[i, :counts[i]] are meaningful.
-    out: optional preallocated (ids, scores, counts).
+    out: optional preallocated (ids, scores, counts), numpy arrays or CPU tensors, filled and returned as given.
     """
-    qa, _ = _check_q(view, q)
+    q_ptr, q_rows, n_q_heads, _ = _check_q(view, q)
     t = _tasks_array(tasks)
+    n = len(t)
     if k_cap is None:
-        k_cap = max(0, int(t[:, 4].max())) if len(t) else 0
+        k_cap = max(0, int(np.maximum.reduce(t[:, 4]))) if n else 0  # the ufunc itself: .max() adds a wrapper
     if out is None:
-        ids = np.empty((len(t), k_cap), np.int32)
-        scores = np.empty((len(t), k_cap), np.float32)
-        counts = np.empty(len(t), np.int32)
+        ids, scores, counts = np.empty((n, k_cap), _I32), np.empty((n, k_cap), _F32), np.empty(n, _I32)
+        ids_ptr, scores_ptr, counts_ptr = _cptr(ids), _cptr(scores), _cptr(counts)
     else:
-        ids = _arr(out[0], "out[0] (ids)", np.int32, ndim=2, shape=(len(t), k_cap), writable=True)
-        scores = _arr(out[1], "out[1] (scores)", np.float32, ndim=2, shape=(len(t), k_cap), writable=True)
-        counts = _arr(out[2], "out[2] (counts)", np.int32, ndim=1, shape=(len(t),), writable=True)
-    # Workspace rows are sized for the longest slot at the finest granularity (an upper bound of every task's
-    # block count; C checks the exact need).  Cheaper than per-task numpy work, which cost ~25 us per call.
-    max_blocks = -(-int(view.n_tokens.max()) // GRANULARITIES[0]) if view.n_slots else 1
-    ws = _workspace_for(int(lib.fx_topk_workspace_floats(len(t), max(1, max_blocks))))
-    err = ffi.new("int64_t[1]")
-    rc = lib.fx_group_topk(view.struct, _ptr(qa, "float *"), qa.shape[0], qa.shape[1], _ptr(t, "int32_t *"), len(t),
-                           k_cap, _ptr(ids, "int32_t *"), _ptr(scores, "float *"), _ptr(counts, "int32_t *"),
-                           _ptr(ws, "float *"), ws.size, err)
+        ids, scores, counts = out
+        ids_ptr, _ = _buf(ids, "out[0] (ids)", _I32, 2, (n, k_cap), writable=True)
+        scores_ptr, _ = _buf(scores, "out[1] (scores)", _F32, 2, (n, k_cap), writable=True)
+        counts_ptr, _ = _buf(counts, "out[2] (counts)", _I32, 1, (n,), writable=True)
+    t_ptr, scratch = _cptr(t), _scratch
+    err = scratch.err
+
+    def call() -> int:
+        return lib.fx_group_topk(view.struct, q_ptr, q_rows, n_q_heads, t_ptr, n, k_cap, ids_ptr, scores_ptr,
+                                 counts_ptr, scratch.ws_ptr, scratch.ws_floats, err)
+
+    # Try the thread's workspace as it is: C computes the exact need (from every task's block count) and returns
+    # FX_E_OUTPUT before touching any memory when it is short.  Only then size it, for the longest slot at the
+    # finest granularity (an upper bound of every task's block count), and call again; the workspace is kept, so
+    # this happens once per new sequence-length record, not per call.
+    rc = call()
+    if rc == _E_OUTPUT:
+        max_blocks = -(-int(view.n_tokens.max()) // GRANULARITIES[0])
+        scratch.grow(int(lib.fx_topk_workspace_floats(n, max(1, max_blocks))))
+        rc = call()
     if rc:
-        raise _native_error(rc, err, "group_topk", view, t, q_rows=qa.shape[0], k_cap=k_cap, kept_only=True)
+        raise _native_error(rc, err, "group_topk", view, t, q_rows=q_rows, k_cap=k_cap, kept_only=True)
     return ids, scores, counts
 
 
 def sparse_attention(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, scale: float,
-                     out: Any | None = None, lse: Any | None = None) -> tuple[np.ndarray, np.ndarray]:
+                     out: Any | None = None, lse: Any | None = None) -> tuple[Any, Any]:
     """Each task's query heads attend over its selected blocks; returns out fp32 [T, r, D], lse fp32 [T, r].
 
     Empty selections give out = 0 and lse = -inf.  lse is the natural log of sum(exp(scale * q.k)), ready to be
-    merged with another partial attention.
+    merged with another partial attention.  out/lse: optional preallocated buffers (numpy arrays or CPU tensors),
+    filled and returned as given.
     """
-    qa, r = _check_q(view, q)
+    q_ptr, q_rows, n_q_heads, r = _check_q(view, q)
     t = _tasks_array(tasks)
+    n = len(t)
     ids_a, counts_a = _selection_arrays(t, ids, counts)
-    if not (0.0 < scale < float("inf")):
+    if not (0.0 < scale < _INF):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     d = view.head_dim
-    out_a = np.empty((len(t), r, d), np.float32) if out is None else _arr(out, "out", np.float32, ndim=3,
-                                                                          shape=(len(t), r, d), writable=True)
-    lse_a = np.empty((len(t), r), np.float32) if lse is None else _arr(lse, "lse", np.float32, ndim=2,
-                                                                       shape=(len(t), r), writable=True)
-    ws = _workspace_for(int(lib.fx_attention_workspace_floats(len(t), r, d)))
-    err = ffi.new("int64_t[1]")
-    rc = lib.fx_sparse_attention(view.struct, _ptr(qa, "float *"), qa.shape[0], qa.shape[1], _ptr(t, "int32_t *"),
-                                 len(t), _ptr(ids_a, "int32_t *"), _ptr(counts_a, "int32_t *"), ids_a.shape[1],
-                                 float(scale), _ptr(out_a, "float *"), _ptr(lse_a, "float *"), _ptr(ws, "float *"),
-                                 ws.size, err)
+    if out is None:
+        out = np.empty((n, r, d), _F32)
+    out_ptr, _ = _buf(out, "out", _F32, 3, (n, r, d), writable=True)
+    if lse is None:
+        lse = np.empty((n, r), _F32)
+    lse_ptr, _ = _buf(lse, "lse", _F32, 2, (n, r), writable=True)
+    t_ptr, ids_ptr, counts_ptr, k_cap, scratch = _cptr(t), _cptr(ids_a), _cptr(counts_a), ids_a.shape[1], _scratch
+    err = scratch.err
+
+    def call() -> int:
+        return lib.fx_sparse_attention(view.struct, q_ptr, q_rows, n_q_heads, t_ptr, n, ids_ptr, counts_ptr, k_cap,
+                                       float(scale), out_ptr, lse_ptr, scratch.ws_ptr, scratch.ws_floats, err)
+
+    # As in group_topk: the thread's workspace as it is first; sized by the C formula only when C says it is short.
+    rc = call()
+    if rc == _E_OUTPUT:
+        scratch.grow(int(lib.fx_attention_workspace_floats(n, r, d)))
+        rc = call()
     if rc:
-        raise _native_error(rc, err, "sparse_attention", view, t, q_rows=qa.shape[0], k_cap=ids_a.shape[1],
+        raise _native_error(rc, err, "sparse_attention", view, t, q_rows=q_rows, k_cap=ids_a.shape[1],
                             ids=ids_a, counts=counts_a)
-    return out_a, lse_a
+    return out, lse
 
 
 def gather(view: KVView, tasks: Any, ids: Any, counts: Any, k_out: Any, v_out: Any,
@@ -473,42 +606,28 @@ def gather(view: KVView, tasks: Any, ids: Any, counts: Any, k_out: Any, v_out: A
     Returns (out_offset, out_tokens int32 [T]).
     """
     t = _tasks_array(tasks)
+    n = len(t)
     ids_a, counts_a = _selection_arrays(t, ids, counts)
-    ko_ptr, cap = _staging_ptr(k_out, "k_out", view.head_dim, None)
-    vo_ptr, _ = _staging_ptr(v_out, "v_out", view.head_dim, cap)
+    ko_ptr, (cap, _) = _buf(k_out, "k_out", _U16, 2, (None, view.head_dim), writable=True)
+    vo_ptr, _ = _buf(v_out, "v_out", _U16, 2, (cap, view.head_dim), writable=True)
     if out_offset is None:
-        sizes = counts_a.astype(np.int64) * t[:, 3]
-        offs = np.zeros(len(t), np.int64)
-        if len(t):
-            offs[1:] = np.cumsum(sizes)[:-1]
+        # task i starts after the full blocks of tasks 0 .. i-1: offs[i] = sum over j < i of counts[j] * g[j]
+        offs = np.zeros(n, np.int64)
+        if n > 1:
+            np.add.accumulate(np.multiply(counts_a[:-1], t[:-1, 3], dtype=np.int64), out=offs[1:])
     else:
-        offs = _arr(out_offset, "out_offset", np.int64, ndim=1, shape=(len(t),))
-    tokens = np.empty(len(t), np.int32)
-    err = ffi.new("int64_t[1]")
-    rc = lib.fx_gather(view.struct, _ptr(t, "int32_t *"), len(t), _ptr(ids_a, "int32_t *"),
-                       _ptr(counts_a, "int32_t *"), ids_a.shape[1], _ptr(offs, "int64_t *"), cap,
-                       ko_ptr, vo_ptr, _ptr(tokens, "int32_t *"), err)
-    if rc == 9:
+        offs = _arr(out_offset, "out_offset", _I64, ndim=1, shape=(n,))
+    tokens = np.empty(n, _I32)
+    err = _scratch.err
+    rc = lib.fx_gather(view.struct, _cptr(t), n, _cptr(ids_a), _cptr(counts_a), ids_a.shape[1], _cptr(offs), cap,
+                       ko_ptr, vo_ptr, _cptr(tokens), err)
+    if rc == _E_OUTPUT:
         i = int(err[0])
         raise ValueError(f"gather: task {i} does not fit: out_offset={int(offs[i])} plus its tokens exceeds the "
                          f"k_out/v_out capacity of {cap} rows")
     if rc:
         raise _native_error(rc, err, "gather", view, t, k_cap=ids_a.shape[1], ids=ids_a, counts=counts_a)
     return offs, tokens
-
-
-def _staging_ptr(x: Any, name: str, head_dim: int, rows: int | None) -> tuple[Any, int]:
-    """(C pointer, rows) of a 16-bit [rows, head_dim] staging buffer.
-
-    A contiguous CPU torch tensor (the usual pinned staging buffer) goes straight through data_ptr(): the generic
-    path (a numpy view of the tensor) costs ~5 us per buffer, a visible share of a ~100 us call.  Anything else,
-    and every error message, takes the generic path."""
-    if (_is_torch(x) and x.dtype in (torch.float16, torch.bfloat16, torch.int16) and x.dim() == 2
-            and x.shape[1] == head_dim and (rows is None or x.shape[0] == rows) and x.device.type == "cpu"
-            and x.is_contiguous()):
-        return ffi.cast("void *", x.data_ptr()), int(x.shape[0])
-    a = _arr(x, name, np.uint16, ndim=2, shape=(rows, head_dim), writable=True)
-    return _ptr(a, "void *"), int(a.shape[0])
 
 
 def read_bandwidth_probe(buf: Any, repeats: int = 1) -> float:
