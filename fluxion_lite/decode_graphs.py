@@ -51,6 +51,7 @@ class DecodeHooks(Protocol):
     epilogue run inside the graphs, host() between replays; begin/end bracket a step."""
 
     def key(self, batch: int) -> Hashable: ...
+    def owner_id(self) -> int: ...
     def begin(self, chunks: list[SeqChunk]) -> None: ...
     def prologue(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
     def host(self, layer: int) -> None: ...
@@ -171,6 +172,10 @@ class DecodeGraphs:
         b = len(chunks)
         hooks = attn.decode_hooks(chunks) if hasattr(attn, "decode_hooks") else None
         key: Hashable = ("plain", b) if hooks is None else ("hooked", hooks.key(b))
+        if hooks is not None:  # one backend's graphs at a time: an old backend's sets would pin its buffers
+            owner = hooks.owner_id()
+            for stale in [k for k, gs in self.sets.items() if gs.hooks is not None and gs.hooks.owner_id() != owner]:
+                del self.sets[stale]
         graph_set = self.sets.get(key)
         if graph_set is None:
             if len(self.sets) >= MAX_GRAPH_SETS:

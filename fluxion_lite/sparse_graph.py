@@ -24,6 +24,7 @@ token goes to a sink slot). Anything else (prefill chunks, per-request plans, de
 from __future__ import annotations
 
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -100,7 +101,10 @@ class GraphedDecode:
     """The hooks decode_graphs.py calls for a graphable SparseAttention step (see the module docstring)."""
 
     def __init__(self, owner: SparseAttention):
-        self.a = owner
+        # a weak reference: graph sets hold this object, and must not keep a dropped backend (and its pinned host
+        # store) alive
+        self.a = weakref.proxy(owner)
+        self.serial = owner.serial
         self.static: dict[int, StaticStep] = {}
         self.ss: StaticStep | None = None
         self.st: DecodeStep | None = None
@@ -109,6 +113,9 @@ class GraphedDecode:
         self._t0 = self._wait0 = 0.0
 
     # ---- per step ------------------------------------------------------------------------------------------------
+    def owner_id(self) -> int:
+        return self.serial
+
     def key(self, batch: int) -> tuple[int, ...]:
         """Changes whenever a buffer a captured graph addresses was reallocated: then the graphs are captured anew."""
         a = self.a

@@ -128,3 +128,35 @@ def test_sparse_hooks_match_the_eager_sparse_backend(placement: str, zero_copy: 
         assert s_hooked["gpu_byte_fraction"] == 1.0
     for a in backends:
         a.executor.close()
+
+
+def test_a_dropped_sparse_backend_is_not_kept_alive_by_the_graph_cache() -> None:
+    """Graph sets of a hooked backend hold only a weak reference to it, and a new backend evicts the old one's sets:
+    a benchmark that makes one backend per case must not pile up pinned host stores (it ran the H200 host out of RAM)."""
+    import gc
+    import weakref
+
+    from fluxion_lite.scheduler import Costs
+    from fluxion_lite.sparse_attention import SparseAttention
+    from fluxion_lite.sparse_plan import SparsePlan
+
+    cfg = make_cfg("llama", hq=4, hkv=2, d=32)
+    runner = Transformer(GGUFModel(Path("x"), cfg, {}, random_weights(cfg, seed=1)), dtype=torch.float32)
+    runner.graphs = DecodeGraphs(runner, capture=False)
+    plan = SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.1, sink=8, window=40)
+    refs = []
+    for _ in range(2):
+        a = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=2, placement="cpu",
+                            costs=Costs(cpu_gbs=10.0, gather_gbs=10.0, h2d_gbs=None))
+        a.allocate(0)
+        runner.forward(torch.arange(200) % cfg.vocab_size, torch.arange(200), [SeqChunk(0, 0, 200)], a)
+        for p in (200, 201):
+            runner.forward(torch.tensor([1]), torch.tensor([p]), [SeqChunk(0, p, 1)], a)
+        hooked = [k for k in runner.graphs.sets if k[0] == "hooked"]
+        assert len(hooked) == 1 and hooked[0][1][0] == a.serial
+        a.free(0)
+        a.executor.close()
+        refs.append(weakref.ref(a))
+        del a
+    gc.collect()
+    assert refs[0]() is None and refs[1]() is None
