@@ -145,3 +145,24 @@ def test_cost_model_follows_the_zero_copy_rate() -> None:
     assert model.costs.pcie_read_gbs == pytest.approx(30, rel=1e-3)
     model.observe_zero_copy(1e3, 1.0)  # too small: ignored
     assert model.costs.pcie_read_gbs == pytest.approx(30, rel=1e-3)
+
+
+def test_all_cpu_shortcut_when_the_gpu_fixed_cost_exceeds_the_cpu_time() -> None:
+    """Small layers (batch 1) go all-CPU without the greedy loop, and only when no split could be faster: any use of
+    the GPU costs at least makespan(0, smallest task)."""
+    zc = Costs(cpu_gbs=60.0, gather_gbs=50.0, h2d_gbs=50.0, zero_copy=True, pcie_read_gbs=50.0, zc_fixed_s=5e-4)
+    small = np.full(16, 600e3)  # 9.6 MB: 0.16 ms on the CPU < 0.5 ms fixed GPU cost
+    s = split_tasks(small, zc)
+    assert len(s.gpu) == 0 and s.makespan_s == pytest.approx(zc.makespan(small.sum(), 0.0))
+    big = np.full(16, 20e6)  # 320 MB: the GPU side pays off again
+    s = split_tasks(big, zc)
+    assert len(s.gpu) > 0 and s.makespan_s < zc.makespan(big.sum(), 0.0)
+    # the shortcut never gives a worse makespan than trying every split of a small case
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        nb = rng.uniform(1e4, 2e6, size=5)
+        best = min(zc.makespan(float(nb[list(m)].sum()), float(nb.sum() - nb[list(m)].sum()))
+                   for r in range(6) for m in itertools.combinations(range(5), r))
+        assert split_tasks(nb, zc).makespan_s <= best * 1.35  # greedy bound; equal to best where it shortcuts
+        if zc.makespan(nb.sum(), 0.0) <= zc.makespan(0.0, nb.min()):
+            assert split_tasks(nb, zc).makespan_s == pytest.approx(best)
