@@ -343,7 +343,10 @@ typedef struct {
  * random scores is a mispredicted branch), and the last task's selection sat alone in the tail of a multi-thread
  * call.  Here: three histogram passes find the k-th best key, one in-order pass emits the winners; since the
  * candidates are scanned in ascending block id, the output is already sorted by id and equal keys are taken
- * lowest id first. */
+ * lowest id first.  Short tasks (few candidates, or k near 1 or near n) find the same k-th key by a direct
+ * selection instead (kth_key_direct): the histogram passes cost ~2 us per task whatever n, which dominated decode
+ * calls of many short tasks.  Either way the k-th key and the count of its ties to take are exact, so the emitting
+ * pass (and with it every result) is the same on both paths. */
 
 /* Monotone map of a float to uint32 (larger float -> larger key).  +0.0 is added first so -0.0 and +0.0 (equal
  * as floats) get the same key; scores are finite. */
@@ -383,6 +386,72 @@ static uint32_t kth_key(const float *s, int64_t n, int64_t k, int64_t *need_equa
     return prefix;
 }
 
+/* Direct selection for short tasks: the same result as kth_key, for any bit patterns.  The k-th largest key is the
+ * m-th largest key when m = k, or the m-th smallest when m = n-k+1 (the m-th largest of the complemented keys),
+ * whichever m is smaller; a descending buffer of the m largest (complemented) keys seen so far finds it in one
+ * pass.  A key enters only when it beats the buffer's last entry, so scores in random order cost ~1 ns per
+ * candidate, but a key sequence that keeps rising along the scan enters every time (~0.5 ns per shifted entry).
+ * Two things keep trends cheap: the scan runs from the highest block id down (scores rising with the block id,
+ * recent blocks scoring higher, then mostly fail the first comparison), and for m >= TOPK_DIRECT_FLOOR_M a first
+ * pass takes the maxima of the m classes of candidates by index mod m: every class holds a key >= the smallest
+ * of those maxima, so at least m keys are >= it and no key below it can be among the m largest; keys below that
+ * floor are skipped (a monotone run of scores then costs n, not n*m).  The scan order and the floor do not change
+ * the result, only which keys are looked at twice. */
+#define TOPK_DIRECT_MAX_M 32      /* largest m (buffer entries, on the stack) */
+#define TOPK_DIRECT_MAX_WORK 8192 /* largest n*m: bounds the worst case (every key entering, ~0.5 ns*n*m, an
+                                   * order the floor does not catch) to ~1-2x the histogram passes */
+#define TOPK_DIRECT_FLOOR_M 8     /* below this m the floor pass costs more than it saves */
+
+static inline int topk_use_direct(int64_t n, int64_t k) {
+    int64_t m = k <= n - k + 1 ? k : n - k + 1;
+    return m <= TOPK_DIRECT_MAX_M && n * m <= TOPK_DIRECT_MAX_WORK;
+}
+
+/* 1 <= k < n, topk_use_direct(n, k) */
+static uint32_t kth_key_direct(const float *s, int64_t n, int64_t k, int64_t *need_equal) {
+    uint32_t buf[TOPK_DIRECT_MAX_M], floor_key = 0;
+    int flip_side = k > n - k + 1;
+    uint32_t flip = flip_side ? ~0u : 0u;
+    int64_t m = flip_side ? n - k + 1 : k; /* 1 <= m < n */
+    if (m >= TOPK_DIRECT_FLOOR_M) {
+        uint32_t cmax[TOPK_DIRECT_MAX_M];
+        int64_t base = 0;
+        for (int64_t j = 0; j < m; j++) cmax[j] = 0;
+        for (; base + m <= n; base += m) /* whole rows of m: the inner loop vectorises */
+            for (int64_t j = 0; j < m; j++) {
+                uint32_t key = score_key(s[base + j]) ^ flip;
+                cmax[j] = key > cmax[j] ? key : cmax[j];
+            }
+        for (int64_t j = 0; base + j < n; j++) {
+            uint32_t key = score_key(s[base + j]) ^ flip;
+            cmax[j] = key > cmax[j] ? key : cmax[j];
+        }
+        floor_key = cmax[0];
+        for (int64_t j = 1; j < m; j++) floor_key = cmax[j] < floor_key ? cmax[j] : floor_key;
+    }
+    buf[m - 1] = 0; /* read only once the buffer is full; set to keep the compiler's uninitialised check quiet */
+    for (int64_t i = n - 1, c = 0; i >= 0; i--) {
+        uint32_t key = score_key(s[i]) ^ flip;
+        int64_t j;
+        if (key < floor_key) continue;
+        if (c < m) j = c++;
+        else if (key > buf[m - 1]) j = m - 1;
+        else continue;
+        for (; j > 0 && buf[j - 1] < key; j--) buf[j] = buf[j - 1];
+        buf[j] = key;
+    }
+    uint32_t kth = buf[m - 1] ^ flip;
+    /* the k best are every key above kth and then need_equal keys equal to it */
+    int64_t above = 0;
+    if (!flip_side) {
+        for (int64_t j = 0; j < m; j++) above += buf[j] != buf[m - 1]; /* buf holds exactly the k largest keys */
+    } else {
+        for (int64_t i = 0; i < n; i++) above += score_key(s[i]) > kth;
+    }
+    *need_equal = k - above;
+    return kth;
+}
+
 /* Work items are (task, chunk of blocks) so a few long sequences still use every thread.  Each item writes the
  * scores of its blocks at their block index in the task's workspace row; whoever finishes a task's last chunk
  * drops the excluded blocks, selects the k best and writes them in ascending id order. */
@@ -417,7 +486,8 @@ static void topk_select(topk_job *J, int64_t ti) {
         return;
     }
     int64_t need_equal;
-    uint32_t kth = kth_key(all_s, n, k, &need_equal);
+    uint32_t kth = topk_use_direct(n, k) ? kth_key_direct(all_s, n, k, &need_equal)
+                                         : kth_key(all_s, n, k, &need_equal);
     int64_t m = 0;
     for (int64_t i = 0; i < n; i++) {
         uint32_t key = score_key(all_s[i]);

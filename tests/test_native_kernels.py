@@ -277,3 +277,134 @@ def test_numpy_only_view_matches_documented_layout(settings: None) -> None:
     want_out, want_lse = ref.attention(q[0, 2:4], keys[:, 1].astype(np.float64), vals[:, 1].astype(np.float64), 0.125)
     np.testing.assert_allclose(out[0], want_out, rtol=1e-4, atol=2e-5)
     np.testing.assert_allclose(lse[0], want_lse, rtol=1e-5, atol=1e-4)
+
+
+# fx_group_topk selects by one of two methods (native/fluxion.c): a direct selection when m = min(k, n-k+1) is at
+# most TOPK_DIRECT_MAX_M and n*m at most TOPK_DIRECT_MAX_WORK (n = eligible blocks), else three histogram passes.
+# Both must give exactly the (score desc, id asc) order's k best.  Mirrors of the C constants, only to place test
+# cases on both sides of the switch (a change there must keep the results, so these tests stay valid either way).
+TOPK_DIRECT_MAX_M, TOPK_DIRECT_MAX_WORK = 32, 8192
+
+
+def _topk_path(n: int, k: int) -> str:
+    if k == 0 or n == 0 or k >= n:
+        return "all"
+    m = min(k, n - k + 1)
+    return "direct" if m <= TOPK_DIRECT_MAX_M and n * m <= TOPK_DIRECT_MAX_WORK else "histogram"
+
+
+def _exact_topk(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of (ids, scores) by (score desc, id asc), returned in ascending id order (-0.0 == +0.0)."""
+    order = sorted(range(len(ids)), key=lambda i: (-float(scores[i]), int(ids[i])))
+    keep = np.sort(np.array(order[:k], dtype=np.int64))
+    return ids[keep], scores[keep]
+
+
+@pytest.mark.parametrize("threads", [1, N_THREADS])
+def test_topk_exact_on_both_selection_paths(threads: int, settings: None) -> None:
+    """Tasks of 3 to 600 eligible blocks with ties, score trends, zero scores and excluded ranges, several tasks
+    per call and k from 1 past the block count, around both limits of the direct path (m = 32/33 and n*m = 8192),
+    also from the k-near-n side: selections must equal an exact sort of the kernel's own scores, ids and bits."""
+    native.set_threads(threads)
+    rng = np.random.default_rng(11)
+    D, g = 64, 16
+    store = HostKVStore(1, 1, D, dtype=torch.bfloat16, max_seqs=9, page_tokens=256, granularities=(16, 32))
+    patterns = torch.from_numpy(rng.standard_normal((4, g, 1, D), dtype=np.float32))
+    patterns[3] = 0.0  # zero keys: score exactly 0 (whatever the sign of q)
+
+    def blocks(nb: int, kind: str) -> torch.Tensor:
+        out = []
+        for b in range(nb):
+            if kind == "ties" or (kind == "mixed" and b % 3 == 0):
+                out.append(patterns[int(rng.integers(0, 4))])
+            elif kind in ("rising", "falling"):  # a positive scale of one pattern: monotone scores (up to bf16)
+                out.append(patterns[0] * (1.0 + 3.0 * (b if kind == "rising" else nb - b) / nb))
+            else:
+                out.append(torch.from_numpy(rng.standard_normal((g, 1, D), dtype=np.float32)))
+        return torch.cat(out).to(torch.bfloat16)
+
+    # (blocks, kind, excluded token ranges): block-aligned sink + window, unaligned ranges, none
+    layout = [(5, "random", [(0, 16), (64, 80)]), (6, "ties", []), (40, "ties", [(20, 40), (600, 640)]),
+              (66, "ties", [(0, 32)]),  # 64 eligible: k = 32 | 33 switches sides at m = 32
+              (200, "mixed", [(0, 16), (3168, 3200)]), (259, "rising", [(0, 16), (4112, 4144)]),
+              (259, "falling", [(8, 9)]), (301, "mixed", []), (600, "random", [(0, 64), (9500, 9600)])]
+    slots, ex = [], []
+    for nb, kind, exclude in layout:
+        slot = store.allocate()
+        k = blocks(nb, kind)
+        n_tok = nb * g - (5 if kind == "random" else 0)  # a partial last block on some
+        store.append(0, slot, k[:n_tok], k[:n_tok])
+        slots.append(slot)
+        ex.append(exclude or [(0, 0)])
+    view = store.view(0)
+    q = rng.standard_normal((1, 2, D), dtype=np.float32)
+    q[0, 0, :8] = 0.0
+
+    def run(ks: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        tasks = np.concatenate([native.make_tasks(s, 0, 0, g, k, exclude=e) for s, k, e in zip(slots, ks, ex)])
+        return native.group_topk(view, q, tasks, k_cap=max(max(ks), 1))
+
+    # every eligible block's score (k >= blocks: no selection at all)
+    all_ids, all_scores, all_counts = run([nb for nb, _, _ in layout])
+    elig = []
+    for ti, (nb, kind, exclude) in enumerate(layout):
+        n_tok = nb * g - (5 if kind == "random" else 0)
+        want = ref.eligible_blocks(n_tok, g, exclude)
+        assert all_ids[ti, :all_counts[ti]].tolist() == want.tolist()
+        elig.append((all_ids[ti, :all_counts[ti]].copy(), all_scores[ti, :all_counts[ti]].copy()))
+    assert any(len(np.unique(s)) < len(s) for _, s in elig), "ties present"
+    assert any((s == 0).any() for _, s in elig), "zero scores present"
+
+    seen = set()
+    for round_ in range(3):
+        per_task = []
+        for ids_e, _ in elig:
+            n = len(ids_e)
+            w = TOPK_DIRECT_MAX_WORK // n
+            cand = {1, 2, 7, 8, 9, 31, 32, 33, 34, n // 2, n // 2 + 1, n // 2 + 2, w, w + 1, n - w + 1, n - w,
+                    n - 32, n - 31, n - 30, n - 8, n - 1, n, n + 3}
+            per_task.append(sorted(k for k in cand if k >= 1))
+        # each round walks every task through its own k list, so every call mixes tasks on different paths
+        for step in range(max(len(c) for c in per_task)):
+            ks = [c[(step + round_) % len(c)] for c in per_task]
+            ids, scores, counts = run(ks)
+            for ti, ((ids_e, sc_e), k) in enumerate(zip(elig, ks)):
+                seen.add(_topk_path(len(ids_e), k))
+                want_ids, want_sc = _exact_topk(ids_e, sc_e, k)
+                assert counts[ti] == len(want_ids), (ti, k)
+                assert ids[ti, :counts[ti]].tolist() == want_ids.tolist(), (ti, len(ids_e), k)
+                np.testing.assert_array_equal(scores[ti, :counts[ti]].view(np.int32), want_sc.view(np.int32))
+    assert seen == {"all", "direct", "histogram"}
+
+
+def test_topk_direct_path_ties_and_small_k(settings: None) -> None:
+    """Short tasks on the direct path: all-equal scores, k = 1, a tie group straddling the k-th place from both the
+    small-k and the k-near-n side, and a task left with fewer eligible blocks than k by its excluded ranges."""
+    native.set_threads(1)
+    store = HostKVStore(1, 1, 64, dtype=torch.bfloat16, max_seqs=2, page_tokens=256)
+    same = store.allocate()
+    pattern = torch.randn(16, 1, 64).to(torch.bfloat16)
+    store.append(0, same, pattern.repeat(12, 1, 1), pattern.repeat(12, 1, 1))  # 12 identical blocks
+    q = np.random.default_rng(5).standard_normal((1, 2, 64), dtype=np.float32)
+    cases = ((1, [], [0]), (3, [(0, 32)], [2, 3, 4]), (10, [(16, 32)], [0] + list(range(2, 11))),  # k = n-1
+             (2, [(0, 48), (160, 192)], [3, 4]), (6, [(20, 40), (160, 192)], [0, 3, 4, 5, 6, 7]),  # unaligned
+             (5, [(0, 96), (160, 192)], [6, 7, 8, 9]), (8, [(0, 96), (128, 192)], [6, 7]),  # fewer than k
+             (12, [], list(range(12))), (4, [(0, 192)], []))
+    for k, exclude, want in cases:
+        tasks = native.make_tasks(same, 0, 0, 16, k, exclude=exclude)
+        ids, scores, counts = native.group_topk(store.view(0), q, tasks)
+        assert ids[0, :counts[0]].tolist() == want, (k, exclude)
+        assert len(set(scores[0, :counts[0]].tolist())) <= 1
+
+    # blocks 0..9 with scores by pattern: a tie group of 4 (ids 2, 4, 6, 8) below two better blocks
+    mixed = store.allocate()
+    hi, mid, lo = (torch.randn(16, 1, 64) for _ in range(3))
+    order = [lo, hi, mid, lo, mid, hi, mid, lo, mid, lo]
+    k_all = torch.cat(order).to(torch.bfloat16)
+    store.append(0, mixed, k_all, k_all)
+    all_ids, all_sc, all_n = native.group_topk(store.view(0), q, native.make_tasks(mixed, 0, 0, 16, 10))
+    sc = all_sc[0, :all_n[0]]
+    for k in range(1, 11):
+        ids, _, counts = native.group_topk(store.view(0), q, native.make_tasks(mixed, 0, 0, 16, k))
+        want, _ = _exact_topk(np.arange(10), sc, k)
+        assert ids[0, :counts[0]].tolist() == want.tolist(), k
