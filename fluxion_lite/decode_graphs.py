@@ -14,6 +14,9 @@ The graphs run the very functions of the eager forward (Transformer.embed_tokens
 logits), so both paths compute the same thing. One set of graphs per batch size, captured on first use; all sets
 share one memory pool, which is safe because graphs that share a pool are replayed in the order they were captured.
 The RoPE table is sized to the model's context once, so a captured gather never reads a table that was reallocated.
+
+A backend may offer hooks (DecodeHooks, e.g. sparse_graph.GraphedDecode): then its device work before and after the
+host part of attention is captured into the same graphs, and only its host work runs between replays.
 """
 from __future__ import annotations
 
