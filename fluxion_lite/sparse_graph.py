@@ -6,8 +6,8 @@ which decode_graphs.py captures next to the dense layer parts:
 
   prologue(layer)   write the new K/V into the device sink/ring slab; stage q, k, v side by side in one device
                     buffer; streaming attention over sink + window -> (out_s, lse_s)
-  host(layer)       (eager, between replays) one D2H of the staged q, k, v (pinned) and wait for it; append the
-                    new K/V to the host store; native top-k;
+  host(layer)       (eager, between replays) one D2H of the staged q, k, v (pinned); append the previous layer's
+                    new K/V to the host store while the device runs this layer; wait for the D2H; native top-k;
                     the scheduler splits the tasks; CPU tasks run native sparse attention and their results go into
                     a pinned full-size buffer (lse = -inf for rows without a CPU task); GPU tasks run through the
                     zero-copy feeder (eager device work) into full-size device buffers; one H2D of the CPU results
@@ -89,7 +89,9 @@ class StaticStep:
         # cost ~190 us of host time on the H200 host, against ~30 us without them)
         hq = cfg.n_heads
         self.stage = torch.zeros(batch, hq + 2 * hkv, d, dtype=owner.dtype, device=dev)
-        self.stage_host = torch.zeros(batch, hq + 2 * hkv, d, dtype=owner.dtype, pin_memory=cuda)
+        # two host copies, by layer parity: layer i's K/V are appended to the host store while the device runs
+        # layer i + 1's graph, after layer i + 1's D2H went into the other copy
+        self.stage_host = [torch.zeros(batch, hq + 2 * hkv, d, dtype=owner.dtype, pin_memory=cuda) for _ in range(2)]
 
     def load(self, st: DecodeStep) -> None:
         """This step's indices into the static tensors (device-to-device copies, no sync)."""
@@ -139,6 +141,7 @@ class GraphedDecode:
 
     def end(self) -> None:
         a = self.a
+        self._append(a.cfg.n_layers - 1)  # while the device runs the last layer's tail and the logits
         for c in self.chunks:
             a._len[c.seq_id] = c.start + c.length
         if a.device.type == "cuda":
@@ -192,19 +195,19 @@ class GraphedDecode:
         cuda = a.device.type == "cuda"
         ev = None
         hq = a.cfg.n_heads
+        staged = ss.stage_host[layer % 2]
         if cuda:
-            ss.stage_host.copy_(ss.stage, non_blocking=True)  # q, k, v of this layer (the replay just queued)
+            staged.copy_(ss.stage, non_blocking=True)  # q, k, v of this layer (the replay just queued)
             ev = torch.cuda.Event()
             ev.record()
         else:
-            ss.stage_host.copy_(ss.stage)
+            staged.copy_(ss.stage)
+        if layer > 0:
+            self._append(layer - 1)  # overlaps with this layer's graph on the device
         tasks, bi, h = self.tasks[layer]
         if ev is not None:
             ev.synchronize()
         t_idle = time.perf_counter()  # from here until the next replay the device waits for the host
-        staged = ss.stage_host
-        kv_host = staged[:, hq:].to(torch.bfloat16)  # the store's dtype (no copy when the model runs in bf16)
-        a.store.append_decode(layer, st.slots, kv_host[:, :hkv], kv_host[:, hkv:])
         ss.res_np[..., d] = -np.inf  # rows without a CPU task
         if len(tasks):
             view = a.store.view(layer)
@@ -219,6 +222,15 @@ class GraphedDecode:
         if ss.res_dev is not ss.res_host:
             ss.res_dev.copy_(ss.res_host, non_blocking=True)  # read by the next replay's epilogue
         a._st.gpu_wait_s += time.perf_counter() - t_idle
+
+    def _append(self, layer: int) -> None:
+        """The layer's new K/V into the host store (one layer late: top-k never selects a block touching the
+        window, which covers the newest token on the device meanwhile)."""
+        a, ss, st = self.a, self.ss, self.st
+        assert ss is not None and st is not None
+        hq, hkv = a.cfg.n_heads, a.cfg.n_kv_heads
+        kv_host = ss.stage_host[layer % 2][:, hq:].to(torch.bfloat16)  # the store's dtype (no copy in bf16)
+        a.store.append_decode(layer, st.slots, kv_host[:, :hkv], kv_host[:, hkv:])
 
     def _run_tasks(self, layer: int, view: native.KVView, q_host: torch.Tensor, qg: torch.Tensor, tasks: np.ndarray,
                    ids: np.ndarray, counts: np.ndarray, bh: np.ndarray) -> None:
