@@ -66,7 +66,7 @@ FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int le
         __m256 a[8];
         for (int j = 0; j < R; j++) a[j] = _mm256_loadu_ps(acc + j * d + e);
         for (int t = 0; t < len; t++) {
-            if (e == 0) fx_prefetch_share(pf, pf_lines, t, len);
+            fx_prefetch_share(pf, pf_lines, (int64_t)(e / 8) * len + t, (int64_t)(d / 8) * len); /* spread: see avx512 */
             __m256 vv = load8(v + (int64_t)t * d + e, bf16);
             for (int j = 0; j < R; j++) a[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * ld + t]), vv, a[j]);
         }
@@ -175,8 +175,13 @@ static void stage_copy_avx2(void *dst, const void *src, int64_t n, const void *p
 
 static void fence_avx2(void) { _mm_sfence(); }
 
+#define FX_BOUND_AHEAD 4096 /* prefetch distance in bytes within a run of summaries: see fx_simd_avx512.c */
 static void bound_avx2(const float *qpos, const float *qneg, const float *s, int n, int d, float *score) {
+    const char *base = (const char *)s;
+    const int64_t bb = (int64_t)2 * d * 4, end = (int64_t)n * bb;
     for (int b = 0; b < n; b++) {
+        for (int64_t o = b * bb + FX_BOUND_AHEAD, e = o + bb < end ? o + bb : end; o < e; o += 64)
+            __builtin_prefetch(base + o, 0, 2);
         const float *mn = s + (int64_t)b * 2 * d;
         const float *mx = mn + d;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
