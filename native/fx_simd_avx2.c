@@ -13,6 +13,34 @@
 
 #define FX_INLINE static inline __attribute__((always_inline))
 
+/* Prefetch `lines` cache lines from pf in `parts` even steps, without divisions (see fx_simd_avx512.c). */
+typedef struct {
+    const char *p;
+    int64_t per, rem, parts, err;
+} pf_cursor;
+
+FX_INLINE pf_cursor pfc_init(const void *pf, int64_t lines, int64_t parts) {
+    pf_cursor c = {(const char *)pf, 0, 0, parts, 0};
+    if (pf && parts > 0 && lines > 0) {
+        c.per = lines / parts;
+        c.rem = lines % parts;
+    } else {
+        c.p = NULL;
+    }
+    return c;
+}
+
+FX_INLINE void pfc_step(pf_cursor *c) {
+    if (!c->p) return;
+    int64_t n = c->per;
+    c->err += c->rem;
+    if (c->err >= c->parts) {
+        c->err -= c->parts;
+        n++;
+    }
+    for (; n > 0; n--, c->p += 64) __builtin_prefetch(c->p, 0, 2);
+}
+
 FX_INLINE __m256 load8(const uint16_t *p, int bf16) {
     __m128i h = _mm_loadu_si128((const __m128i *)p);
     if (bf16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -28,8 +56,9 @@ FX_INLINE float hsum8(__m256 v) {
 
 FX_INLINE void qk_group(const float *q, int R, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
                         int ld, const void *pf, int64_t pf_lines) {
+    pf_cursor pc = pfc_init(pf, pf_lines, len);
     for (int t = 0; t < len; t++) {
-        fx_prefetch_share(pf, pf_lines, t, len);
+        pfc_step(&pc);
         const uint16_t *kt = k + (int64_t)t * d;
         __m256 acc[8];
         for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
@@ -62,11 +91,12 @@ static void qk_avx2(const float *q, int r, const uint16_t *k, int len, int d, in
 
 FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
                         const void *pf, int64_t pf_lines) {
+    pf_cursor pc = pfc_init(pf, pf_lines, (int64_t)(d / 8) * len); /* spread over every (strip, token) step */
     for (int e = 0; e < d; e += 8) {
         __m256 a[8];
         for (int j = 0; j < R; j++) a[j] = _mm256_loadu_ps(acc + j * d + e);
         for (int t = 0; t < len; t++) {
-            fx_prefetch_share(pf, pf_lines, (int64_t)(e / 8) * len + t, (int64_t)(d / 8) * len); /* spread: see avx512 */
+            pfc_step(&pc);
             __m256 vv = load8(v + (int64_t)t * d + e, bf16);
             for (int j = 0; j < R; j++) a[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * ld + t]), vv, a[j]);
         }
@@ -166,8 +196,9 @@ static void stage_copy_avx2(void *dst, const void *src, int64_t n, const void *p
         return;
     }
     int64_t lines = n / 64;
+    pf_cursor pc = pfc_init(pf, pf_lines, lines);
     for (int64_t l = 0; l < lines; l++) {
-        fx_prefetch_share(pf, pf_lines, l, lines);
+        pfc_step(&pc);
         _mm256_stream_si256((__m256i *)(d + 64 * l), _mm256_loadu_si256((const __m256i *)(s + 64 * l)));
         _mm256_stream_si256((__m256i *)(d + 64 * l + 32), _mm256_loadu_si256((const __m256i *)(s + 64 * l + 32)));
     }
