@@ -54,71 +54,127 @@ FX_INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-FX_INLINE void qk_group(const float *q, int R, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
-                        int ld, const void *pf, int64_t pf_lines) {
-    pf_cursor pc = pfc_init(pf, pf_lines, len);
-    for (int t = 0; t < len; t++) {
-        pfc_step(&pc);
-        const uint16_t *kt = k + (int64_t)t * d;
+/* [sum a, sum b, sum c, sum d] */
+FX_INLINE __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d)); /* a0123 b0123 c0123 d0123 | 4567s */
+    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+/* R heads x T tokens per step (T*R <= 12 accumulators of the 16 ymm registers): each K chunk is converted once and
+ * feeds R FMAs, and T*R independent chains hide the FMA latency (one token at a time left only R chains, R = 1:
+ * one).  The next block's prefetch advances one step per (T tokens, 8-wide chunk). */
+FX_INLINE void qk_tile(const float *q, int R, int T, const uint16_t *k, int len, int d, int bf16, float scale,
+                       float *s, int ld, pf_cursor *pc) {
+    int t = 0;
+    for (; t + T <= len; t += T) {
+        __m256 acc[8][8];
+        for (int u = 0; u < T; u++)
+            for (int j = 0; j < R; j++) acc[u][j] = _mm256_setzero_ps();
+        for (int e = 0; e < d; e += 8) {
+            pfc_step(pc);
+            for (int u = 0; u < T; u++) {
+                __m256 kv = load8(k + (int64_t)(t + u) * d + e, bf16);
+                for (int j = 0; j < R; j++) acc[u][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e), kv, acc[u][j]);
+            }
+        }
+        for (int j = 0; j < R; j++) {
+            int u = 0;
+            for (; u + 4 <= T; u += 4)
+                _mm_storeu_ps(s + j * ld + t + u, _mm_mul_ps(_mm_set1_ps(scale), reduce4(acc[u][j], acc[u + 1][j],
+                                                                                         acc[u + 2][j], acc[u + 3][j])));
+            for (; u < T; u++) s[j * ld + t + u] = hsum8(acc[u][j]) * scale;
+        }
+    }
+    for (; t < len; t++) {
         __m256 acc[8];
         for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
         for (int e = 0; e < d; e += 8) {
-            __m256 kv = load8(kt + e, bf16);
+            pfc_step(pc);
+            __m256 kv = load8(k + (int64_t)t * d + e, bf16);
             for (int j = 0; j < R; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e), kv, acc[j]);
         }
         for (int j = 0; j < R; j++) s[j * ld + t] = hsum8(acc[j]) * scale;
     }
 }
 
+/* tokens per step for R heads */
+static inline int qk_tokens(int R) { return R == 1 ? 8 : R <= 3 ? 4 : R == 4 ? 2 : 1; }
+
 static void qk_avx2(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
                     int ld, const void *pf, int64_t pf_lines) {
     for (int j0 = 0; j0 < r; j0 += 8) {
-        int rj = r - j0 < 8 ? r - j0 : 8;
+        int rj = r - j0 < 8 ? r - j0 : 8, T = qk_tokens(rj);
         const float *qj = q + (int64_t)j0 * d;
         float *sj = s + j0 * ld;
+        /* steps: (len / T) groups and (len % T) single tokens, d / 8 chunks each */
+        pf_cursor pc = pfc_init(j0 ? NULL : pf, pf_lines, (int64_t)(len / T + len % T) * (d / 8));
         switch (rj) {
-            case 1: qk_group(qj, 1, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
-            case 2: qk_group(qj, 2, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
-            case 3: qk_group(qj, 3, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
-            case 4: qk_group(qj, 4, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
-            case 5: qk_group(qj, 5, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
-            case 6: qk_group(qj, 6, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
-            case 7: qk_group(qj, 7, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
-            default: qk_group(qj, 8, k, len, d, bf16, scale, sj, ld, j0 ? NULL : pf, pf_lines); break;
+            case 1: qk_tile(qj, 1, 8, k, len, d, bf16, scale, sj, ld, &pc); break;
+            case 2: qk_tile(qj, 2, 4, k, len, d, bf16, scale, sj, ld, &pc); break;
+            case 3: qk_tile(qj, 3, 4, k, len, d, bf16, scale, sj, ld, &pc); break;
+            case 4: qk_tile(qj, 4, 2, k, len, d, bf16, scale, sj, ld, &pc); break;
+            case 5: qk_tile(qj, 5, 1, k, len, d, bf16, scale, sj, ld, &pc); break;
+            case 6: qk_tile(qj, 6, 1, k, len, d, bf16, scale, sj, ld, &pc); break;
+            case 7: qk_tile(qj, 7, 1, k, len, d, bf16, scale, sj, ld, &pc); break;
+            default: qk_tile(qj, 8, 1, k, len, d, bf16, scale, sj, ld, &pc); break;
         }
     }
 }
 
-FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
-                        const void *pf, int64_t pf_lines) {
-    pf_cursor pc = pfc_init(pf, pf_lines, (int64_t)(d / 8) * len); /* spread over every (strip, token) step */
-    for (int e = 0; e < d; e += 8) {
-        __m256 a[8];
-        for (int j = 0; j < R; j++) a[j] = _mm256_loadu_ps(acc + j * d + e);
+/* R heads x S 8-wide strips per pass (R*S <= 8 accumulators plus R broadcasts): S*R independent chains, and each
+ * p broadcast serves S strips.  Columns left over when d / 8 is not a multiple of S take single strips. */
+FX_INLINE void pv_tile(const float *p, int R, int S, int ld, const uint16_t *v, int len, int d, int bf16,
+                       float *acc, pf_cursor *pc) {
+    int c = 0;
+    for (; c + 8 * S <= d; c += 8 * S) {
+        __m256 a[8][8];
+        for (int j = 0; j < R; j++)
+            for (int u = 0; u < S; u++) a[j][u] = _mm256_loadu_ps(acc + j * d + c + 8 * u);
         for (int t = 0; t < len; t++) {
-            pfc_step(&pc);
-            __m256 vv = load8(v + (int64_t)t * d + e, bf16);
-            for (int j = 0; j < R; j++) a[j] = _mm256_fmadd_ps(_mm256_set1_ps(p[j * ld + t]), vv, a[j]);
+            pfc_step(pc);
+            __m256 pj[8];
+            for (int j = 0; j < R; j++) pj[j] = _mm256_broadcast_ss(p + j * ld + t);
+            for (int u = 0; u < S; u++) {
+                __m256 vv = load8(v + (int64_t)t * d + c + 8 * u, bf16);
+                for (int j = 0; j < R; j++) a[j][u] = _mm256_fmadd_ps(pj[j], vv, a[j][u]);
+            }
         }
-        for (int j = 0; j < R; j++) _mm256_storeu_ps(acc + j * d + e, a[j]);
+        for (int j = 0; j < R; j++)
+            for (int u = 0; u < S; u++) _mm256_storeu_ps(acc + j * d + c + 8 * u, a[j][u]);
+    }
+    for (; c < d; c += 8) {
+        __m256 a[8];
+        for (int j = 0; j < R; j++) a[j] = _mm256_loadu_ps(acc + j * d + c);
+        for (int t = 0; t < len; t++) {
+            pfc_step(pc);
+            __m256 vv = load8(v + (int64_t)t * d + c, bf16);
+            for (int j = 0; j < R; j++) a[j] = _mm256_fmadd_ps(_mm256_broadcast_ss(p + j * ld + t), vv, a[j]);
+        }
+        for (int j = 0; j < R; j++) _mm256_storeu_ps(acc + j * d + c, a[j]);
     }
 }
+
+/* strips per pass for R heads */
+static inline int pv_strips(int R) { return R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1; }
 
 static void pv_avx2(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
                     const void *pf, int64_t pf_lines) {
     for (int j0 = 0; j0 < r; j0 += 8) {
-        int rj = r - j0 < 8 ? r - j0 : 8;
+        int rj = r - j0 < 8 ? r - j0 : 8, S = pv_strips(rj);
         const float *pj = p + j0 * ld;
         float *aj = acc + (int64_t)j0 * d;
+        /* steps: one per token of each pass (d / (8 S) full passes, the rest single strips) */
+        int64_t passes = d / (8 * S) + (d % (8 * S)) / 8;
+        pf_cursor pc = pfc_init(j0 ? NULL : pf, pf_lines, passes * len);
         switch (rj) {
-            case 1: pv_group(pj, 1, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
-            case 2: pv_group(pj, 2, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
-            case 3: pv_group(pj, 3, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
-            case 4: pv_group(pj, 4, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
-            case 5: pv_group(pj, 5, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
-            case 6: pv_group(pj, 6, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
-            case 7: pv_group(pj, 7, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
-            default: pv_group(pj, 8, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines); break;
+            case 1: pv_tile(pj, 1, 8, ld, v, len, d, bf16, aj, &pc); break;
+            case 2: pv_tile(pj, 2, 4, ld, v, len, d, bf16, aj, &pc); break;
+            case 3: pv_tile(pj, 3, 2, ld, v, len, d, bf16, aj, &pc); break;
+            case 4: pv_tile(pj, 4, 2, ld, v, len, d, bf16, aj, &pc); break;
+            case 5: pv_tile(pj, 5, 1, ld, v, len, d, bf16, aj, &pc); break;
+            case 6: pv_tile(pj, 6, 1, ld, v, len, d, bf16, aj, &pc); break;
+            case 7: pv_tile(pj, 7, 1, ld, v, len, d, bf16, aj, &pc); break;
+            default: pv_tile(pj, 8, 1, ld, v, len, d, bf16, aj, &pc); break;
         }
     }
 }
