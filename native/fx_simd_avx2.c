@@ -102,12 +102,18 @@ static inline int qk_tokens(int R) { return R == 1 ? 8 : R <= 3 ? 4 : R == 4 ? 2
 
 static void qk_avx2(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
                     int ld, const void *pf, int64_t pf_lines) {
+    /* the prefetch spreads over every pass of up to 8 heads: per pass (len / T) groups and (len % T) single
+     * tokens, d / 8 steps each */
+    int64_t steps = 0;
     for (int j0 = 0; j0 < r; j0 += 8) {
-        int rj = r - j0 < 8 ? r - j0 : 8, T = qk_tokens(rj);
+        int T = qk_tokens(r - j0 < 8 ? r - j0 : 8);
+        steps += (int64_t)(len / T + len % T) * (d / 8);
+    }
+    pf_cursor pc = pfc_init(pf, pf_lines, steps);
+    for (int j0 = 0; j0 < r; j0 += 8) {
+        int rj = r - j0 < 8 ? r - j0 : 8;
         const float *qj = q + (int64_t)j0 * d;
         float *sj = s + j0 * ld;
-        /* steps: (len / T) groups and (len % T) single tokens, d / 8 chunks each */
-        pf_cursor pc = pfc_init(j0 ? NULL : pf, pf_lines, (int64_t)(len / T + len % T) * (d / 8));
         switch (rj) {
             case 1: qk_tile(qj, 1, 8, k, len, d, bf16, scale, sj, ld, &pc); break;
             case 2: qk_tile(qj, 2, 4, k, len, d, bf16, scale, sj, ld, &pc); break;
@@ -159,13 +165,18 @@ static inline int pv_strips(int R) { return R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2
 
 static void pv_avx2(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
                     const void *pf, int64_t pf_lines) {
+    /* the prefetch spreads over every pass of up to 8 heads: per pass one step per token of each column pass
+     * (d / (8 S) of S strips, the rest single strips) */
+    int64_t steps = 0;
     for (int j0 = 0; j0 < r; j0 += 8) {
-        int rj = r - j0 < 8 ? r - j0 : 8, S = pv_strips(rj);
+        int S = pv_strips(r - j0 < 8 ? r - j0 : 8);
+        steps += (int64_t)(d / (8 * S) + (d % (8 * S)) / 8) * len;
+    }
+    pf_cursor pc = pfc_init(pf, pf_lines, steps);
+    for (int j0 = 0; j0 < r; j0 += 8) {
+        int rj = r - j0 < 8 ? r - j0 : 8;
         const float *pj = p + j0 * ld;
         float *aj = acc + (int64_t)j0 * d;
-        /* steps: one per token of each pass (d / (8 S) full passes, the rest single strips) */
-        int64_t passes = d / (8 * S) + (d % (8 * S)) / 8;
-        pf_cursor pc = pfc_init(j0 ? NULL : pf, pf_lines, passes * len);
         switch (rj) {
             case 1: pv_tile(pj, 1, 8, ld, v, len, d, bf16, aj, &pc); break;
             case 2: pv_tile(pj, 2, 4, ld, v, len, d, bf16, aj, &pc); break;

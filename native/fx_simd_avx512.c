@@ -106,17 +106,15 @@ FX_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
 
 /* R (<= 4) heads x 4 tokens per step: each K chunk is converted once and feeds 2R FMAs; sums reduced 4 at a time. */
 FX_INLINE void qk_tile(const float *qs, int R, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
-                       int ld, const void *pf, int64_t pf_lines) {
+                       int ld, pf_cursor *pc) {
     const __m128 sc = _mm_set1_ps(scale);
     int t = 0;
-    /* one share of the prefetch per (4 tokens, 32-wide chunk): a few lines at a time, evenly over the block */
-    pf_cursor pc = pfc_init(pf, pf_lines, (int64_t)((len + 3) / 4) * (d / 32));
     for (; t + 4 <= len; t += 4) {
         __m512 acc[4][4];
         for (int j = 0; j < R; j++)
             for (int u = 0; u < 4; u++) acc[j][u] = _mm512_setzero_ps();
         for (int c = 0; c < d; c += 32) {
-            pfc_step(&pc);
+            pfc_step(pc);
             __m512 ka[4], kb[4];
             for (int u = 0; u < 4; u++) load32(k + (int64_t)(t + u) * d + c, bf16, &ka[u], &kb[u]);
             for (int j = 0; j < R; j++) {
@@ -131,7 +129,7 @@ FX_INLINE void qk_tile(const float *qs, int R, const uint16_t *k, int len, int d
             _mm_storeu_ps(s + j * ld + t, _mm_mul_ps(sc, reduce4(acc[j][0], acc[j][1], acc[j][2], acc[j][3])));
     }
     if (t < len)
-        for (int c = 0; c < d; c += 32) pfc_step(&pc);
+        for (int c = 0; c < d; c += 32) pfc_step(pc);
     for (; t < len; t++) {
         __m512 acc[4];
         for (int j = 0; j < R; j++) acc[j] = _mm512_setzero_ps();
@@ -152,13 +150,12 @@ FX_INLINE void qk_tile(const float *qs, int R, const uint16_t *k, int len, int d
  * within the first strip (a quarter of the work at D = 128) stalled on full miss buffers and left the memory
  * system idle for the rest of the block (12.5 -> 15.5 GB/s at D = 128, r = 4, 64-token blocks, 1 thread). */
 FX_INLINE void pv_tile(const float *p, int R, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
-                       const void *pf, int64_t pf_lines) {
-    pf_cursor pc = pfc_init(pf, pf_lines, (int64_t)(d / 32) * len);
+                       pf_cursor *pc) {
     for (int c = 0; c < d; c += 32) {
         __m512 aa[8], ab[8];
         for (int j = 0; j < R; j++) split32(acc + j * d + c, bf16, &aa[j], &ab[j]);
         for (int t = 0; t < len; t++) {
-            pfc_step(&pc);
+            pfc_step(pc);
             __m512 va, vb;
             load32(v + (int64_t)t * d + c, bf16, &va, &vb);
             for (int j = 0; j < R; j++) {
@@ -174,10 +171,9 @@ FX_INLINE void pv_tile(const float *p, int R, int ld, const uint16_t *v, int len
 /* ---- 16-element fallback (head_dim % 32 == 16) ---- */
 
 FX_INLINE void qk_group(const float *q, int R, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
-                        int ld, const void *pf, int64_t pf_lines) {
-    pf_cursor pc = pfc_init(pf, pf_lines, len);
+                        int ld, pf_cursor *pc) {
     for (int t = 0; t < len; t++) {
-        pfc_step(&pc);
+        pfc_step(pc);
         const uint16_t *kt = k + (int64_t)t * d;
         __m512 acc[8];
         for (int j = 0; j < R; j++) acc[j] = _mm512_setzero_ps();
@@ -190,13 +186,12 @@ FX_INLINE void qk_group(const float *q, int R, const uint16_t *k, int len, int d
 }
 
 FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
-                        const void *pf, int64_t pf_lines) {
-    pf_cursor pc = pfc_init(pf, pf_lines, (int64_t)(d / 16) * len);
+                        pf_cursor *pc) {
     for (int e = 0; e < d; e += 16) {
         __m512 a[8];
         for (int j = 0; j < R; j++) a[j] = _mm512_loadu_ps(acc + j * d + e);
         for (int t = 0; t < len; t++) {
-            pfc_step(&pc);
+            pfc_step(pc);
             __m512 vv = load16(v + (int64_t)t * d + e, bf16);
             for (int j = 0; j < R; j++) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(p[j * ld + t]), vv, a[j]);
         }
@@ -228,9 +223,11 @@ static void qk_avx512(const float *q, int r, const uint16_t *k, int len, int d, 
                 _mm512_store_ps(qs + j * d + c, a);
                 _mm512_store_ps(qs + j * d + c + 16, b);
             }
+        /* the prefetch spreads over every pass of up to 4 heads: one step per (4 tokens, 32-wide chunk) */
+        pf_cursor pc = pfc_init(pf, pf_lines, (int64_t)((r + 3) / 4) * ((len + 3) / 4) * (d / 32));
         for (int j0 = 0; j0 < r; j0 += 4) {
             int rj = r - j0 < 4 ? r - j0 : 4;
-#define QK_TILE(R) qk_tile(qs + j0 * d, R, k, len, d, bf16, scale, s + j0 * ld, ld, j0 ? NULL : pf, pf_lines)
+#define QK_TILE(R) qk_tile(qs + j0 * d, R, k, len, d, bf16, scale, s + j0 * ld, ld, &pc)
             switch (rj) {
                 case 1: QK_TILE(1); break;
                 case 2: QK_TILE(2); break;
@@ -241,10 +238,11 @@ static void qk_avx512(const float *q, int r, const uint16_t *k, int len, int d, 
         }
         return;
     }
+    pf_cursor pc = pfc_init(pf, pf_lines, (int64_t)((r + 7) / 8) * len); /* one step per token of every pass */
     for (int j0 = 0; j0 < r; j0 += 8) {
         int rj = r - j0 < 8 ? r - j0 : 8;
 #define QK_GROUP(R) \
-    qk_group(q + (int64_t)j0 * d, R, k, len, d, bf16, scale, s + j0 * ld, ld, j0 ? NULL : pf, pf_lines)
+    qk_group(q + (int64_t)j0 * d, R, k, len, d, bf16, scale, s + j0 * ld, ld, &pc)
         FX_SWITCH_R(rj, QK_GROUP)
 #undef QK_GROUP
     }
@@ -252,12 +250,14 @@ static void qk_avx512(const float *q, int r, const uint16_t *k, int len, int d, 
 
 static void pv_avx512(const float *p, int r, int ld, const uint16_t *v, int len, int d, int bf16, float *acc,
                       const void *pf, int64_t pf_lines) {
+    /* one step per (strip, token) of every pass of up to 8 heads; strips are 32 wide (16 when d % 32 != 0) */
+    pf_cursor pc = pfc_init(pf, pf_lines, (int64_t)((r + 7) / 8) * (d % 32 == 0 ? d / 32 : d / 16) * len);
     for (int j0 = 0; j0 < r; j0 += 8) {
         int rj = r - j0 < 8 ? r - j0 : 8;
         const float *pj = p + j0 * ld;
         float *aj = acc + (int64_t)j0 * d;
-#define PV_TILE(R) pv_tile(pj, R, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines)
-#define PV_GROUP(R) pv_group(pj, R, ld, v, len, d, bf16, aj, j0 ? NULL : pf, pf_lines)
+#define PV_TILE(R) pv_tile(pj, R, ld, v, len, d, bf16, aj, &pc)
+#define PV_GROUP(R) pv_group(pj, R, ld, v, len, d, bf16, aj, &pc)
         if (d % 32 == 0) {
             FX_SWITCH_R(rj, PV_TILE)
         } else {
