@@ -114,15 +114,23 @@ def answer(args: argparse.Namespace) -> None:
     results: dict[str, Any] = {"machine": platform.node(), "device": args.device, "dtype": args.dtype,
                                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "runs": []}
     out = Path(args.out)
+    from fluxion_lite.sparse_plan import SparsePlan
+
+    # fluxion with other plans (policy variants): run as modes named fluxion@<file stem>
+    variants: list[tuple[str, str, SparsePlan | None]] = [(m, m, None) for m in args.modes]
+    variants += [("fluxion", f"fluxion@{Path(p).stem}", SparsePlan.load(Path(p))) for p in args.plan]
     # Lengths outside, modes inside: a run cut short by a time limit still has every mode of the lengths it did.
     for meta, prompts in loaded:
-        for mode in args.modes:
-            engine.set_attention(mode)  # one model load serves every mode: only the attention backend changes
+        chosen = [k for k, s in enumerate(meta["samples"])
+                  if (not args.tasks or s["task"] in args.tasks) and (args.per_task is None or s["index"] < args.per_task)]
+        for mode, label, plan in variants:
+            engine.set_attention(mode, plan)  # one model load serves every mode: only the attention backend changes
             engine.eog_ids = frozenset(meta["eog_ids"])
             engine.attn.reset_stats()
             t0 = time.perf_counter()
             ids_by_req: dict[str, int] = {}
-            for k, (s, ids) in enumerate(zip(meta["samples"], prompts)):
+            for k in chosen:
+                s, ids = meta["samples"][k], prompts[k]
                 rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=s["max_new_tokens"]))
                 ids_by_req[rid] = k
             outputs: list[list[int]] = [[] for _ in prompts]
@@ -133,14 +141,14 @@ def answer(args: argparse.Namespace) -> None:
                     done += o.finished
                 steps += 1
                 if steps % 50 == 0:  # progress: a slow run shows where the time goes before a time limit hits
-                    print(f"  [{mode} {meta['length']}] step {steps}: {done}/{len(prompts)} done, "
+                    print(f"  [{label} {meta['length']}] step {steps}: {done}/{len(chosen)} done, "
                           f"{len(engine.running)} running, {time.perf_counter() - t0:.0f} s", flush=True)
             seconds = time.perf_counter() - t0
             stats = {k: float(v) for k, v in engine.attn.stats().items()}
-            results["runs"].append({"mode": mode + ("+predictor" if mode == "fluxion" and args.predictor else ""),
-                                    "length": meta["length"], "model": meta["model"],
+            results["runs"].append({"mode": label + ("+predictor" if mode == "fluxion" and args.predictor else ""),
+                                    "length": meta["length"], "model": meta["model"], "answered": chosen,
                                     "seconds": seconds, "sparse": stats, "outputs": outputs})
-            print(f"[{mode} {meta['length']}] {len(prompts)} samples in {seconds:.1f} s {stats}", flush=True)
+            print(f"[{label} {meta['length']}] {len(chosen)} samples in {seconds:.1f} s {stats}", flush=True)
             out.write_text(json.dumps(results))  # after every run: a timeout still leaves what finished
     print(f"wrote {out}")
 
@@ -165,14 +173,16 @@ def score(args: argparse.Namespace) -> None:
         meta = json.loads(_paths(Path(args.dir), tag, length)[0].read_text())
         eog = set(meta["eog_ids"])
         records = []
-        for s, out_ids in zip(meta["samples"], run["outputs"]):
+        answered_ids = run.get("answered", range(len(meta["samples"])))  # older answer files: every sample
+        for k in answered_ids:
+            s, out_ids = meta["samples"][k], run["outputs"][k]
             kept = [t for t in out_ids if t not in eog]
             text = tok.decode(kept)
             records.append({"task": s["task"], "index": s["index"], "seed": s["seed"],
                             "prompt_tokens": s["prompt_tokens"], "score": score_output(text, s["answers"], s["metric"]),
                             "output": text, "answers": s["answers"],
                             # batched: a run's time and counters are per mode and length, shared by its samples
-                            "seconds": run["seconds"] / len(meta["samples"]), "sparse": run["sparse"]})
+                            "seconds": run["seconds"] / len(answered_ids), "sparse": run["sparse"]})
         res = by_length.setdefault(length, {
             "model": args.model, "length": length, "samples_per_task": meta["samples_per_task"], "seed": meta["seed"],
             "tasks": meta["tasks"], "machine": "VM (scoring)", "machine_answered": answered.get("gpu") or
@@ -209,6 +219,9 @@ def main() -> None:
     a.add_argument("--prefill-chunk", type=int, default=8192)
     a.add_argument("--out", default="answers.json")
     a.add_argument("--predictor", action="store_true", help="fluxion plans each request with the predictor")
+    a.add_argument("--plan", nargs="*", default=[], help="also run fluxion with these plan files (fluxion@<stem>)")
+    a.add_argument("--tasks", nargs="*", default=None, help="only these tasks (default: all)")
+    a.add_argument("--per-task", type=int, default=None, help="only the first N samples of each task")
     s = sub.add_parser("score")
     s.add_argument("--model", default="qwen2.5-coder-0.5b")
     s.add_argument("--dir", default=".ruler_ids")

@@ -134,16 +134,17 @@ class Engine:
         self._slots = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
 
-    def _make_backend(self, mode: str) -> AttentionBackend:
+    def _make_backend(self, mode: str, plan: SparsePlan | None = None) -> AttentionBackend:
         attn = make_attention(mode, self.config, self.dtype, self.device, max_seqs=self.max_batch + 4,
-                              model_name=self.model_name)
+                              model_name=self.model_name, plan=plan)
         if mode == "fluxion" and self.use_predictor and isinstance(attn, SparseAttention):
             # per-request plans when the model ships a predictor (models/<model>.predictor.npz); else the static plan
             attn.planner = load_planner(self.model_name, self.config, attn.plan, [lw.wo for lw in self.model.layers])
         return attn
 
-    def set_attention(self, mode: str) -> None:
+    def set_attention(self, mode: str, plan: SparsePlan | None = None) -> None:
         """Switch the attention mode between runs on one loaded model (benchmarks compare modes this way).
+        plan: a sparse plan other than the mode's default (e.g. a policy variant under test).
 
         Only when no request is live; the prefix cache is dropped (its KV lives in the old backend).
         """
@@ -155,7 +156,7 @@ class Engine:
         self.attn = None  # type: ignore[assignment]  # free the old backend's KV before the new one allocates
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        self.attn = self._make_backend(mode)
+        self.attn = self._make_backend(mode, plan)
         self.attention_mode = mode
         if not isinstance(self.attn, DenseAttention):
             self.prefix_cache_entries = 0
