@@ -58,6 +58,30 @@ FX_INLINE float hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
+/* bf16 fast path: 16 values -> even and odd elements (lane i: elements 2i and 2i+1), a shift and a mask of the
+ * same 256 bits instead of two widening conversions; q and the pv accumulators are split the same way. */
+FX_INLINE void load16_bf16(const uint16_t *p, __m256 *even, __m256 *odd) {
+    __m256i x = _mm256_loadu_si256((const __m256i *)p);
+    *even = _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+    *odd = _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+/* 16 floats -> [even elements], [odd elements], and back */
+FX_INLINE void split16(const float *x, __m256 *even, __m256 *odd) {
+    __m256 lo = _mm256_loadu_ps(x), hi = _mm256_loadu_ps(x + 8);
+    /* shuffle: lo0 lo2 hi0 hi2 | lo4 lo6 hi4 hi6, then 64-bit pairs reordered 0 2 1 3 */
+    *even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(2, 0, 2, 0))),
+                                                   _MM_SHUFFLE(3, 1, 2, 0)));
+    *odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, _MM_SHUFFLE(3, 1, 3, 1))),
+                                                  _MM_SHUFFLE(3, 1, 2, 0)));
+}
+
+FX_INLINE void merge16(float *x, __m256 even, __m256 odd) {
+    __m256 a = _mm256_unpacklo_ps(even, odd), b = _mm256_unpackhi_ps(even, odd); /* 0-3 | 8-11 and 4-7 | 12-15 */
+    _mm256_storeu_ps(x, _mm256_permute2f128_ps(a, b, 0x20));
+    _mm256_storeu_ps(x + 8, _mm256_permute2f128_ps(a, b, 0x31));
+}
+
 /* [sum a, sum b, sum c, sum d] */
 FX_INLINE __m128 reduce4(__m256 a, __m256 b, __m256 c, __m256 d) {
     __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d)); /* a0123 b0123 c0123 d0123 | 4567s */
@@ -74,11 +98,27 @@ FX_INLINE void qk_tile(const float *q, int R, int T, const uint16_t *k, int len,
         __m256 acc[8][8];
         for (int u = 0; u < T; u++)
             for (int j = 0; j < R; j++) acc[u][j] = _mm256_setzero_ps();
-        for (int e = 0; e < d; e += 8) {
-            pfc_step(pc);
-            for (int u = 0; u < T; u++) {
-                __m256 kv = load8(k + (int64_t)(t + u) * d + e, bf16);
-                for (int j = 0; j < R; j++) acc[u][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e), kv, acc[u][j]);
+        if (bf16) {
+            for (int e = 0; e < d; e += 16) {
+                pfc_step(pc);
+                pfc_step(pc);
+                for (int u = 0; u < T; u++) {
+                    __m256 ke, ko;
+                    load16_bf16(k + (int64_t)(t + u) * d + e, &ke, &ko);
+                    for (int j = 0; j < R; j++) {
+                        acc[u][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e), ke, acc[u][j]);
+                        acc[u][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e + 8), ko, acc[u][j]);
+                    }
+                }
+            }
+        } else {
+            for (int e = 0; e < d; e += 8) {
+                pfc_step(pc);
+                for (int u = 0; u < T; u++) {
+                    __m256 kv = load8(k + (int64_t)(t + u) * d + e, 0);
+                    for (int j = 0; j < R; j++)
+                        acc[u][j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e), kv, acc[u][j]);
+                }
             }
         }
         for (int j = 0; j < R; j++) {
@@ -92,10 +132,23 @@ FX_INLINE void qk_tile(const float *q, int R, int T, const uint16_t *k, int len,
     for (; t < len; t++) {
         __m256 acc[8];
         for (int j = 0; j < R; j++) acc[j] = _mm256_setzero_ps();
-        for (int e = 0; e < d; e += 8) {
-            pfc_step(pc);
-            __m256 kv = load8(k + (int64_t)t * d + e, bf16);
-            for (int j = 0; j < R; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e), kv, acc[j]);
+        if (bf16) {
+            for (int e = 0; e < d; e += 16) {
+                pfc_step(pc);
+                pfc_step(pc);
+                __m256 ke, ko;
+                load16_bf16(k + (int64_t)t * d + e, &ke, &ko);
+                for (int j = 0; j < R; j++) {
+                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e), ke, acc[j]);
+                    acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e + 8), ko, acc[j]);
+                }
+            }
+        } else {
+            for (int e = 0; e < d; e += 8) {
+                pfc_step(pc);
+                __m256 kv = load8(k + (int64_t)t * d + e, 0);
+                for (int j = 0; j < R; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q + j * d + e), kv, acc[j]);
+            }
         }
         for (int j = 0; j < R; j++) s[j * ld + t] = hsum8(acc[j]) * scale;
     }
@@ -114,6 +167,17 @@ static void qk_avx2(const float *q, int r, const uint16_t *k, int len, int d, in
         steps += (int64_t)(len / T + len % T) * (d / 8);
     }
     pf_cursor pc = pfc_init(pf, pf_lines, steps);
+    float qs[FX_MAX_GROUP * FX_MAX_DIM];
+    if (bf16) { /* per 16-element chunk: [even 8][odd 8], matching load16_bf16 */
+        for (int j = 0; j < r; j++)
+            for (int e = 0; e < d; e += 16) {
+                __m256 ev, od;
+                split16(q + j * d + e, &ev, &od);
+                _mm256_storeu_ps(qs + j * d + e, ev);
+                _mm256_storeu_ps(qs + j * d + e + 8, od);
+            }
+        q = qs;
+    }
     for (int j0 = 0; j0 < r; j0 += 8) {
         int rj = r - j0 < 8 ? r - j0 : 8;
         const float *qj = q + (int64_t)j0 * d;
@@ -164,6 +228,40 @@ FX_INLINE void pv_tile(const float *p, int R, int S, int ld, const uint16_t *v, 
     }
 }
 
+/* bf16, R (<= 4) heads x S 16-wide strips per pass, each strip as even/odd accumulator halves (split16 on entry,
+ * merge16 on exit): one shift and one mask per 16 V values.  Columns left over take single 16-wide strips. */
+FX_INLINE void pv_pass16(const float *p, int R, int S, int ld, const uint16_t *v, int len, int d, float *acc,
+                         pf_cursor *pc) {
+    __m256 ae[4][4], ao[4][4];
+    for (int j = 0; j < R; j++)
+        for (int u = 0; u < S; u++) split16(acc + j * d + 16 * u, &ae[j][u], &ao[j][u]);
+    for (int t = 0; t < len; t++) {
+        pfc_step(pc);
+        __m256 pj[4];
+        for (int j = 0; j < R; j++) pj[j] = _mm256_broadcast_ss(p + j * ld + t);
+        for (int u = 0; u < S; u++) {
+            __m256 ve, vo;
+            load16_bf16(v + (int64_t)t * d + 16 * u, &ve, &vo);
+            for (int j = 0; j < R; j++) {
+                ae[j][u] = _mm256_fmadd_ps(pj[j], ve, ae[j][u]);
+                ao[j][u] = _mm256_fmadd_ps(pj[j], vo, ao[j][u]);
+            }
+        }
+    }
+    for (int j = 0; j < R; j++)
+        for (int u = 0; u < S; u++) merge16(acc + j * d + 16 * u, ae[j][u], ao[j][u]);
+}
+
+FX_INLINE void pv_tile16(const float *p, int R, int S, int ld, const uint16_t *v, int len, int d, float *acc,
+                         pf_cursor *pc) {
+    int c = 0;
+    for (; c + 16 * S <= d; c += 16 * S) pv_pass16(p, R, S, ld, v + c, len, d, acc + c, pc);
+    for (; c < d; c += 16) pv_pass16(p, R, 1, ld, v + c, len, d, acc + c, pc);
+}
+
+/* 16-wide strips per pass for R <= 4 heads (bf16) */
+static inline int pv_strips16(int R) { return R == 1 ? 4 : R == 2 ? 2 : 1; }
+
 /* strips per pass for R heads */
 static inline int pv_strips(int R) { return R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1; }
 
@@ -173,14 +271,29 @@ static void pv_avx2(const float *p, int r, int ld, const uint16_t *v, int len, i
      * (d / (8 S) of S strips, the rest single strips) */
     int64_t steps = 0;
     for (int j0 = 0; j0 < r; j0 += 8) {
-        int S = pv_strips(r - j0 < 8 ? r - j0 : 8);
-        steps += (int64_t)(d / (8 * S) + (d % (8 * S)) / 8) * len;
+        int rj = r - j0 < 8 ? r - j0 : 8;
+        if (bf16 && rj <= 4) {
+            int S = pv_strips16(rj);
+            steps += (int64_t)(d / (16 * S) + (d % (16 * S)) / 16) * len;
+        } else {
+            int S = pv_strips(rj);
+            steps += (int64_t)(d / (8 * S) + (d % (8 * S)) / 8) * len;
+        }
     }
     pf_cursor pc = pfc_init(pf, pf_lines, steps);
     for (int j0 = 0; j0 < r; j0 += 8) {
         int rj = r - j0 < 8 ? r - j0 : 8;
         const float *pj = p + j0 * ld;
         float *aj = acc + (int64_t)j0 * d;
+        if (bf16 && rj <= 4) {
+            switch (rj) {
+                case 1: pv_tile16(pj, 1, 4, ld, v, len, d, aj, &pc); break;
+                case 2: pv_tile16(pj, 2, 2, ld, v, len, d, aj, &pc); break;
+                case 3: pv_tile16(pj, 3, 1, ld, v, len, d, aj, &pc); break;
+                default: pv_tile16(pj, 4, 1, ld, v, len, d, aj, &pc); break;
+            }
+            continue;
+        }
         switch (rj) {
             case 1: pv_tile(pj, 1, 8, ld, v, len, d, bf16, aj, &pc); break;
             case 2: pv_tile(pj, 2, 4, ld, v, len, d, bf16, aj, &pc); break;
