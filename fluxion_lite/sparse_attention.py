@@ -38,6 +38,7 @@ from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan
 from .sparse_graph import GraphedDecode
 from .sparse_step import GVALS, DecodeStep, build_step
+from .topk_experimental import per_head_topk
 from . import zero_copy as zc
 
 MAX_G = max(GRANULARITIES)
@@ -122,12 +123,16 @@ class SparseAttention(AttentionBackend):
         self._stream_groups = self._all_groups = 0.0
         self.serial = next(_serials)
         self._graphed = GraphedDecode(self)
+        # block scoring of retrieval groups: the native group bound, or FLUXION_TOPK=per-head (experimental)
+        self.topk_scoring = os.environ.get("FLUXION_TOPK", "native")
+        if self.topk_scoring not in ("native", "per-head"):
+            raise ValueError(f"FLUXION_TOPK={self.topk_scoring!r}: use 'native' or 'per-head'")
 
     def decode_hooks(self, chunks: list[SeqChunk]) -> GraphedDecode | None:
         """The captured form of this decode step (sparse_graph.py), or None where it must run eagerly: prefill
         chunks or a sequence's first decode step, a token still landing in the sink, per-request plans, device-side
         selection."""
-        if self.selection != "cpu" or self.planner is not None:
+        if self.selection != "cpu" or self.planner is not None or self.topk_scoring != "native":
             return None
         if any(c.length != 1 or c.seq_id in self._prefilling or c.start < self.sink_cap for c in chunks):
             return None
@@ -397,7 +402,10 @@ class SparseAttention(AttentionBackend):
                 if ev_q is not None:
                     ev_q.synchronize()
                 q_host = self._q_out[:B] if cuda else q.float().contiguous()  # [B, Hq, D] fp32
-                ids, _, counts = native.group_topk(view, q_host, tasks)
+                if self.topk_scoring == "per-head":  # experimental (topk_experimental.py); numpy, not a hot path
+                    ids, counts = per_head_topk(self.store, layer, q_host, tasks, self.scale)
+                else:
+                    ids, _, counts = native.group_topk(view, q_host, tasks)
             else:
                 q_host = q
                 ids, counts = self._select_on_device(layer, st, qg, bi, h, k_blocks, lo, hi)
