@@ -212,7 +212,7 @@ def main() -> None:
     a.add_argument("--dir", default=".ruler_ids")
     a.add_argument("--tag", default=None, help="model tag of the exported files (default: all in --dir)")
     a.add_argument("--lengths", type=int, nargs="*", default=None)
-    a.add_argument("--modes", nargs="+", default=["full", "fixed", "fluxion"])
+    a.add_argument("--modes", nargs="*", default=["full", "fixed", "fluxion"])
     a.add_argument("--device", default="cuda")
     a.add_argument("--dtype", default="bfloat16")
     a.add_argument("--max-batch", type=int, default=64)

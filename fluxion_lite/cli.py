@@ -115,6 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--seed", type=int, default=0)
     calibrate.add_argument("--epsilon", type=float, default=None, help="error bound of the selector (default: policy's)")
     calibrate.add_argument("--from-labels", action="store_true", help="reuse the saved labels; only re-select the plan")
+    calibrate.add_argument("--summary-weight", type=float, default=1.0,
+                           help="cost of a byte of block summaries relative to a byte of K/V in the selector (default 1)")
     calibrate.add_argument("--out-dir", default=None, help="where labels and plan go (default: the package's models/)")
     calibrate.add_argument("--train", action="store_true",
                            help="instead of the static plan: collect predictor data on varied prompts (or reuse it "
@@ -376,9 +378,13 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         save_labels(labels_path, labels, meta)
         print(f"wrote {labels_path}")
     epsilon = DEFAULT_EPSILON if args.epsilon is None else args.epsilon
+    if not args.summary_weight >= 0:
+        raise FluxionError(f"--summary-weight must be >= 0, got {args.summary_weight}")
+    weight_note = f", summary weight {args.summary_weight:g}" if args.summary_weight != 1.0 else ""
     plan = select_plan(labels, int(meta["n_layers"]), int(meta["n_groups"]), epsilon, int(meta["context"]),
                        int(meta["sink"]), int(meta["window"]), int(meta["head_dim"]),
-                       source=f"calibrated on {meta['samples']} x {meta['context']} tokens, epsilon={epsilon:g}")
+                       source=f"calibrated on {meta['samples']} x {meta['context']} tokens, epsilon={epsilon:g}{weight_note}",
+                       summary_weight=args.summary_weight)
     plan.save(plan_path)
     print(plan.explain())
     print(f"wrote {plan_path}")

@@ -104,6 +104,18 @@ def test_selector_picks_cheapest_feasible_configuration() -> None:
     assert bytes_per_step(Config(True), n, sink, window, d) < bytes_per_step(Config(False, 128, 0.01), n, sink, window, d)
 
 
+def test_summary_weight_trades_summary_scans_for_kv_reads() -> None:
+    """With summaries counted in full, a 1% budget in 64- or 128-token blocks (a whole block at 4K) beats 1% in
+    16-token blocks (48 tokens, but 4-8x the summaries); with summaries free, the selector takes the finer blocks
+    that read the least K/V."""
+    n, sink, window, d = 4096, 16, 64, 64
+    labels = {(0, 0, c.key): (0.01 if (not c.streaming and c.budget == 0.01) else 0.5, 0.0) for c in all_configs()}
+    coarse = select_plan(labels, 1, 1, 0.02, n, sink, window, d)
+    fine = select_plan(labels, 1, 1, 0.02, n, sink, window, d, summary_weight=0.0)
+    assert coarse.groups[0][0].g > 16 and coarse.groups[0][0].budget == 0.01
+    assert fine.groups[0][0] == GroupPlan(False, 16, 0.01)
+
+
 def test_calibration_outputs_match_dense_at_full_budget() -> None:
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(5, 3, 64, generator=gen)
