@@ -369,6 +369,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if args.train:
         return _train_predictor(args, out_dir, name)
     if args.from_labels:
+        shipped = Path(str(files("fluxion_lite.models"))) / labels_path.name
+        if not labels_path.is_file() and shipped.is_file():  # re-select into another folder from the shipped labels
+            labels_path = shipped
         if not labels_path.is_file():
             raise FluxionError(f"{labels_path}: no saved labels; run calibrate without --from-labels first")
         labels, meta = load_labels(labels_path)
