@@ -2,6 +2,7 @@
 #ifndef FX_INTERNAL_H
 #define FX_INTERNAL_H
 
+#include <stddef.h>
 #include <stdint.h>
 #include "fluxion.h"
 
@@ -61,6 +62,39 @@ static inline void fx_prefetch_share(const void *pf, int64_t lines, int64_t part
     if (!pf) return;
     for (int64_t l = part * lines / parts, e = (part + 1) * lines / parts; l < e; l++)
         __builtin_prefetch((const char *)pf + l * 64, 0, 2);
+}
+
+/* Prefetch (towards L2) `lines` cache lines from pf in `parts` even steps: fx_prefetch_share's spread without its
+ * two divisions per step (at one step per token and strip, the divisions cost pv ~40% in cache). */
+typedef struct {
+    const char *p;
+    int64_t per, rem, parts, err;
+} pf_cursor;
+
+static inline __attribute__((always_inline)) pf_cursor pfc_init(const void *pf, int64_t lines, int64_t parts) {
+    pf_cursor c = {(const char *)pf, 0, 0, parts, 0};
+    if (pf && parts > 0 && lines > 0) {
+        c.per = lines / parts;
+        c.rem = lines % parts;
+        /* one line of every further 4 KiB page of the range up front: with 4 KiB pages each starts a page walk,
+         * which then overlaps the in-order prefetches (~+4% at 1 thread on 64-token blocks without huge pages) */
+        for (uintptr_t a = ((uintptr_t)pf + 4095) & ~(uintptr_t)4095; a < (uintptr_t)pf + lines * 64; a += 4096)
+            __builtin_prefetch((const void *)a, 0, 2);
+    } else {
+        c.p = NULL;
+    }
+    return c;
+}
+
+static inline __attribute__((always_inline)) void pfc_step(pf_cursor *c) {
+    if (!c->p) return;
+    int64_t n = c->per;
+    c->err += c->rem;
+    if (c->err >= c->parts) {
+        c->err -= c->parts;
+        n++;
+    }
+    for (; n > 0; n--, c->p += 64) __builtin_prefetch(c->p, 0, 2);
 }
 
 #endif
