@@ -239,18 +239,8 @@ class HybridExecutor:
         if len(gi) and self.feeder is not None:
             assert layer is not None, "the zero-copy feeder needs the layer"
             a = self.timer.mark()
-            tg = len(gi)
-            t_host = time.perf_counter()
-            self._zc_meta.ensure(self.feeder.meta_size(tg, counts[gi]))
-            o_g, lse_g, bh_g, nread = self.feeder.attend(layer, view.n_tokens, qg, tasks[gi], ids[gi], counts[gi],
-                                                         bh[gi], scale, self._zc_meta.host, self._zc_meta.dev)
-            o_full.index_copy_(0, bh_g, o_g)
-            lse_full.index_copy_(0, bh_g, lse_g)
-            self.cost_model.observe_zero_copy_host(time.perf_counter() - t_host)
+            self.zero_copy_into(layer, view, qg, tasks[gi], ids[gi], counts[gi], bh[gi], scale, o_full, lse_full)
             self.timer.span("gpu_tasks", a, self.timer.mark())
-            st.pcie_bytes += nread
-            st.zero_copy_bytes += nread
-            self.zc_calls += 1
             bh_cpu_dev = self._upload_bh(bh[ci]) if len(ci) else None
         elif len(gi):
             tg, kmax = len(gi), int(toks.max()) if len(toks) else 0
@@ -294,6 +284,38 @@ class HybridExecutor:
             self._last_use = torch.cuda.Event()
             self._last_use.record()
         return o_full, lse_full
+
+    def zero_copy_into(self, layer: int, view: native.KVView, qg: torch.Tensor, tasks: np.ndarray, ids: np.ndarray,
+                       counts: np.ndarray, bh: np.ndarray, scale: float, o_dst: torch.Tensor,
+                       lse_dst: torch.Tensor) -> None:
+        """The GPU tasks through the zero-copy feeder, their results scattered into rows bh of o_dst [n_bh, r, D] /
+        lse_dst [n_bh, r] on the device (queued, not waited for); counts the PCIe bytes and the host queueing time."""
+        assert self.feeder is not None, "zero_copy_into needs the zero-copy feeder"
+        t0 = time.perf_counter()
+        self._zc_meta.ensure(self.feeder.meta_size(len(tasks), counts))
+        o_g, lse_g, bh_g, nread = self.feeder.attend(layer, view.n_tokens, qg, tasks, ids, counts, bh, scale,
+                                                     self._zc_meta.host, self._zc_meta.dev)
+        o_dst.index_copy_(0, bh_g, o_g)
+        lse_dst.index_copy_(0, bh_g, lse_g)
+        self.cost_model.observe_zero_copy_host(time.perf_counter() - t0)
+        self.stats.pcie_bytes += nread
+        self.stats.zero_copy_bytes += nread
+        self.zc_calls += 1
+
+    def cpu_part(self, view: native.KVView, q_host: torch.Tensor, tasks: np.ndarray, ids: np.ndarray,
+                 counts: np.ndarray, scale: float, nbytes: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Native sparse attention of CPU tasks on the calling thread into the executor's result buffer:
+        out fp32 [Tc, r, D], lse fp32 [Tc, r] (valid until the next call); updates the CPU rate."""
+        tc, r, d = len(tasks), self.r, self.d
+        self._cpu_out.ensure(tc * r * (d + 1))
+        o = self._cpu_out.host[: tc * r * d].view(tc, r, d)
+        lse = self._cpu_out.host[tc * r * d : tc * r * (d + 1)].view(tc, r)
+        self.cost_model.observe_cpu(nbytes, self._cpu_attention(view, q_host, tasks, ids, counts, scale, o, lse))
+        return o, lse
+
+    def submit(self, fn: Any, *args: Any) -> Future[Any]:
+        """Run fn(*args) on the executor's CPU worker thread."""
+        return self._worker.submit(fn, *args)
 
     def _upload_bh(self, bh_cpu: np.ndarray) -> torch.Tensor:
         """The CPU tasks' rows of the full-size result on the device (int64 [Tc])."""

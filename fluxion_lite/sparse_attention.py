@@ -37,7 +37,7 @@ from .request_plan import RequestPlanner, RowPlan
 from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan
 from .sparse_graph import GraphedDecode
-from .sparse_step import GVALS, DecodeStep, build_step
+from .sparse_step import GVALS, DecodeStep, build_step, retrieval_tasks
 from .topk_experimental import per_head_topk
 from . import zero_copy as zc
 
@@ -139,7 +139,7 @@ class SparseAttention(AttentionBackend):
         return self._graphed
 
     def ensure_decode_buffers(self, batch: int) -> None:
-        """Pinned q and new-K/V buffers with room for `batch` rows (grown by doubling; graphs address them)."""
+        """Pinned q and new-K/V buffers of the eager decode path with room for `batch` rows (grown by doubling)."""
         if self._kv_out.shape[2] < batch:
             self.flush()  # the old buffer's rows are about to go
             shape = list(self._kv_out.shape)
@@ -432,21 +432,15 @@ class SparseAttention(AttentionBackend):
                      ) -> tuple[np.ndarray, tuple[np.ndarray, ...]]:
         """Retrieval tasks of this layer, built with array ops: a retrieval group whose gap between sink and window
         holds at least one block. Returns the native task table and (seq row, group, k, lo, hi) per task."""
-        if rp is None:  # the static plan: [1, Hkv], broadcast over rows
-            gi, g, ret, bud = (a[layer][None, :] for a in (self._gidx, self._g, self._retrieval, self._budget))
-        else:  # per-request plans: [B, Hkv]
-            gi, g, ret, bud = rp.gidx[layer], rp.g[layer], rp.retrieval[layer], rp.budget[layer]
-        rows = np.arange(st.batch)[:, None]
-        self._stream_groups += float(st.batch * ret.shape[-1] - np.broadcast_to(ret, (st.batch, ret.shape[-1])).sum())
-        self._all_groups += float(st.batch * ret.shape[-1])
-        lo, hi = st.sink_hi[gi, rows], st.win_lo[gi, rows]  # [B, Hkv]
-        wanted = ret & (hi - lo >= g)
-        bi, h = np.nonzero(wanted)
-        gh = np.broadcast_to(g, wanted.shape)[bi, h]
-        k_blocks = np.ceil(np.broadcast_to(bud, wanted.shape)[bi, h] * st.n[bi] / gh).astype(np.int64)
-        lo_t, hi_t = lo[bi, h], hi[bi, h]
-        tasks = native.make_tasks(st.slots[bi], bi, h, gh, k_blocks, exclude=[(0, lo_t), (hi_t, st.n[bi])])
-        return tasks, (bi.astype(np.int64), h.astype(np.int64), k_blocks, lo_t, hi_t)
+        if rp is None:  # the static plan: [1, 1, Hkv], broadcast over rows
+            gi, g, ret, bud = (a[layer][None, None, :] for a in (self._gidx, self._g, self._retrieval, self._budget))
+        else:  # per-request plans: [1, B, Hkv]
+            gi, g, ret, bud = (a[layer][None] for a in (rp.gidx, rp.g, rp.retrieval, rp.budget))
+        n_groups = st.batch * ret.shape[-1]
+        self._stream_groups += float(n_groups - np.broadcast_to(ret, (1, st.batch, ret.shape[-1])).sum())
+        self._all_groups += float(n_groups)
+        tasks, _, bi, h, k_blocks, lo, hi = retrieval_tasks(st, gi, g, ret, bud)
+        return tasks, (bi, h, k_blocks, lo, hi)
 
     def _select_on_device(self, layer: int, st: DecodeStep, qg: torch.Tensor, bi: np.ndarray, h: np.ndarray,
                           k_blocks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

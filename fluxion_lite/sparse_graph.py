@@ -33,32 +33,25 @@ import torch
 from . import native
 from .attention import SeqChunk
 from .scheduler import split_tasks, task_bytes
-from .sparse_step import GVALS, DecodeStep
+from .sparse_step import GVALS, DecodeStep, retrieval_tasks
 
 if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
 
 
 def step_tasks(a: SparseAttention, st: DecodeStep) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """Every layer's retrieval tasks of a step in one pass over [L, B, Hkv] (the static plan's arrays), as the eager
-    path's _layer_tasks builds them layer by layer; also adds the step's read and streaming counters.
+    """Every layer's retrieval tasks of a step in one pass over [L, B, Hkv] (sparse_step.retrieval_tasks on the static
+    plan's arrays); also adds the step's read and streaming counters, which the eager path adds layer by layer.
     Returns per layer (task table int32 [T, 9], sequence row [T], group [T])."""
     n_layers, hkv, B = a.cfg.n_layers, a.cfg.n_kv_heads, st.batch
-    rows = np.arange(B)[None, :, None]  # [1, B, 1]
     gi = a._gidx[:, None, :]  # [L, 1, Hkv]
-    lo, hi = st.sink_hi[gi, rows], st.win_lo[gi, rows]  # [L, B, Hkv]: the gap between sink and window
-    g = np.broadcast_to(a._g[:, None, :], lo.shape)
-    wanted = a._retrieval[:, None, :] & (hi - lo >= g)
-    li, bi, h = np.nonzero(wanted)  # layer-major order, as the per-layer slices below need
-    gh = g[li, bi, h]
-    budget = np.broadcast_to(a._budget[:, None, :], lo.shape)[li, bi, h]
-    k_blocks = np.ceil(budget * st.n[bi] / gh).astype(np.int64)
-    tasks = native.make_tasks(st.slots[bi], bi, h, gh, k_blocks, exclude=[(0, lo[li, bi, h]), (hi[li, bi, h], st.n[bi])])
-    a._read_tokens += float(st.stream_read[gi, rows].sum())
+    tasks, li, bi, h, _, _, _ = retrieval_tasks(st, gi, a._g[:, None, :], a._retrieval[:, None, :],
+                                                a._budget[:, None, :])
+    a._read_tokens += float(st.stream_read[gi, np.arange(B)[None, :, None]].sum())
     a._context_tokens += float(st.n.sum()) * hkv * n_layers
     a._stream_groups += float(n_layers * B * hkv - B * a._retrieval.sum())
     a._all_groups += float(n_layers * B * hkv)
-    ends = np.searchsorted(li, np.arange(n_layers + 1))
+    ends = np.searchsorted(li, np.arange(n_layers + 1))  # li is layer-major
     return [(tasks[s:e], bi[s:e], h[s:e]) for s, e in zip(ends[:-1], ends[1:])]
 
 
@@ -237,45 +230,31 @@ class GraphedDecode:
         """CPU tasks into the pinned result buffer, GPU tasks (zero-copy feeder) into the device buffers."""
         a, ss = self.a, self.ss
         assert ss is not None
-        ex, d = a.executor, a.cfg.head_dim
-        nbytes = task_bytes(counts, tasks[:, 3].astype(np.int64), d, ex.elem)
+        ex = a.executor
+        nbytes = task_bytes(counts, tasks[:, 3].astype(np.int64), a.cfg.head_dim, ex.elem)
         placement = a.placement if ex.feeder is not None else "cpu"
         split = split_tasks(nbytes, ex.cost_model.costs, placement)
         a._st.cpu_bytes += split.cpu_bytes
         a._st.gpu_bytes += split.gpu_bytes
         ci, gi = split.cpu, split.gpu
+        cpu_args = (view, q_host, tasks[ci], ids[ci], counts[ci], bh[ci], split.cpu_bytes)
         fut = None
         if len(ci) and len(gi):  # both sides: the CPU part in the worker while this thread queues the GPU part
-            fut = ex._worker.submit(self._cpu_part, view, q_host, tasks[ci], ids[ci], counts[ci], bh[ci])
+            fut = ex.submit(self._cpu_part, *cpu_args)
         if len(gi):
-            assert ex.feeder is not None
-            t0 = time.perf_counter()
-            ex._zc_meta.ensure(ex.feeder.meta_size(len(gi), counts[gi]))
-            o_g, lse_g, bh_g, nread = ex.feeder.attend(layer, view.n_tokens, qg, tasks[gi], ids[gi], counts[gi],
-                                                       bh[gi], a.scale, ex._zc_meta.host, ex._zc_meta.dev)
-            ss.o_gpu.index_copy_(0, bh_g, o_g)
-            ss.lse_gpu.index_copy_(0, bh_g, lse_g)
-            ex.cost_model.observe_zero_copy_host(time.perf_counter() - t0)
-            a._st.pcie_bytes += nread
-            a._st.zero_copy_bytes += nread
-            ex.zc_calls += 1
+            ex.zero_copy_into(layer, view, qg, tasks[gi], ids[gi], counts[gi], bh[gi], a.scale, ss.o_gpu, ss.lse_gpu)
         if fut is not None:
             t0 = time.perf_counter()
             fut.result()
             a._st.host_wait_s += time.perf_counter() - t0
         elif len(ci):
-            self._cpu_part(view, q_host, tasks[ci], ids[ci], counts[ci], bh[ci])
+            self._cpu_part(*cpu_args)
 
     def _cpu_part(self, view: native.KVView, q_host: torch.Tensor, tasks: np.ndarray, ids: np.ndarray,
-                  counts: np.ndarray, bh: np.ndarray) -> None:
+                  counts: np.ndarray, bh: np.ndarray, nbytes: float) -> None:
         a, ss = self.a, self.ss
         assert ss is not None
         d = a.cfg.head_dim
-        t0 = time.perf_counter()
-        o, lse = native.sparse_attention(view, q_host, tasks, ids, counts, a.scale)  # [Tc, r, D], [Tc, r]
-        dt = time.perf_counter() - t0
-        a._st.cpu_attn_s += dt
-        a.executor.cost_model.observe_cpu(float(task_bytes(counts, tasks[:, 3].astype(np.int64), d,
-                                                           a.executor.elem).sum()), dt)
-        ss.res_np[bh, :, :d] = o  # [B Hkv, r, D + 1]
-        ss.res_np[bh, :, d] = lse
+        o, lse = a.executor.cpu_part(view, q_host, tasks, ids, counts, a.scale, nbytes)  # [Tc, r, D], [Tc, r]
+        ss.res_np[bh, :, :d] = o.numpy()  # [B Hkv, r, D + 1]
+        ss.res_np[bh, :, d] = lse.numpy()

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import native
+
 GVALS = (1, 16, 32, 64, 128)  # 1 = a streaming group (exact sink / window); else the group's block size
 
 
@@ -61,3 +63,21 @@ def build_step(key: tuple[tuple[int, int], ...], slots: list[int], sink: int, wi
     return DecodeStep(key, slots_a, n, sink_hi, win_lo, valid.sum(-1).astype(np.float64), bias_d, idx_d[0],
                       idx_d[1], idx_d[2], int(slots_a[0]) if contiguous else None,
                       [b for b in range(len(pos)) if pos[b] < sink_cap])
+
+
+def retrieval_tasks(st: DecodeStep, gi: np.ndarray, g: np.ndarray, retrieval: np.ndarray, budget: np.ndarray
+                    ) -> tuple[np.ndarray, ...]:
+    """The retrieval tasks of a step for plan arrays shaped [L', B or 1, Hkv] (row of GVALS, block size, retrieval
+    flag, budget per layer, sequence row and group): one task per retrieval group whose gap between the sink and the
+    window holds at least one block, layer-major. Returns the native task table int32 [T, 9] and, per task, the
+    layer index into the L' layers given, sequence row, group, k (blocks), and the gap [lo, hi)."""
+    rows = np.arange(st.batch)[None, :, None]  # [1, B, 1]
+    lo, hi = st.sink_hi[gi, rows], st.win_lo[gi, rows]  # [L', B, Hkv]
+    g_all = np.broadcast_to(g, lo.shape)
+    wanted = retrieval & (hi - lo >= g_all)
+    li, bi, h = np.nonzero(wanted)
+    gh = g_all[li, bi, h]
+    k_blocks = np.ceil(np.broadcast_to(budget, lo.shape)[li, bi, h] * st.n[bi] / gh).astype(np.int64)
+    lo_t, hi_t = lo[li, bi, h], hi[li, bi, h]
+    tasks = native.make_tasks(st.slots[bi], bi, h, gh, k_blocks, exclude=[(0, lo_t), (hi_t, st.n[bi])])
+    return tasks, li, bi, h, k_blocks, lo_t, hi_t
