@@ -50,6 +50,17 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tor
     return masked_attention(q, k, v, valid, scale)
 
 
+def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
+                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The streaming part over the device sink/ring slab: q [B, Hkv, r, D], k, v [B, Hkv, L, D], bias fp32
+    broadcastable to [B, Hkv, r, L] (0 where a slot is attended, -inf elsewhere; at least one 0 per row).
+    Returns out fp32 [B, Hkv, r, D], lse fp32 [B, Hkv, r]."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, r, L]
+    scores += bias
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v).float(), lse
+
+
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """block_attention with any token mask: valid bool [T, K] (the zero-copy layout has holes: partial blocks)."""

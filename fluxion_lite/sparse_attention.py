@@ -31,7 +31,7 @@ from .attention import AttentionBackend, SeqChunk, causal_attention
 from .config import ModelConfig
 from .device_select import DeviceSummaries
 from .host_kv import HostKVStore
-from .hybrid import HybridExecutor, StepStats, Timer, lse_merge
+from .hybrid import HybridExecutor, StepStats, Timer, biased_attention, lse_merge
 from .kv_cache import DenseKVCache
 from .request_plan import RequestPlanner, RowPlan
 from .scheduler import Costs, CostModel, Placement, measure_costs
@@ -382,13 +382,11 @@ class SparseAttention(AttentionBackend):
         kv = near[st.first_slot : st.first_slot + B] if st.first_slot is not None else near[st.slots_dev]
         keys, values = kv[:, 0], kv[:, 1]  # [B, Hkv, Ltot, D]
         qg = q.view(B, hkv, r, d)
-        scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * self.scale  # [B, Hkv, r, Ltot]
         if rp is None:
-            scores += st.bias[self._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
+            bias = st.bias[self._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
         else:  # per-row plans: each (row, group) picks its own g's mask
-            scores += st.bias[rp.gidx_dev[layer], torch.arange(B, device=self.device)[:, None]][:, :, None, :]  # [B, Hkv, 1, Ltot]
-        lse_s = torch.logsumexp(scores, dim=-1)  # [B, Hkv, r]
-        out = torch.matmul(torch.exp(scores - lse_s[..., None]).to(values.dtype), values).float()  # [B, Hkv, r, D]
+            bias = st.bias[rp.gidx_dev[layer], torch.arange(B, device=self.device)[:, None]][:, :, None, :]  # [B, Hkv, 1, Ltot]
+        out, lse_s = biased_attention(qg, keys, values, bias, self.scale)  # [B, Hkv, r, D], [B, Hkv, r]
         m1 = self.timer.mark()
         self.timer.span("stream", m0, m1)
         gi_read = self._gidx[layer][None, :] if rp is None else rp.gidx[layer]  # [1 or B, Hkv]

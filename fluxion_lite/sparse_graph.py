@@ -32,6 +32,7 @@ import torch
 
 from . import native
 from .attention import SeqChunk
+from .hybrid import biased_attention
 from .scheduler import split_tasks, task_bytes
 from .sparse_step import GVALS, DecodeStep, retrieval_tasks
 
@@ -158,11 +159,8 @@ class GraphedDecode:
         ss.stage[:, hq + hkv :] = v
         kv = near[ss.slots]  # [B, 2, Hkv, Ltot, D]
         qg = q.view(B, hkv, r, d)
-        scores = torch.matmul(qg, kv[:, 0].transpose(-1, -2)).float() * a.scale  # [B, Hkv, r, Ltot]
-        scores += ss.bias[a._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
-        lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, r]
-        ss.out_s[layer] = torch.matmul(torch.exp(scores - lse[..., None]).to(a.dtype), kv[:, 1]).float()
-        ss.lse_s[layer] = lse
+        bias = ss.bias[a._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
+        ss.out_s[layer], ss.lse_s[layer] = biased_attention(qg, kv[:, 0], kv[:, 1], bias, a.scale)
         ss.q[layer] = qg.reshape(B * hkv, r, d)  # the GPU tasks' queries (a copy inside the graph if q is strided)
 
     def epilogue(self, layer: int) -> torch.Tensor:
