@@ -130,6 +130,12 @@ def close_attention(attn: object, batch: int) -> None:
         torch.cuda.empty_cache()
 
 
+def decode_step(model: Transformer, attn: object, batch: int, token: int, pos: int) -> torch.Tensor:
+    """One decode token for sequences 0..batch-1, all at position pos -> logits [batch, V]."""
+    return model.forward(torch.full((batch,), token), torch.full((batch,), pos),
+                         [SeqChunk(b, pos, 1) for b in range(batch)], attn)  # type: ignore[arg-type]
+
+
 def check_graphs(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan, steps: int = 3) -> str:
     """Logits of decode steps through the CUDA graphs vs the eager forward, on two identically filled caches."""
     graphs, worst, agree, total = model.graphs, 0.0, 0, 0
@@ -139,9 +145,7 @@ def check_graphs(model: Transformer, mode: str, context: int, batch: int, plan: 
         attn = new_attention(model, mode, context, batch, plan)
         outs = []
         for i in range(steps):
-            pos = context + i
-            outs.append(model.forward(torch.full((batch,), 7 + i), torch.full((batch,), pos),
-                                      [SeqChunk(b, pos, 1) for b in range(batch)], attn).cpu())
+            outs.append(decode_step(model, attn, batch, 7 + i, context + i).cpu())
         close_attention(attn, batch)
         runs.append(outs)
     model.graphs = graphs
@@ -158,22 +162,21 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
     t0 = time.perf_counter()
     attn = new_attention(model, mode, context, batch, plan)
     fill_s = time.perf_counter() - t0
-    tokens = torch.randint(0, cfg.vocab_size, (steps + 1,))
+    tokens = torch.randint(0, cfg.vocab_size, (steps + 1,)).tolist()
     times = []
     for i in range(steps + 1):
         if i == 2:
             attn.reset_stats()  # the first decode call ends the prefill state; the second warms caches up
-        pos = context + i
         if dev.type == "cuda":
             torch.cuda.synchronize()
         t = time.perf_counter()
-        model.forward(tokens[i : i + 1].repeat(batch), torch.full((batch,), pos),
-                      [SeqChunk(b, pos, 1) for b in range(batch)], attn)
+        decode_step(model, attn, batch, tokens[i], context + i)
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t)
     host, gpu = attn.bytes_used()
     stats = attn.stats()
+    next_pos = context + steps + 1  # the profiled steps continue the sequence
     if profile is not None:  # where the host time of a step goes (Python functions, cumulative)
         import cProfile
         import io
@@ -181,10 +184,9 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
 
         prof = cProfile.Profile()
         prof.enable()
-        for i in range(3):
-            pos = context + steps + 1 + i
-            model.forward(tokens[:1].repeat(batch), torch.full((batch,), pos),
-                          [SeqChunk(b, pos, 1) for b in range(batch)], attn)
+        for _ in range(3):
+            decode_step(model, attn, batch, tokens[0], next_pos)
+            next_pos += 1
         if dev.type == "cuda":
             torch.cuda.synchronize()
         prof.disable()
@@ -200,10 +202,9 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
         with torch_profile(activities=acts) as prof:
             t = time.perf_counter()
-            for i in range(3):
-                pos = context + steps + 1 + (3 if profile is not None else 0) + i
-                model.forward(tokens[:1].repeat(batch), torch.full((batch,), pos),
-                              [SeqChunk(b, pos, 1) for b in range(batch)], attn)
+            for _ in range(3):
+                decode_step(model, attn, batch, tokens[0], next_pos)
+                next_pos += 1
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t

@@ -189,9 +189,8 @@ class HostKVStore:
         n_before = self._n_tokens[layer, slots]
         for i in np.flatnonzero(n_before % self.page_tokens == 0):
             self._ensure_pages(layer, int(slots[i]), int(n_before[i]) + 1)
-        ones = np.ones(len(slots), np.int64)
-        native.append(self._views[layer], slots.astype(np.int32), np.cumsum(ones) - 1, ones,
-                      k.contiguous(), v.contiguous())
+        native.append(self._views[layer], slots.astype(np.int32), np.arange(len(slots)), 1, k.contiguous(),
+                      v.contiguous())
 
     # ---- what the kernels need ----
 
