@@ -1,9 +1,10 @@
 """Host-memory KV store in the native library's page layout (native/fluxion.h), with Quest-style block summaries.
 
 One page = P tokens of one layer for all KV heads of one sequence: K [Hkv, P, D], V [Hkv, P, D] (fp16/bf16), then
-min/max summaries [Hkv, P/g, 2, D] fp32 for each kept granularity g.  Pages are carved out of large slabs (one
+min/max summaries [Hkv, P/g, 2, D] in the same 16-bit dtype (exact: min and max of 16-bit values are 16-bit
+values) for each kept granularity g.  Pages are carved out of large slabs (one
 torch allocation each, pinned when CUDA is available): pinning once per slab instead of once per page keeps torch's
-pinned allocator from rounding every 1.23 MiB page up to 2 MiB, and lets the GPU read the pages in place through one
+pinned allocator from rounding every 1.12 MiB page up to 2 MiB, and lets the GPU read the pages in place through one
 alias per slab (fluxion_lite/zero_copy.py).  Pages sit at a fixed stride inside a slab and never straddle two slabs;
 the stride is aligned so that every 16-token chunk of a head starts at a multiple of its own size from any page
 (what the GPU gather indexes by).  A sequence grows by one page at a time, capacity grows by adding a slab, and
@@ -31,7 +32,7 @@ DEFAULT_SLAB_BYTES = 256 << 20
 
 def page_stride(page_bytes: int, head_dim: int) -> int:
     """Bytes from one page to the next inside a slab: page_bytes rounded up so that page starts stay aligned to a
-    16-token chunk of one head (16 * D * 2 bytes) and to 256 bytes.  For the Llama-3.1-8B shape (1.23 MiB pages) the
+    16-token chunk of one head (16 * D * 2 bytes) and to 256 bytes.  For the Llama-3.1-8B shape (1.12 MiB pages) the
     rounding is 0 bytes."""
     align = math.lcm(256, CHUNK_TOKENS * head_dim * 2)
     return -(-page_bytes // align) * align
@@ -216,7 +217,8 @@ class HostKVStore:
         return torch.cat(ks)[:n].clone(), torch.cat(vs)[:n].clone()
 
     def summaries(self, layer: int, slot: int, g: int) -> torch.Tensor:
-        """Copy of the slot's block summaries for granularity g: fp32 [Hkv, n_blocks, 2, D] (min, max)."""
+        """Copy of the slot's block summaries for granularity g: [Hkv, n_blocks, 2, D] (min, max) in the store's
+        dtype."""
         if g not in self.granularities:
             raise ValueError(f"g={g} is not kept (kept: {self.granularities})")
         n, P, H, D = self.n_tokens(layer, slot), self.page_tokens, self.n_kv_heads, self.head_dim
@@ -224,12 +226,12 @@ class HostKVStore:
         for g2 in self.granularities:
             if g2 == g:
                 break
-            off += H * (P // g2) * 2 * D * 4
-        parts = [page[off: off + H * (P // g) * 2 * D * 4].view(torch.float32).view(H, P // g, 2, D)
+            off += H * (P // g2) * 2 * D * 2
+        parts = [page[off: off + H * (P // g) * 2 * D * 2].view(self.dtype).view(H, P // g, 2, D)
                  for page in self._pages[layer][slot]]
         n_blocks = -(-n // g)
         if not parts:
-            return torch.empty(H, 0, 2, D)
+            return torch.empty(H, 0, 2, D, dtype=self.dtype)
         return torch.cat(parts, dim=1)[:, :n_blocks].clone()
 
     # ---- internals ----

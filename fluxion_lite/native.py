@@ -149,7 +149,7 @@ def gran_mask(granularities: Sequence[int]) -> int:
 
 
 def page_bytes(n_kv_heads: int, head_dim: int, page_tokens: int, granularities: Sequence[int]) -> int:
-    """Bytes of one page: K and V [Hkv, P, D] 16-bit, then per kept g the summaries [Hkv, P/g, 2, D] fp32."""
+    """Bytes of one page: K and V [Hkv, P, D] 16-bit, then per kept g the summaries [Hkv, P/g, 2, D] 16-bit."""
     return int(lib.fx_page_bytes(n_kv_heads, head_dim, page_tokens, gran_mask(granularities)))
 
 

@@ -1,7 +1,7 @@
 """Selector: per KV group, the cheapest configuration whose calibrated effective error stays under epsilon.
 
 Cost is bytes touched per decode step for one group: K+V (bf16) of the sink, the window and the selected blocks, plus the
-block summaries (fp32 min and max per dimension) that top-k scans. Small blocks select precisely but scan more
+block summaries (min and max per dimension, 16-bit like the KV) that top-k scans. Small blocks select precisely but scan more
 summaries; large blocks scan little but read more KV: the selector trades the two per group.
 """
 from __future__ import annotations
@@ -18,6 +18,12 @@ Labels = dict[tuple[int, int, str], tuple[float, float]]
 DEFAULT_EPSILON = 0.1  # bench/policy_sweep.py: at 4K on qwen2.5-coder-0.5b this beats `fixed` on KL and bytes touched
 
 
+def summary_bytes(n: int, g: int, head_dim: int) -> float:
+    """Bytes of one KV head's block summaries at context n: min and max [n/g, 2, D], 16-bit like K (native/fluxion.h).
+    Plans in models/ were selected when summaries were fp32 (twice this); a re-selection sees cheaper small blocks."""
+    return (n / g) * 2 * head_dim * 2
+
+
 def bytes_per_step(cfg: Config, n: int, sink: int, window: int, head_dim: int, summary_weight: float = 1.0) -> float:
     """summary_weight: what a byte of block summaries costs next to a byte of K/V. 1 counts bytes touched; below 1
     favours small blocks: summaries are scanned sequentially, selected blocks are random reads, and the issue's
@@ -26,7 +32,7 @@ def bytes_per_step(cfg: Config, n: int, sink: int, window: int, head_dim: int, s
     near = min(n, sink + window)
     if cfg.streaming:
         return near * kv_per_token
-    summaries = (n / cfg.g) * 2 * head_dim * 4
+    summaries = summary_bytes(n, cfg.g, head_dim)
     return (near + budget_tokens(cfg.budget, n, cfg.g)) * kv_per_token + summary_weight * summaries
 
 
@@ -56,7 +62,7 @@ def plan_bytes_fraction(plan: SparsePlan, n: int, head_dim: int) -> tuple[float,
     for gp in flat:
         c = Config(gp.streaming, gp.g, gp.budget)
         b = bytes_per_step(c, n, plan.sink, plan.window, head_dim)
-        meta = 0.0 if gp.streaming else (n / gp.g) * 2 * head_dim * 4
+        meta = 0.0 if gp.streaming else summary_bytes(n, gp.g, head_dim)
         kv += (b - meta) / full
         touched += b / full
     return kv / len(flat), touched / len(flat)

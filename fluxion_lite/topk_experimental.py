@@ -32,7 +32,7 @@ def per_head_topk(store: HostKVStore, layer: int, q: torch.Tensor, tasks: np.nda
     for i, (slot, q_row, h, g, k, lo0, hi0, lo1, hi1) in enumerate(tasks.tolist()):
         key = (slot, g)
         if key not in summaries:
-            summaries[key] = store.summaries(layer, slot, g).numpy()  # [Hkv, n_blocks, 2, D]
+            summaries[key] = store.summaries(layer, slot, g).float().numpy()  # [Hkv, n_blocks, 2, D] (exact)
         s = summaries[key][h]  # [n_blocks, 2, D]
         n_tokens = store.n_tokens(layer, slot)
         n_blocks = s.shape[0]

@@ -4,7 +4,7 @@
 #include <string.h>
 #include "fx_internal.h"
 
-int fx_version(void) { return 2; }
+int fx_version(void) { return 3; } /* 3: block summaries in the KV dtype (2: fp32) */
 
 /* ------------------------------------------------------------------------------------------------ settings -- */
 
@@ -71,7 +71,7 @@ static int gran_index(int g) {
 int64_t fx_page_bytes(int32_t n_kv_heads, int32_t head_dim, int32_t page_tokens, int32_t gran_mask) {
     int64_t bytes = 2 * (int64_t)n_kv_heads * page_tokens * head_dim * 2;
     for (int i = 0; i < 4; i++)
-        if (gran_mask & (1 << i)) bytes += (int64_t)n_kv_heads * (page_tokens / (16 << i)) * 2 * head_dim * 4;
+        if (gran_mask & (1 << i)) bytes += (int64_t)n_kv_heads * (page_tokens / (16 << i)) * 2 * head_dim * 2;
     return bytes;
 }
 
@@ -89,14 +89,14 @@ static inline int64_t v_offset(const fx_kv_view *kv) {
     return (int64_t)kv->n_kv_heads * kv->page_tokens * kv->head_dim;
 }
 
-/* Summary [2][D] of block b (granularity index gi) of head h. */
-static inline float *summary(const fx_kv_view *kv, int slot, int h, int gi, int64_t b) {
+/* Summary [2][D] (16-bit, the KV dtype) of block b (granularity index gi) of head h. */
+static inline uint16_t *summary(const fx_kv_view *kv, int slot, int h, int gi, int64_t b) {
     int64_t P = kv->page_tokens, D = kv->head_dim, H = kv->n_kv_heads, g = 16 << gi;
     int64_t off = 2 * H * P * D * 2;
     for (int i = 0; i < gi; i++)
-        if (kv->gran_mask & (1 << i)) off += H * (P / (16 << i)) * 2 * D * 4;
+        if (kv->gran_mask & (1 << i)) off += H * (P / (16 << i)) * 2 * D * 2;
     uint8_t *page = page_of(kv, slot, b * g);
-    return (float *)(page + off) + ((int64_t)h * (P / g) + (b * g % P) / g) * 2 * D;
+    return (uint16_t *)(page + off) + ((int64_t)h * (P / g) + (b * g % P) / g) * 2 * D;
 }
 
 /* ------------------------------------------------------------------------------------------------ validation -- */
@@ -220,7 +220,7 @@ static void append_unit(append_job *J, int64_t i, int64_t page, int h) {
         for (int64_t b = lo / g; b * g < hi; b++) {
             int64_t t0 = b * g > lo ? b * g : lo;
             int64_t t1 = (b + 1) * g < hi ? (b + 1) * g : hi;
-            float *s = summary(kv, slot, h, gi, b);
+            uint16_t *s = summary(kv, slot, h, gi, b);
             J->kern->minmax(k_row(kv, slot, h, t0), (int)(t1 - t0), (int)D, bf16, s, s + D, t0 == b * g);
         }
     }
@@ -521,7 +521,7 @@ static void topk_score_chunk(topk_job *J, int64_t ti, int64_t b0, int64_t b1) {
     for (int64_t b = b0, run = 0; b < b1; b += run) {
         run = per_page - b % per_page;
         if (run > b1 - b) run = b1 - b;
-        J->kern->bound(qpos, qneg, summary(kv, slot, h, gi, b), (int)run, D, all_s + b);
+        J->kern->bound(qpos, qneg, summary(kv, slot, h, gi, b), (int)run, D, kv->dtype == FX_BF16, all_s + b);
     }
 }
 

@@ -29,11 +29,13 @@ typedef struct fx_kernels {
      * the job that uses it calls fence() before finishing */
     void (*stage_copy)(void *dst, const void *src, int64_t n, const void *pf, int64_t pf_lines);
     void (*fence)(void);
-    /* score[b] = sum_e qpos[e]*S[b][1][e] + qneg[e]*S[b][0][e] for b < n; S: [n][2][D] fp32.
+    /* score[b] = sum_e qpos[e]*S[b][1][e] + qneg[e]*S[b][0][e] for b < n; S: [n][2][D] 16-bit like K (bf16 != 0:
+     * bf16), widened exactly to fp32, so the scores equal those of fp32 summaries bit for bit.
      * (sum_j max(q_j*mn, q_j*mx) == (sum_j max(q_j,0))*mx + (sum_j min(q_j,0))*mn because mn <= mx.) */
-    void (*bound)(const float *qpos, const float *qneg, const float *s, int n, int d, float *score);
-    /* Fold rows K[0..len) into per-dim min/max (init != 0: start from the first row). */
-    void (*minmax)(const uint16_t *k, int len, int d, int bf16, float *mn, float *mx, int init);
+    void (*bound)(const float *qpos, const float *qneg, const uint16_t *s, int n, int d, int bf16, float *score);
+    /* Fold rows K[0..len) into per-dim min/max, 16-bit like K (init != 0: start from the first row, else from the
+     * stored mn/mx).  Min and max of 16-bit values are 16-bit values, so the narrowing store is exact. */
+    void (*minmax)(const uint16_t *k, int len, int d, int bf16, uint16_t *mn, uint16_t *mx, int init);
 } fx_kernels;
 
 extern const fx_kernels fx_kernels_portable;
@@ -56,6 +58,15 @@ static inline float fx_bf16_to_f32(uint16_t h) {
     return c.f;
 }
 float fx_f16_to_f32(uint16_t h);
+
+/* Scalar fp32 -> 16-bit, round to nearest even (exact for values that are 16-bit values, as summaries are). */
+static inline uint16_t fx_f32_to_bf16(float f) {
+    union { float f; uint32_t u; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN stays a (quiet) NaN */
+    return (uint16_t)((c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16);
+}
+uint16_t fx_f32_to_f16(float f);
 
 /* Prefetch (towards L2) part `part` of `parts` equal shares of `lines` cache lines starting at pf. */
 static inline void fx_prefetch_share(const void *pf, int64_t lines, int64_t part, int64_t parts) {

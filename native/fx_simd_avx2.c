@@ -358,25 +358,44 @@ static void stage_copy_avx2(void *dst, const void *src, int64_t n, const void *p
 
 static void fence_avx2(void) { _mm_sfence(); }
 
+/* 8 fp32 values that are 16-bit values -> 16-bit (exact: bf16 keeps the upper halves, vcvtps2ph rounds nothing) */
+FX_INLINE void store8(uint16_t *p, __m256 v, int bf16) {
+    __m128i h;
+    if (bf16) {
+        __m256i x = _mm256_srli_epi32(_mm256_castps_si256(v), 16); /* 0..65535 per lane: packus keeps them */
+        h = _mm_packus_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    } else {
+        h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
+    }
+    _mm_storeu_si128((__m128i *)p, h);
+}
+
 #define FX_BOUND_AHEAD 4096 /* prefetch distance in bytes within a run of summaries: see fx_simd_avx512.c */
-static void bound_avx2(const float *qpos, const float *qneg, const float *s, int n, int d, float *score) {
+FX_INLINE void bound_body(const float *qpos, const float *qneg, const uint16_t *s, int n, int d, int bf16,
+                          float *score) {
     const char *base = (const char *)s;
-    const int64_t bb = (int64_t)2 * d * 4, end = (int64_t)n * bb;
+    const int64_t bb = (int64_t)2 * d * 2, end = (int64_t)n * bb;
     for (int b = 0; b < n; b++) {
         for (int64_t o = b * bb + FX_BOUND_AHEAD, e = o + bb < end ? o + bb : end; o < e; o += 64)
             __builtin_prefetch(base + o, 0, 2);
-        const float *mn = s + (int64_t)b * 2 * d;
-        const float *mx = mn + d;
+        const uint16_t *mn = s + (int64_t)b * 2 * d;
+        const uint16_t *mx = mn + d;
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
         for (int e = 0; e < d; e += 8) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qpos + e), _mm256_loadu_ps(mx + e), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qneg + e), _mm256_loadu_ps(mn + e), a1);
+            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qpos + e), load8(mx + e, bf16), a0);
+            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qneg + e), load8(mn + e, bf16), a1);
         }
         score[b] = hsum8(_mm256_add_ps(a0, a1));
     }
 }
 
-static void minmax_avx2(const uint16_t *k, int len, int d, int bf16, float *mn, float *mx, int init) {
+static void bound_avx2(const float *qpos, const float *qneg, const uint16_t *s, int n, int d, int bf16,
+                       float *score) {
+    if (bf16) bound_body(qpos, qneg, s, n, d, 1, score);
+    else bound_body(qpos, qneg, s, n, d, 0, score);
+}
+
+static void minmax_avx2(const uint16_t *k, int len, int d, int bf16, uint16_t *mn, uint16_t *mx, int init) {
     for (int e = 0; e < d; e += 8) {
         int t = 0;
         __m256 lo, hi;
@@ -384,16 +403,16 @@ static void minmax_avx2(const uint16_t *k, int len, int d, int bf16, float *mn, 
             lo = hi = load8(k + e, bf16);
             t = 1;
         } else {
-            lo = _mm256_loadu_ps(mn + e);
-            hi = _mm256_loadu_ps(mx + e);
+            lo = load8(mn + e, bf16);
+            hi = load8(mx + e, bf16);
         }
         for (; t < len; t++) {
             __m256 kv = load8(k + (int64_t)t * d + e, bf16);
             lo = _mm256_min_ps(lo, kv);
             hi = _mm256_max_ps(hi, kv);
         }
-        _mm256_storeu_ps(mn + e, lo);
-        _mm256_storeu_ps(mx + e, hi);
+        store8(mn + e, lo, bf16);
+        store8(mx + e, hi, bf16);
     }
 }
 

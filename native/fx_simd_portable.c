@@ -21,6 +21,22 @@ float fx_f16_to_f32(uint16_t h) {
     return c.f;
 }
 
+uint16_t fx_f32_to_f16(float f) {
+    union { float f; uint32_t u; } c;
+    c.f = f;
+    uint16_t sign = (uint16_t)((c.u >> 16) & 0x8000u);
+    uint32_t a = c.u & 0x7fffffffu;
+    if (a > 0x7f800000u) return sign | 0x7e00u;               /* nan */
+    if (a >= 0x477ff000u) return sign | 0x7c00u;              /* inf, or rounds past 65504 */
+    if (a >= 0x38800000u) {                                   /* normal half (|f| >= 2^-14): rebias, drop 13 bits */
+        uint32_t r = a - 0x38000000u;
+        r += 0xfffu + ((r >> 13) & 1u);
+        return sign | (uint16_t)(r >> 13);
+    }
+    c.u = a;                                                  /* subnormal or zero: units of 2^-24, exact scaling */
+    return sign | (uint16_t)lrintf(c.f * 16777216.0f);
+}
+
 static inline void row_to_f32(const uint16_t *src, int d, int bf16, float *dst) {
     if (bf16) {
         for (int e = 0; e < d; e++) dst[e] = fx_bf16_to_f32(src[e]);
@@ -84,18 +100,32 @@ static void stage_copy_portable(void *dst, const void *src, int64_t n, const voi
 }
 static void fence_portable(void) {}
 
-static void bound_portable(const float *qpos, const float *qneg, const float *s, int n, int d, float *score) {
+static void bound_portable(const float *qpos, const float *qneg, const uint16_t *s, int n, int d, int bf16,
+                           float *score) {
+    float mn[FX_MAX_DIM], mx[FX_MAX_DIM];
     for (int b = 0; b < n; b++) {
-        const float *mn = s + (int64_t)b * 2 * d;
-        const float *mx = mn + d;
+        row_to_f32(s + (int64_t)b * 2 * d, d, bf16, mn);
+        row_to_f32(s + (int64_t)b * 2 * d + d, d, bf16, mx);
         float acc = 0.0f;
         for (int e = 0; e < d; e++) acc += qpos[e] * mx[e] + qneg[e] * mn[e];
         score[b] = acc;
     }
 }
 
-static void minmax_portable(const uint16_t *k, int len, int d, int bf16, float *mn, float *mx, int init) {
-    float kf[FX_MAX_DIM];
+static inline void row_from_f32(const float *src, int d, int bf16, uint16_t *dst) {
+    if (bf16) {
+        for (int e = 0; e < d; e++) dst[e] = fx_f32_to_bf16(src[e]);
+    } else {
+        for (int e = 0; e < d; e++) dst[e] = fx_f32_to_f16(src[e]);
+    }
+}
+
+static void minmax_portable(const uint16_t *k, int len, int d, int bf16, uint16_t *mn16, uint16_t *mx16, int init) {
+    float kf[FX_MAX_DIM], mn[FX_MAX_DIM], mx[FX_MAX_DIM];
+    if (!init) {
+        row_to_f32(mn16, d, bf16, mn);
+        row_to_f32(mx16, d, bf16, mx);
+    }
     for (int t = 0; t < len; t++) {
         row_to_f32(k + (int64_t)t * d, d, bf16, kf);
         if (init && t == 0) {
@@ -107,6 +137,10 @@ static void minmax_portable(const uint16_t *k, int len, int d, int bf16, float *
             mn[e] = kf[e] < mn[e] ? kf[e] : mn[e];
             mx[e] = kf[e] > mx[e] ? kf[e] : mx[e];
         }
+    }
+    if (len > 0 || !init) {
+        row_from_f32(mn, d, bf16, mn16);
+        row_from_f32(mx, d, bf16, mx16);
     }
 }
 

@@ -97,7 +97,9 @@ def test_kernels_match_float64_reference(case: Case, settings: None) -> None:
     # summaries: exact (min/max of exactly converted values), all kept granularities
     for si, slot in enumerate(slots):
         for gg in store.granularities:
-            got = store.summaries(0, slot, gg).numpy()  # [Hkv, nb, 2, D]
+            got = store.summaries(0, slot, gg)  # [Hkv, nb, 2, D] in the store's dtype
+            assert got.dtype == case.dtype
+            got = got.double().numpy()
             for h in range(N_KV):
                 mins, maxs = ref.block_summaries(keys[si][:, h], gg)
                 np.testing.assert_array_equal(got[h, :, 0], mins)
@@ -253,7 +255,7 @@ def test_numpy_only_view_matches_documented_layout(settings: None) -> None:
     rng = np.random.default_rng(3)
     H, D, P, n, grans = 2, 64, 128, 300, (32, 128)
     page_bytes = native.page_bytes(H, D, P, grans)
-    assert page_bytes == 2 * H * P * D * 2 + H * (P // 32) * 2 * D * 4 + H * (P // 128) * 2 * D * 4
+    assert page_bytes == 2 * H * P * D * 2 + H * (P // 32) * 2 * D * 2 + H * (P // 128) * 2 * D * 2
     keys = rng.standard_normal((n, H, D)).astype(np.float16)
     vals = rng.standard_normal((n, H, D)).astype(np.float16)
     n_pages = -(-n // P)
@@ -270,7 +272,7 @@ def test_numpy_only_view_matches_documented_layout(settings: None) -> None:
     view = native.KVView(table, n_tokens, n_kv_heads=H, head_dim=D, page_tokens=P, dtype="float16",
                          granularities=grans)
     native.summaries_update(view, [0], [0])
-    s32 = np.concatenate([pg[2 * H * P * D * 2: 2 * H * P * D * 2 + H * (P // 32) * 2 * D * 4].view(np.float32)
+    s32 = np.concatenate([pg[2 * H * P * D * 2: 2 * H * P * D * 2 + H * (P // 32) * 2 * D * 2].view(np.float16)
                           .reshape(H, P // 32, 2, D) for pg in pages], axis=1)
     mins, maxs = ref.block_summaries(keys[:, 1].astype(np.float64), 32)
     np.testing.assert_array_equal(s32[1, :len(mins), 0], mins)

@@ -36,7 +36,7 @@ def test_one_head_per_group_matches_native() -> None:
 def test_a_block_one_head_prefers_is_kept() -> None:
     hkv, d, n, r = 1, 16, 256, 4
     store = filled_store(n, hkv, d, seed=3)
-    s = store.summaries(0, 0, 16)[0].numpy()  # [16 blocks, 2, D]: min, max
+    s = store.summaries(0, 0, 16)[0].float().numpy()  # [16 blocks, 2, D]: min, max
     q = np.zeros((1, r, d), np.float32)
     q[0, 0] = np.where(s[5, 1] > 0, 1.0, 0.0)  # head 0 looks for block 5's largest dims
     other = np.zeros(d, np.float32)

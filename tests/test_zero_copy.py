@@ -158,7 +158,7 @@ def test_slabs_many_sequences_free_and_reuse() -> None:
         if k.shape[0] % 16 == 0:  # summaries live in the same pages: intact too
             blocks = k.float().view(-1, 16, 2, 64)
             ref = torch.stack([blocks.amin(1), blocks.amax(1)], 2).transpose(0, 1)  # [Hkv, n_blocks, 2, D]
-            assert torch.equal(store.summaries(layer, s, 16), ref)
+            assert torch.equal(store.summaries(layer, s, 16).float(), ref)  # bf16 summaries, exact in fp32
     live = {key: v for key, v in data.items() if key[1] in set(slots[1::2]) | set(again)}
     assert store.bytes_used == store.page_bytes * sum(-(-k.shape[0] // 256) for k, _ in live.values())
 
@@ -183,6 +183,6 @@ def test_page_rounding_is_gone_for_the_llama_shape() -> None:
     from fluxion_lite.host_kv import page_stride
 
     pb = native.page_bytes(8, 128, 256, (16, 32, 64, 128))
-    assert page_stride(pb, 128) == pb  # 1.23 MiB pages, no padding (pinned torch tensors rounded them to 2 MiB)
+    assert page_stride(pb, 128) == pb  # 1.12 MiB pages, no padding (pinned torch tensors rounded them to 2 MiB)
     assert (256 << 20) // pb >= 200
     assert CHUNK_TOKENS == 16
