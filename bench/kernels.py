@@ -3,7 +3,8 @@
 One run prints a table per thread count and writes bench/results/kernels-<host>.json:
   * read bandwidth: a STREAM-like read of a large buffer on the same thread pool (the ceiling),
   * sparse attention GB/s: bytes of K and V in the selected blocks / time of one per-layer call for all tasks,
-  * top-k GB/s: bytes of block summaries scanned / time,
+  * top-k GB/s: bytes of block summaries scanned / time (min and max per dimension, 16-bit like the KV; fp32
+    before fx_version 3, so GB/s across that change compare at twice the bytes: compare ms/call),
   * gather GB/s: bytes of K and V copied into the (pinned if CUDA) staging buffer / time (bytes read; a copy
     also writes as many), with non-temporal stores (default) and with plain cached stores,
   * torch CPU: the same attention with index_select + matmul in torch, same thread count, for comparison,
@@ -121,7 +122,7 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
     k_cap = int(topk_tasks[0, 4])
     topk_out = (np.empty((n_tasks, k_cap), np.int32), np.empty((n_tasks, k_cap), np.float32),
                 np.empty(n_tasks, np.int32))
-    summary_bytes = n_tasks * (N // args.topk_g) * 2 * D * 4
+    summary_bytes = n_tasks * (N // args.topk_g) * 2 * D * 2  # [blocks][2][D] 16-bit per task
 
     def topk() -> None:
         native.group_topk(store.view(next_layer()), q, topk_tasks, k_cap=k_cap, out=topk_out)

@@ -12,11 +12,13 @@
  *
  *     K  [Hkv][P][D]  16-bit (fp16 or bf16)          -- per KV head, tokens contiguous, D elements per token
  *     V  [Hkv][P][D]  16-bit
- *     S_g[Hkv][P/g][2][D] fp32, for each kept granularity g in ascending order (g in {16,32,64,128}):
- *                     S_g[h][b][0][:] = per-dimension min of the keys of block b, S_g[h][b][1][:] = max,
- *                     over the block's VALID tokens only (a partly filled last block summarises what it has).
+ *     S_g[Hkv][P/g][2][D] 16-bit, the same dtype as K, for each kept granularity g in ascending order (g in
+ *                     {16,32,64,128}): S_g[h][b][0][:] = per-dimension min of the keys of block b, S_g[h][b][1][:] =
+ *                     max, over the block's VALID tokens only (a partly filled last block summarises what it has).
+ *                     Min and max of 16-bit values are 16-bit values: the summaries are exact, and top-k widens
+ *                     them to fp32 (the bound is computed in fp32, as with fp32 summaries, bit for bit).
  *
- *   Byte offsets inside a page: K at 0, V at Hkv*P*D*2, S_g after V, each S_g Hkv*(P/g)*2*D*4 bytes.
+ *   Byte offsets inside a page: K at 0, V at Hkv*P*D*2, S_g after V, each S_g Hkv*(P/g)*2*D*2 bytes.
  *   fx_page_bytes() computes the size.  Pages should be 64-byte aligned (torch and cudaHostAlloc are).
  *
  *   A layer's page table is `pages[n_slots][max_pages]` of page base pointers (NULL where not allocated) and
