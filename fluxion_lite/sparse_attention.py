@@ -33,6 +33,7 @@ from .device_select import DeviceSummaries
 from .host_kv import HostKVStore
 from .hybrid import HybridExecutor, StepStats, Timer, biased_attention, lse_merge
 from .kv_cache import DenseKVCache
+from .pinned import PinnedBlocks
 from .request_plan import RequestPlanner, RowPlan
 from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan
@@ -82,6 +83,9 @@ class SparseAttention(AttentionBackend):
         self._dsum: DeviceSummaries | None = None
         # per-request plans from the head-property predictor (request_plan.py); None: the static plan for all
         self.planner: RequestPlanner | None = None
+        # blocks pinned at prefill end by the prompt's own attention (pinned.py); CPU selection, static plan only
+        self.pins = (PinnedBlocks(cfg.n_layers, cfg.n_kv_heads, plan.obs_window)
+                     if plan.pin_fraction > 0 and selection == "cpu" else None)
         if selection == "gpu":
             gs = set(self._g[self._retrieval].tolist())
             if len(gs) > 1:
@@ -187,6 +191,8 @@ class SparseAttention(AttentionBackend):
                 self.executor.wait_idle()
             self.store.release(slot)
         self.scratch.free(seq_id)
+        if self.pins is not None:
+            self.pins.forget(seq_id, slot)
         self._len.pop(seq_id, None)
         self._prefilling.discard(seq_id)
         self._step = None
@@ -278,11 +284,17 @@ class SparseAttention(AttentionBackend):
                 out[sl] = causal_attention(q[sl], keys, values, c.start, self.scale)
                 if self.planner is not None:
                     self.planner.record(layer, c.seq_id, q[sl])
+                if self.pins is not None:
+                    self.pins.observe(layer, c.seq_id, c.start, q[sl])
             else:
                 rows.append(offset)
                 dec.append(c)
                 if self.planner is not None and c.seq_id in self._prefilling:  # prefill ended: plan this layer
                     self.planner.prefill_done(layer, c.seq_id, *self.scratch.view(layer, c.seq_id))
+                if self.pins is not None and self.planner is None and c.seq_id in self._prefilling:
+                    row = [(not gp.streaming, gp.g, gp.budget) for gp in self.plan.groups[layer]]
+                    self.pins.pin(layer, c.seq_id, slot, self.scratch.view(layer, c.seq_id)[0], c.start + 1,
+                                  self.scale, row, self.plan.sink, self.plan.window, self.plan.pin_fraction)
                 if layer == self.cfg.n_layers - 1 and c.seq_id in self._prefilling:
                     self._prefilling.discard(c.seq_id)  # decoding started: the dense scratch goes
                     self.scratch.free(c.seq_id)
@@ -370,6 +382,7 @@ class SparseAttention(AttentionBackend):
         cuda = self.device.type == "cuda"
         rp = self._row_plan(st)
         tasks, meta = self._layer_tasks(layer, st, rp)
+        pinned = self.pins is not None and rp is None and len(tasks) > 0 and self.pins.any(layer)
         ev_q = None
         if len(tasks) and self.selection == "cpu" and cuda:  # queued before the streaming part so it lands first
             self.ensure_decode_buffers(B)
@@ -402,8 +415,11 @@ class SparseAttention(AttentionBackend):
                 q_host = self._q_out[:B] if cuda else q.float().contiguous()  # [B, Hq, D] fp32
                 if self.topk_scoring == "per-head":  # experimental (topk_experimental.py); numpy, not a hot path
                     ids, counts = per_head_topk(self.store, layer, q_host, tasks, self.scale)
+                    pinned = False
                 else:
-                    ids, _, counts = native.group_topk(view, q_host, tasks)
+                    ids, scores, counts = native.group_topk(view, q_host, tasks)
+                if pinned:  # pins take part of each task's k
+                    ids, counts = self.pins.merge(layer, tasks, ids, scores, counts)
             else:
                 q_host = q
                 ids, counts = self._select_on_device(layer, st, qg, bi, h, k_blocks, lo, hi)
