@@ -397,9 +397,78 @@ static void minmax_avx2(const uint16_t *k, int len, int d, int bf16, float *mn, 
     }
 }
 
+/* R (<= 6) heads' bounds of one block: each 8-wide min/max chunk is loaded once and feeds 2R FMAs into 2R
+ * independent chains (2R accumulators + min + max = 14 of the 16 ymm registers). */
+FX_INLINE void bound_heads_block(const float *qpos, const float *qneg, int R, const float *mn, int d, float *out,
+                                 int64_t ld) {
+    const float *mx = mn + d;
+    __m256 ap[6], an[6];
+    for (int j = 0; j < R; j++) ap[j] = an[j] = _mm256_setzero_ps();
+    for (int e = 0; e < d; e += 8) {
+        __m256 lo = _mm256_loadu_ps(mn + e), hi = _mm256_loadu_ps(mx + e);
+        for (int j = 0; j < R; j++) {
+            ap[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qpos + j * d + e), hi, ap[j]);
+            an[j] = _mm256_fmadd_ps(_mm256_loadu_ps(qneg + j * d + e), lo, an[j]);
+        }
+    }
+    int j = 0;
+    for (; j + 4 <= R; j += 4) {
+        float t[4];
+        _mm_storeu_ps(t, reduce4(_mm256_add_ps(ap[j], an[j]), _mm256_add_ps(ap[j + 1], an[j + 1]),
+                                 _mm256_add_ps(ap[j + 2], an[j + 2]), _mm256_add_ps(ap[j + 3], an[j + 3])));
+        for (int u = 0; u < 4; u++) out[(j + u) * ld] = t[u];
+    }
+    for (; j < R; j++) out[j * ld] = hsum8(_mm256_add_ps(ap[j], an[j]));
+}
+
+/* Heads in even passes of at most 6 (r = 7: 4 + 3, r = 8: 4 + 4), every pass over the same block while in L1. */
+static void bound_heads_avx2(const float *qpos, const float *qneg, int r, const float *s, int n, int d, float *out,
+                             int64_t ld) {
+    const char *base = (const char *)s;
+    const int64_t bb = (int64_t)2 * d * 4, end = (int64_t)n * bb;
+    int passes = (r + 5) / 6;
+    for (int b = 0; b < n; b++) {
+        for (int64_t o = b * bb + FX_BOUND_AHEAD, e = o + bb < end ? o + bb : end; o < e; o += 64)
+            __builtin_prefetch(base + o, 0, 2);
+        const float *mn = s + (int64_t)b * 2 * d;
+        for (int p = 0, j0 = 0; p < passes; p++) {
+            int j1 = r * (p + 1) / passes;
+            const float *qp = qpos + (int64_t)j0 * d, *qn = qneg + (int64_t)j0 * d;
+            float *o = out + j0 * ld + b;
+            switch (j1 - j0) {
+                case 1: bound_heads_block(qp, qn, 1, mn, d, o, ld); break;
+                case 2: bound_heads_block(qp, qn, 2, mn, d, o, ld); break;
+                case 3: bound_heads_block(qp, qn, 3, mn, d, o, ld); break;
+                case 4: bound_heads_block(qp, qn, 4, mn, d, o, ld); break;
+                case 5: bound_heads_block(qp, qn, 5, mn, d, o, ld); break;
+                default: bound_heads_block(qp, qn, 6, mn, d, o, ld); break;
+            }
+            j0 = j1;
+        }
+    }
+}
+
+static void gap_max_avx2(const float *x, int64_t ld, const float *m, int r, int n, float *score) {
+    int b = 0;
+    for (; b + 8 <= n; b += 8) {
+        __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + b), _mm256_set1_ps(m[0]));
+        for (int j = 1; j < r; j++)
+            v = _mm256_max_ps(v, _mm256_sub_ps(_mm256_loadu_ps(x + j * ld + b), _mm256_set1_ps(m[j])));
+        _mm256_storeu_ps(score + b, v);
+    }
+    for (; b < n; b++) {
+        float v = x[b] - m[0];
+        for (int j = 1; j < r; j++) {
+            float w = x[j * ld + b] - m[j];
+            v = w > v ? w : v;
+        }
+        score[b] = v;
+    }
+}
+
 const fx_kernels fx_kernels_avx2 = {
     "avx2", qk_avx2, pv_avx2, exp_neg_avx2, row_max_avx2, exp_sum_avx2, stage_copy_avx2, fence_avx2, bound_avx2,
-    minmax_avx2,
+    minmax_avx2, bound_heads_avx2, gap_max_avx2,
 };
 
 #if defined(__clang__)

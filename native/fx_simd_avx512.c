@@ -356,9 +356,79 @@ static void minmax_avx512(const uint16_t *k, int len, int d, int bf16, float *mn
     }
 }
 
+/* R (<= 8) heads' bounds of one block: each 16-wide min/max chunk is loaded once and feeds 2R FMAs into 2R
+ * independent chains (positive and negative parts apart), so even R = 1 is not bound by the FMA latency. */
+FX_INLINE void bound_heads_block(const float *qpos, const float *qneg, int R, const float *mn, int d, float *out,
+                                 int64_t ld) {
+    const float *mx = mn + d;
+    __m512 ap[8], an[8];
+    for (int j = 0; j < R; j++) ap[j] = an[j] = _mm512_setzero_ps();
+    for (int e = 0; e < d; e += 16) {
+        __m512 lo = _mm512_loadu_ps(mn + e), hi = _mm512_loadu_ps(mx + e);
+        for (int j = 0; j < R; j++) {
+            ap[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qpos + j * d + e), hi, ap[j]);
+            an[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qneg + j * d + e), lo, an[j]);
+        }
+    }
+    int j = 0;
+    for (; j + 4 <= R; j += 4) {
+        float t[4];
+        _mm_storeu_ps(t, reduce4(_mm512_add_ps(ap[j], an[j]), _mm512_add_ps(ap[j + 1], an[j + 1]),
+                                 _mm512_add_ps(ap[j + 2], an[j + 2]), _mm512_add_ps(ap[j + 3], an[j + 3])));
+        for (int u = 0; u < 4; u++) out[(j + u) * ld] = t[u];
+    }
+    for (; j < R; j++) out[j * ld] = _mm512_reduce_add_ps(_mm512_add_ps(ap[j], an[j]));
+}
+
+/* Heads in even passes of at most 8 (r = 12: 6 + 6), every pass over the same block while it is in L1. */
+static void bound_heads_avx512(const float *qpos, const float *qneg, int r, const float *s, int n, int d,
+                               float *out, int64_t ld) {
+    const char *base = (const char *)s;
+    const int64_t bb = (int64_t)2 * d * 4, end = (int64_t)n * bb;
+    int passes = (r + 7) / 8;
+    for (int b = 0; b < n; b++) {
+        for (int64_t o = b * bb + FX_BOUND_AHEAD, e = o + bb < end ? o + bb : end; o < e; o += 64)
+            __builtin_prefetch(base + o, 0, 2);
+        const float *mn = s + (int64_t)b * 2 * d;
+        for (int p = 0, j0 = 0; p < passes; p++) {
+            int j1 = r * (p + 1) / passes;
+            const float *qp = qpos + (int64_t)j0 * d, *qn = qneg + (int64_t)j0 * d;
+            float *o = out + j0 * ld + b;
+            switch (j1 - j0) {
+                case 1: bound_heads_block(qp, qn, 1, mn, d, o, ld); break;
+                case 2: bound_heads_block(qp, qn, 2, mn, d, o, ld); break;
+                case 3: bound_heads_block(qp, qn, 3, mn, d, o, ld); break;
+                case 4: bound_heads_block(qp, qn, 4, mn, d, o, ld); break;
+                case 5: bound_heads_block(qp, qn, 5, mn, d, o, ld); break;
+                case 6: bound_heads_block(qp, qn, 6, mn, d, o, ld); break;
+                case 7: bound_heads_block(qp, qn, 7, mn, d, o, ld); break;
+                default: bound_heads_block(qp, qn, 8, mn, d, o, ld); break;
+            }
+            j0 = j1;
+        }
+    }
+}
+
+static void gap_max_avx512(const float *x, int64_t ld, const float *m, int r, int n, float *score) {
+    int b = 0;
+    for (; b + 16 <= n; b += 16) {
+        __m512 v = _mm512_sub_ps(_mm512_loadu_ps(x + b), _mm512_set1_ps(m[0]));
+        for (int j = 1; j < r; j++)
+            v = _mm512_max_ps(v, _mm512_sub_ps(_mm512_loadu_ps(x + j * ld + b), _mm512_set1_ps(m[j])));
+        _mm512_storeu_ps(score + b, v);
+    }
+    if (b < n) {
+        __mmask16 k = (__mmask16)((1u << (n - b)) - 1);
+        __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + b), _mm512_set1_ps(m[0]));
+        for (int j = 1; j < r; j++)
+            v = _mm512_max_ps(v, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j * ld + b), _mm512_set1_ps(m[j])));
+        _mm512_mask_storeu_ps(score + b, k, v);
+    }
+}
+
 const fx_kernels fx_kernels_avx512 = {
     "avx512", qk_avx512, pv_avx512, exp_neg_avx512, row_max_avx512, exp_sum_avx512, stage_copy_avx512,
-    fence_avx512, bound_avx512, minmax_avx512,
+    fence_avx512, bound_avx512, minmax_avx512, bound_heads_avx512, gap_max_avx512,
 };
 
 #if defined(__clang__)
