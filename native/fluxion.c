@@ -567,14 +567,11 @@ static void topk_score_chunk(topk_job *J, int64_t ti, int64_t b0, int64_t b1) {
     float *all_s = J->ws + ti * J->max_blocks;
     const float *q = J->q + ((int64_t)t[1] * J->n_q_heads + (int64_t)h * r) * D;
     if (J->scoring == FX_SCORE_PER_HEAD) {
-        /* each head's bound: its positive and negative parts, [r][D] each, r bounds per block */
-        float qpos[FX_MAX_GROUP * FX_MAX_DIM], qneg[FX_MAX_GROUP * FX_MAX_DIM];
-        split_signs(q, r * D, qpos, qneg);
         float *heads = J->heads + ti * r * J->max_blocks;
         for (int64_t b = b0, run = 0; b < b1; b += run) {
             run = per_page - b % per_page;
             if (run > b1 - b) run = b1 - b;
-            J->kern->bound_heads(qpos, qneg, r, summary(kv, slot, h, gi, b), (int)run, D, heads + b, J->max_blocks);
+            J->kern->bound_heads(q, r, summary(kv, slot, h, gi, b), (int)run, D, heads + b, J->max_blocks);
         }
         return;
     }

@@ -356,53 +356,67 @@ static void minmax_avx512(const uint16_t *k, int len, int d, int bf16, float *mn
     }
 }
 
-/* R (<= 8) heads' bounds of one block: each 16-wide min/max chunk is loaded once and feeds 2R FMAs into 2R
- * independent chains (positive and negative parts apart), so even R = 1 is not bound by the FMA latency. */
-FX_INLINE void bound_heads_block(const float *qpos, const float *qneg, int R, const float *mn, int d, float *out,
+/* R (<= 8) heads' bounds of one block: per 16-wide chunk the min or the max by the sign mask of q (precomputed per
+ * call), one FMA per head; chunks alternate between two accumulators per head so that even R = 1 runs two chains. */
+FX_INLINE void bound_heads_block(const float *q, const __mmask16 *neg, int R, const float *mn, int d, float *out,
                                  int64_t ld) {
     const float *mx = mn + d;
-    __m512 ap[8], an[8];
-    for (int j = 0; j < R; j++) ap[j] = an[j] = _mm512_setzero_ps();
-    for (int e = 0; e < d; e += 16) {
-        __m512 lo = _mm512_loadu_ps(mn + e), hi = _mm512_loadu_ps(mx + e);
+    const int nc = d / 16; /* chunks; mask of head j, chunk c: neg[j * nc + c] */
+    __m512 a0[8], a1[8];
+    for (int j = 0; j < R; j++) a0[j] = a1[j] = _mm512_setzero_ps();
+    int c = 0;
+    for (; c + 2 <= nc; c += 2) {
+        __m512 lo0 = _mm512_loadu_ps(mn + 16 * c), hi0 = _mm512_loadu_ps(mx + 16 * c);
+        __m512 lo1 = _mm512_loadu_ps(mn + 16 * c + 16), hi1 = _mm512_loadu_ps(mx + 16 * c + 16);
         for (int j = 0; j < R; j++) {
-            ap[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qpos + j * d + e), hi, ap[j]);
-            an[j] = _mm512_fmadd_ps(_mm512_loadu_ps(qneg + j * d + e), lo, an[j]);
+            a0[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c),
+                                    _mm512_mask_blend_ps(neg[j * nc + c], hi0, lo0), a0[j]);
+            a1[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c + 16),
+                                    _mm512_mask_blend_ps(neg[j * nc + c + 1], hi1, lo1), a1[j]);
         }
+    }
+    if (c < nc) { /* d % 32 == 16 */
+        __m512 lo = _mm512_loadu_ps(mn + 16 * c), hi = _mm512_loadu_ps(mx + 16 * c);
+        for (int j = 0; j < R; j++)
+            a0[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c), _mm512_mask_blend_ps(neg[j * nc + c], hi, lo),
+                                    a0[j]);
     }
     int j = 0;
     for (; j + 4 <= R; j += 4) {
         float t[4];
-        _mm_storeu_ps(t, reduce4(_mm512_add_ps(ap[j], an[j]), _mm512_add_ps(ap[j + 1], an[j + 1]),
-                                 _mm512_add_ps(ap[j + 2], an[j + 2]), _mm512_add_ps(ap[j + 3], an[j + 3])));
+        _mm_storeu_ps(t, reduce4(_mm512_add_ps(a0[j], a1[j]), _mm512_add_ps(a0[j + 1], a1[j + 1]),
+                                 _mm512_add_ps(a0[j + 2], a1[j + 2]), _mm512_add_ps(a0[j + 3], a1[j + 3])));
         for (int u = 0; u < 4; u++) out[(j + u) * ld] = t[u];
     }
-    for (; j < R; j++) out[j * ld] = _mm512_reduce_add_ps(_mm512_add_ps(ap[j], an[j]));
+    for (; j < R; j++) out[j * ld] = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
 }
 
 /* Heads in even passes of at most 8 (r = 12: 6 + 6), every pass over the same block while it is in L1. */
-static void bound_heads_avx512(const float *qpos, const float *qneg, int r, const float *s, int n, int d,
-                               float *out, int64_t ld) {
+static void bound_heads_avx512(const float *q, int r, const float *s, int n, int d, float *out, int64_t ld) {
+    __mmask16 neg[FX_MAX_GROUP * FX_MAX_DIM / 16]; /* per head and chunk: lanes where q <= 0 take the min */
+    for (int i = 0; i < r * d / 16; i++)
+        neg[i] = _mm512_cmp_ps_mask(_mm512_loadu_ps(q + 16 * i), _mm512_setzero_ps(), _CMP_LE_OQ);
     const char *base = (const char *)s;
     const int64_t bb = (int64_t)2 * d * 4, end = (int64_t)n * bb;
-    int passes = (r + 7) / 8;
+    int passes = (r + 7) / 8, nc = d / 16;
     for (int b = 0; b < n; b++) {
         for (int64_t o = b * bb + FX_BOUND_AHEAD, e = o + bb < end ? o + bb : end; o < e; o += 64)
             __builtin_prefetch(base + o, 0, 2);
         const float *mn = s + (int64_t)b * 2 * d;
         for (int p = 0, j0 = 0; p < passes; p++) {
             int j1 = r * (p + 1) / passes;
-            const float *qp = qpos + (int64_t)j0 * d, *qn = qneg + (int64_t)j0 * d;
+            const float *qj = q + (int64_t)j0 * d;
+            const __mmask16 *nj = neg + j0 * nc;
             float *o = out + j0 * ld + b;
             switch (j1 - j0) {
-                case 1: bound_heads_block(qp, qn, 1, mn, d, o, ld); break;
-                case 2: bound_heads_block(qp, qn, 2, mn, d, o, ld); break;
-                case 3: bound_heads_block(qp, qn, 3, mn, d, o, ld); break;
-                case 4: bound_heads_block(qp, qn, 4, mn, d, o, ld); break;
-                case 5: bound_heads_block(qp, qn, 5, mn, d, o, ld); break;
-                case 6: bound_heads_block(qp, qn, 6, mn, d, o, ld); break;
-                case 7: bound_heads_block(qp, qn, 7, mn, d, o, ld); break;
-                default: bound_heads_block(qp, qn, 8, mn, d, o, ld); break;
+                case 1: bound_heads_block(qj, nj, 1, mn, d, o, ld); break;
+                case 2: bound_heads_block(qj, nj, 2, mn, d, o, ld); break;
+                case 3: bound_heads_block(qj, nj, 3, mn, d, o, ld); break;
+                case 4: bound_heads_block(qj, nj, 4, mn, d, o, ld); break;
+                case 5: bound_heads_block(qj, nj, 5, mn, d, o, ld); break;
+                case 6: bound_heads_block(qj, nj, 6, mn, d, o, ld); break;
+                case 7: bound_heads_block(qj, nj, 7, mn, d, o, ld); break;
+                default: bound_heads_block(qj, nj, 8, mn, d, o, ld); break;
             }
             j0 = j1;
         }

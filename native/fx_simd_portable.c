@@ -110,15 +110,14 @@ static void minmax_portable(const uint16_t *k, int len, int d, int bf16, float *
     }
 }
 
-static void bound_heads_portable(const float *qpos, const float *qneg, int r, const float *s, int n, int d,
-                                 float *out, int64_t ld) {
+static void bound_heads_portable(const float *q, int r, const float *s, int n, int d, float *out, int64_t ld) {
     for (int b = 0; b < n; b++) {
         const float *mn = s + (int64_t)b * 2 * d;
         const float *mx = mn + d;
         for (int j = 0; j < r; j++) {
-            const float *qp = qpos + (int64_t)j * d, *qn = qneg + (int64_t)j * d;
+            const float *qj = q + (int64_t)j * d;
             float acc = 0.0f;
-            for (int e = 0; e < d; e++) acc += qp[e] * mx[e] + qn[e] * mn[e];
+            for (int e = 0; e < d; e++) acc += qj[e] * (qj[e] > 0 ? mx[e] : mn[e]);
             out[j * ld + b] = acc;
         }
     }
