@@ -356,42 +356,60 @@ static void minmax_avx512(const uint16_t *k, int len, int d, int bf16, float *mn
     }
 }
 
-/* R (<= 8) heads' bounds of one block: per 16-wide chunk the min or the max by the sign mask of q (precomputed per
- * call), one FMA per head; chunks alternate between two accumulators per head so that even R = 1 runs two chains. */
-FX_INLINE void bound_heads_block(const float *q, const __mmask16 *neg, int R, const float *mn, int d, float *out,
-                                 int64_t ld) {
-    const float *mx = mn + d;
-    const int nc = d / 16; /* chunks; mask of head j, chunk c: neg[j * nc + c] */
-    __m512 a0[8], a1[8];
-    for (int j = 0; j < R; j++) a0[j] = a1[j] = _mm512_setzero_ps();
-    int c = 0;
-    for (; c + 2 <= nc; c += 2) {
-        __m512 lo0 = _mm512_loadu_ps(mn + 16 * c), hi0 = _mm512_loadu_ps(mx + 16 * c);
-        __m512 lo1 = _mm512_loadu_ps(mn + 16 * c + 16), hi1 = _mm512_loadu_ps(mx + 16 * c + 16);
-        for (int j = 0; j < R; j++) {
-            a0[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c),
-                                    _mm512_mask_blend_ps(neg[j * nc + c], hi0, lo0), a0[j]);
-            a1[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c + 16),
-                                    _mm512_mask_blend_ps(neg[j * nc + c + 1], hi1, lo1), a1[j]);
-        }
-    }
-    if (c < nc) { /* d % 32 == 16 */
-        __m512 lo = _mm512_loadu_ps(mn + 16 * c), hi = _mm512_loadu_ps(mx + 16 * c);
-        for (int j = 0; j < R; j++)
-            a0[j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c), _mm512_mask_blend_ps(neg[j * nc + c], hi, lo),
-                                    a0[j]);
-    }
-    int j = 0;
-    for (; j + 4 <= R; j += 4) {
+/* Horizontal sums of n (<= 16) vectors v[i] stored to out[i]: four at a time (missing ones zero). */
+FX_INLINE void store_sums(const __m512 *v, int n, float *const *out) {
+    const __m512 z = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 4) {
         float t[4];
-        _mm_storeu_ps(t, reduce4(_mm512_add_ps(a0[j], a1[j]), _mm512_add_ps(a0[j + 1], a1[j + 1]),
-                                 _mm512_add_ps(a0[j + 2], a1[j + 2]), _mm512_add_ps(a0[j + 3], a1[j + 3])));
-        for (int u = 0; u < 4; u++) out[(j + u) * ld] = t[u];
+        _mm_storeu_ps(t, reduce4(v[i], i + 1 < n ? v[i + 1] : z, i + 2 < n ? v[i + 2] : z, i + 3 < n ? v[i + 3] : z));
+        for (int u = 0; u < 4 && i + u < n; u++) *out[i + u] = t[u];
     }
-    for (; j < R; j++) out[j * ld] = _mm512_reduce_add_ps(_mm512_add_ps(a0[j], a1[j]));
 }
 
-/* Heads in even passes of at most 8 (r = 12: 6 + 6), every pass over the same block while it is in L1. */
+/* R (<= 8) heads' bounds of NB (1 or 2) consecutive blocks: per 16-wide chunk the min or the max by the sign mask of
+ * q (precomputed per call), one FMA per head and block.  Two blocks share each q load and mask and give every head
+ * two independent chains; a single block alternates two accumulators over its chunks instead.  Sums are reduced
+ * four at a time (a lone horizontal sum costs about as much as four). */
+FX_INLINE void bound_heads_blocks(const float *q, const __mmask16 *neg, int R, int NB, const float *mn, int d,
+                                  float *out, int64_t ld) {
+    const int nc = d / 16; /* chunks; mask of head j, chunk c: neg[j * nc + c] */
+    __m512 acc[2][8];
+    for (int x = 0; x < 2; x++)
+        for (int j = 0; j < R; j++) acc[x][j] = _mm512_setzero_ps();
+    if (NB == 2) {
+        const float *mx0 = mn + d, *mn1 = mn + 2 * d, *mx1 = mn + 3 * d;
+        for (int c = 0; c < nc; c++) {
+            __m512 lo0 = _mm512_loadu_ps(mn + 16 * c), hi0 = _mm512_loadu_ps(mx0 + 16 * c);
+            __m512 lo1 = _mm512_loadu_ps(mn1 + 16 * c), hi1 = _mm512_loadu_ps(mx1 + 16 * c);
+            for (int j = 0; j < R; j++) {
+                __m512 qv = _mm512_loadu_ps(q + j * d + 16 * c);
+                __mmask16 m = neg[j * nc + c];
+                acc[0][j] = _mm512_fmadd_ps(qv, _mm512_mask_blend_ps(m, hi0, lo0), acc[0][j]);
+                acc[1][j] = _mm512_fmadd_ps(qv, _mm512_mask_blend_ps(m, hi1, lo1), acc[1][j]);
+            }
+        }
+    } else {
+        const float *mx = mn + d;
+        for (int c = 0; c < nc; c++) {
+            __m512 lo = _mm512_loadu_ps(mn + 16 * c), hi = _mm512_loadu_ps(mx + 16 * c);
+            for (int j = 0; j < R; j++)
+                acc[c & 1][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c),
+                                                _mm512_mask_blend_ps(neg[j * nc + c], hi, lo), acc[c & 1][j]);
+        }
+        for (int j = 0; j < R; j++) acc[0][j] = _mm512_add_ps(acc[0][j], acc[1][j]);
+    }
+    __m512 v[16];
+    float *o[16];
+    int n = 0;
+    for (int j = 0; j < R; j++)
+        for (int x = 0; x < NB; x++) {
+            v[n] = acc[x][j];
+            o[n++] = out + j * ld + x;
+        }
+    store_sums(v, n, o);
+}
+
+/* Heads in even passes of at most 8 (r = 12: 6 + 6), blocks in pairs; every pass over the same blocks while in L1. */
 static void bound_heads_avx512(const float *q, int r, const float *s, int n, int d, float *out, int64_t ld) {
     __mmask16 neg[FX_MAX_GROUP * FX_MAX_DIM / 16]; /* per head and chunk: lanes where q <= 0 take the min */
     for (int i = 0; i < r * d / 16; i++)
@@ -399,8 +417,9 @@ static void bound_heads_avx512(const float *q, int r, const float *s, int n, int
     const char *base = (const char *)s;
     const int64_t bb = (int64_t)2 * d * 4, end = (int64_t)n * bb;
     int passes = (r + 7) / 8, nc = d / 16;
-    for (int b = 0; b < n; b++) {
-        for (int64_t o = b * bb + FX_BOUND_AHEAD, e = o + bb < end ? o + bb : end; o < e; o += 64)
+    for (int b = 0; b < n; b += 2) {
+        int nb = n - b < 2 ? 1 : 2;
+        for (int64_t o = b * bb + FX_BOUND_AHEAD, e = o + nb * bb < end ? o + nb * bb : end; o < e; o += 64)
             __builtin_prefetch(base + o, 0, 2);
         const float *mn = s + (int64_t)b * 2 * d;
         for (int p = 0, j0 = 0; p < passes; p++) {
@@ -408,16 +427,22 @@ static void bound_heads_avx512(const float *q, int r, const float *s, int n, int
             const float *qj = q + (int64_t)j0 * d;
             const __mmask16 *nj = neg + j0 * nc;
             float *o = out + j0 * ld + b;
+#define FX_HEADS_CASE(R)                                                              \
+    case R:                                                                           \
+        if (nb == 2) bound_heads_blocks(qj, nj, R, 2, mn, d, o, ld);                  \
+        else bound_heads_blocks(qj, nj, R, 1, mn, d, o, ld);                          \
+        break;
             switch (j1 - j0) {
-                case 1: bound_heads_block(qj, nj, 1, mn, d, o, ld); break;
-                case 2: bound_heads_block(qj, nj, 2, mn, d, o, ld); break;
-                case 3: bound_heads_block(qj, nj, 3, mn, d, o, ld); break;
-                case 4: bound_heads_block(qj, nj, 4, mn, d, o, ld); break;
-                case 5: bound_heads_block(qj, nj, 5, mn, d, o, ld); break;
-                case 6: bound_heads_block(qj, nj, 6, mn, d, o, ld); break;
-                case 7: bound_heads_block(qj, nj, 7, mn, d, o, ld); break;
-                default: bound_heads_block(qj, nj, 8, mn, d, o, ld); break;
+                FX_HEADS_CASE(1)
+                FX_HEADS_CASE(2)
+                FX_HEADS_CASE(3)
+                FX_HEADS_CASE(4)
+                FX_HEADS_CASE(5)
+                FX_HEADS_CASE(6)
+                FX_HEADS_CASE(7)
+                default: FX_HEADS_CASE(8)
             }
+#undef FX_HEADS_CASE
             j0 = j1;
         }
     }
