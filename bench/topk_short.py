@@ -2,8 +2,10 @@
 task, not memory, decides, for both block scorings on the same tasks: "group" (the bound of the summed query heads)
 and "per-head" (r bounds per block, the best gap to each head's own best block).  Default shape: 32 tasks (4
 sequences x 8 KV heads, GQA 4, head_dim 128, bf16); the first block and the last two excluded, k from the budget.
-The two scorings alternate round by round (the machine may be shared); prints the median of --rounds rounds of
---calls calls per case and scoring, and writes JSON.
+Each call gets the next of --queries distinct random queries, as in decode: with one query repeated, the branch
+predictor learns its signs, which hid a mispredicted branch per query element (the group scoring's sign split before
+b445bfb: 91 vs 15 us per call of 5-block tasks here).  The two scorings alternate round by round (the machine may be
+shared); prints the median of --rounds rounds of --calls calls per case and scoring, and writes JSON.
 
 Usage: python bench/topk_short.py [--threads 1] [--kv-heads 8 --group 4 --head-dim 128]
                                   [--out bench/results/topk_short-<host>.json]
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--group", type=int, default=4, help="query heads per KV head (r)")
     ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--queries", type=int, default=50, help="distinct queries cycled through by the calls")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     native.set_threads(args.threads)
@@ -53,19 +56,19 @@ def main() -> None:
             slot = store.allocate()
             kv = torch.randn(n, hkv, d, generator=gen).to(torch.bfloat16)
             store.append(0, slot, kv, kv)
-        q = torch.randn(seqs, hkv * r, d, generator=gen)
+        qs = [torch.randn(seqs, hkv * r, d, generator=gen) for _ in range(args.queries)]
         s_idx, h_idx = np.repeat(np.arange(seqs), hkv), np.tile(np.arange(hkv), seqs)
         tasks = native.make_tasks(s_idx, s_idx, h_idx, g, k, exclude=[(0, g), (n - 2 * g, n)])
         view = store.view(0)
         calls = max(5, args.calls * 300 // max(300, n_blocks))  # long tasks: fewer calls per round
         times: dict[str, list[float]] = {"group": [], "per-head": []}
         for scoring in times:
-            native.group_topk(view, q, tasks, scoring=scoring)  # warm-up (and workspace growth)
+            native.group_topk(view, qs[0], tasks, scoring=scoring)  # warm-up (and workspace growth)
         for _ in range(args.rounds):
             for scoring, samples in times.items():
                 t0 = time.perf_counter()
-                for _ in range(calls):
-                    native.group_topk(view, q, tasks, scoring=scoring)
+                for i in range(calls):
+                    native.group_topk(view, qs[i % len(qs)], tasks, scoring=scoring)
                 samples.append((time.perf_counter() - t0) / calls * 1e6)
         us_g, us_p = statistics.median(times["group"]), statistics.median(times["per-head"])
         rows.append({"blocks": n_blocks, "k": k, "g": g, "tasks": len(tasks), "us_per_call": us_g,
@@ -75,7 +78,7 @@ def main() -> None:
         del store
     out = Path(args.out or Path(__file__).resolve().parent / "results" / f"topk_short-{platform.node() or 'host'}.json")
     out.write_text(json.dumps({"threads": args.threads, "simd": native.get_simd(), "kv_heads": hkv, "group": r,
-                               "head_dim": d, "rows": rows}, indent=1))
+                               "head_dim": d, "queries": args.queries, "rows": rows}, indent=1))
     print(f"wrote {out}")
 
 
