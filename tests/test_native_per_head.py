@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -259,7 +260,9 @@ def test_bad_scoring_is_rejected_naming_the_argument() -> None:
 # ------------------------------------------------------------------------------------------- decode paths --
 
 
-def _decode_setup(topk_scoring: str | None, graphed: bool):
+def _decode_setup(topk_scoring: str | None, graphed: bool) -> tuple[Any, Any, Any]:
+    """(config, model, SparseAttention backend): a 2-layer qwen2-style model with GQA 4, retrieval groups at
+    g = 16 and 32 (one streaming group), the graphed runner's segments run eagerly when `graphed`."""
     from fluxion_lite.decode_graphs import DecodeGraphs
     from fluxion_lite.gguf_loader import GGUFModel
     from fluxion_lite.model import Transformer
@@ -280,7 +283,8 @@ def _decode_setup(topk_scoring: str | None, graphed: bool):
     return cfg, m, a
 
 
-def _decode(cfg, m, a, steps: int = 4) -> list[torch.Tensor]:
+def _decode(cfg: Any, m: Any, a: Any, steps: int = 4) -> list[torch.Tensor]:
+    """Prefill two sequences (300 and 510 tokens), then `steps` decode steps; the logits of each step."""
     from fluxion_lite.attention import SeqChunk
 
     g = torch.Generator().manual_seed(9)
@@ -304,7 +308,8 @@ def test_eager_decode_selects_what_the_numpy_per_head_selected(monkeypatch: pyte
     real = native.group_topk
     calls = {"n": 0, "differs_from_group": 0}
 
-    def checked(view, q, tasks, k_cap=None, out=None, scoring="group"):
+    def checked(view: native.KVView, q: Any, tasks: np.ndarray, k_cap: int | None = None, out: Any = None,
+                scoring: str = "group") -> tuple[Any, Any, Any]:
         ids, scores, counts = real(view, q, tasks, k_cap, out, scoring)
         assert scoring == "per-head"
         layer = next(lay for lay in range(cfg.n_layers) if a.store.view(lay) is view)
@@ -330,7 +335,8 @@ def test_graphed_decode_uses_the_backend_scoring(monkeypatch: pytest.MonkeyPatch
     real = native.group_topk
     seen: list[str] = []
 
-    def spy(view, q, tasks, k_cap=None, out=None, scoring="group"):
+    def spy(view: native.KVView, q: Any, tasks: np.ndarray, k_cap: int | None = None, out: Any = None,
+            scoring: str = "group") -> tuple[Any, Any, Any]:
         seen.append(scoring)
         return real(view, q, tasks, k_cap, out, scoring)
 
@@ -362,7 +368,7 @@ def test_scoring_setting_on_the_backend(monkeypatch: pytest.MonkeyPatch) -> None
     plan = SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.1, sink=8, window=40)
     costs = Costs(cpu_gbs=10.0, gather_gbs=10.0, h2d_gbs=None)
 
-    def make(**kw) -> SparseAttention:
+    def make(**kw: Any) -> SparseAttention:
         return SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=1, placement="cpu",
                                costs=costs, **kw)
 
