@@ -39,7 +39,6 @@ from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan
 from .sparse_graph import GraphedDecode
 from .sparse_step import GVALS, DecodeStep, build_step, retrieval_tasks
-from .topk_experimental import per_head_topk
 from . import zero_copy as zc
 
 MAX_G = max(GRANULARITIES)
@@ -54,7 +53,7 @@ def _align_up(x: int, a: int) -> int:
 class SparseAttention(AttentionBackend):
     def __init__(self, cfg: ModelConfig, plan: SparsePlan, dtype: torch.dtype, device: torch.device, max_seqs: int,
                  placement: Placement = "auto", selection: Selection = "cpu", costs: Costs | None = None,
-                 zero_copy: bool | None = None):
+                 zero_copy: bool | None = None, topk_scoring: str | None = None):
         plan.validate(cfg.n_layers, cfg.n_kv_heads)
         if plan.window < 1:
             raise ValueError("the sparse backend needs window >= 1 (the newest token is attended on the device)")
@@ -127,16 +126,35 @@ class SparseAttention(AttentionBackend):
         self._stream_groups = self._all_groups = 0.0
         self.serial = next(_serials)
         self._graphed = GraphedDecode(self)
-        # block scoring of retrieval groups: the native group bound, or FLUXION_TOPK=per-head (experimental)
-        self.topk_scoring = os.environ.get("FLUXION_TOPK", "native")
-        if self.topk_scoring not in ("native", "per-head"):
-            raise ValueError(f"FLUXION_TOPK={self.topk_scoring!r}: use 'native' or 'per-head'")
+        # block scoring of the native top-k (native.SCORINGS), for the eager and the graphed decode paths alike:
+        # the argument, else FLUXION_TOPK, else "group"
+        env = os.environ.get("FLUXION_TOPK")
+        try:
+            self.topk_scoring = topk_scoring or env or "group"
+        except ValueError as e:
+            raise ValueError(f"FLUXION_TOPK={env!r}: {e}" if topk_scoring is None else str(e)) from None
+
+    @property
+    def topk_scoring(self) -> str:
+        """How the native top-k scores a retrieval group's blocks: "group" (the Quest bound of the summed query
+        heads) or "per-head" (each head's bound as a gap to its own best block, best over the heads)."""
+        return self._topk_scoring
+
+    @topk_scoring.setter
+    def topk_scoring(self, value: str) -> None:
+        value = "group" if value == "native" else value  # "native": the group scoring's old FLUXION_TOPK name
+        if value not in native.SCORINGS:
+            raise ValueError(f"topk_scoring must be one of {native.SCORINGS}, got {value!r}")
+        if value != "group" and self.selection != "cpu":
+            raise ValueError(f"topk_scoring={value!r} needs selection='cpu' (the device-side selection scores "
+                             f"blocks by the group bound)")
+        self._topk_scoring = value
 
     def decode_hooks(self, chunks: list[SeqChunk]) -> GraphedDecode | None:
         """The captured form of this decode step (sparse_graph.py), or None where it must run eagerly: prefill
         chunks or a sequence's first decode step, a token still landing in the sink, per-request plans, device-side
         selection."""
-        if self.selection != "cpu" or self.planner is not None or self.topk_scoring != "native":
+        if self.selection != "cpu" or self.planner is not None:
             return None
         if any(c.length != 1 or c.seq_id in self._prefilling or c.start < self.sink_cap for c in chunks):
             return None
@@ -413,11 +431,7 @@ class SparseAttention(AttentionBackend):
                 if ev_q is not None:
                     ev_q.synchronize()
                 q_host = self._q_out[:B] if cuda else q.float().contiguous()  # [B, Hq, D] fp32
-                if self.topk_scoring == "per-head":  # experimental (topk_experimental.py); numpy, not a hot path
-                    ids, counts = per_head_topk(self.store, layer, q_host, tasks, self.scale)
-                    pinned = False
-                else:
-                    ids, scores, counts = native.group_topk(view, q_host, tasks)
+                ids, scores, counts = native.group_topk(view, q_host, tasks, scoring=self.topk_scoring)
                 if pinned:  # pins take part of each task's k
                     ids, counts = self.pins.merge(layer, tasks, ids, scores, counts)
             else:
