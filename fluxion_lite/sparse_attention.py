@@ -127,10 +127,10 @@ class SparseAttention(AttentionBackend):
         self.serial = next(_serials)
         self._graphed = GraphedDecode(self)
         # block scoring of the native top-k (native.SCORINGS), for the eager and the graphed decode paths alike:
-        # the argument, else FLUXION_TOPK, else "group"
+        # the argument, else FLUXION_TOPK, else the plan's (plan files can name it: policy variants)
         env = os.environ.get("FLUXION_TOPK")
         try:
-            self.topk_scoring = topk_scoring or env or "group"
+            self.topk_scoring = topk_scoring or env or plan.scoring
         except ValueError as e:
             raise ValueError(f"FLUXION_TOPK={env!r}: {e}" if topk_scoring is None else str(e)) from None
 

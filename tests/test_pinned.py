@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fluxion_lite.engine import Engine, make_attention
+from fluxion_lite.errors import ModelFileError
 from fluxion_lite.pinned import PinnedBlocks, attention_mass, pick_pins
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
 from test_sparse import MODEL, decode_logits, engine, essay_tokens  # noqa: F401  (fixtures)
@@ -142,8 +143,21 @@ def test_pinned_plan_reads_the_same_blocks_per_step(engine: Engine, essay_tokens
 
 
 def test_plan_file_round_trips_the_pin_settings(tmp_path: Path) -> None:
-    plan = SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05), GroupPlan(True)]], "t", pin_fraction=0.5, obs_window=48)
+    plan = SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05), GroupPlan(True)]], "t", pin_fraction=0.5, obs_window=48,
+                      scoring="per-head")
     plan.save(tmp_path / "p.plan.json")
     back = SparsePlan.load(tmp_path / "p.plan.json")
-    assert (back.pin_fraction, back.obs_window, back.groups) == (0.5, 48, plan.groups)
-    assert "50% of each retrieval budget pinned" in back.explain()
+    assert (back.pin_fraction, back.obs_window, back.scoring, back.groups) == (0.5, 48, "per-head", plan.groups)
+    assert "50% of each retrieval budget pinned" in back.explain() and "per-head" in back.explain()
+    bad = SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05)]], "t", scoring="exact")
+    with pytest.raises(ModelFileError, match="scoring"):
+        bad.validate(1, 1)
+
+
+def test_the_plan_names_the_block_scoring(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    cfg = engine.config
+    monkeypatch.delenv("FLUXION_TOPK", raising=False)
+    plan = SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.1, sink=16, window=64)
+    plan.scoring = "per-head"
+    attn = make_attention("fluxion", cfg, torch.float32, torch.device("cpu"), 2, MODEL, plan=plan)
+    assert attn.topk_scoring == "per-head"
