@@ -4,7 +4,7 @@ One run prints a table per thread count and writes bench/results/kernels-<host>.
   * read bandwidth: a STREAM-like read of a large buffer on the same thread pool (the ceiling),
   * sparse attention GB/s: bytes of K and V in the selected blocks / time of one per-layer call for all tasks,
   * top-k GB/s: bytes of block summaries scanned / time (min and max per dimension, 16-bit like the KV; fp32
-    before fx_version 3, so GB/s across that change compare at twice the bytes: compare ms/call),
+    before fx_version 4, so GB/s across that change compare at twice the bytes: compare ms/call),
   * gather GB/s: bytes of K and V copied into the (pinned if CUDA) staging buffer / time (bytes read; a copy
     also writes as many), with non-temporal stores (default) and with plain cached stores,
   * torch CPU: the same attention with index_select + matmul in torch, same thread count, for comparison,

@@ -204,7 +204,9 @@ class GraphedDecode:
             view = a.store.view(layer)
             q_host = staged[:, :hq].float().contiguous()  # [B, Hq, D] fp32 for the native kernels
             t0 = time.perf_counter()
-            ids, _, counts = native.group_topk(view, q_host, tasks)
+            ids, scores, counts = native.group_topk(view, q_host, tasks, scoring=a.topk_scoring)
+            if a.pins is not None and a.pins.any(layer):  # pins take part of each task's k
+                ids, counts = a.pins.merge(layer, tasks, ids, scores, counts)
             a._st.cpu_topk_s += time.perf_counter() - t0
             a._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
             q_dev = ss.q[layer]

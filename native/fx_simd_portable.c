@@ -144,7 +144,31 @@ static void minmax_portable(const uint16_t *k, int len, int d, int bf16, uint16_
     }
 }
 
+static void bound_heads_portable(const float *q, int r, const uint16_t *s, int n, int d, int bf16, float *out,
+                                 int64_t ld) {
+    float mn[FX_MAX_DIM], mx[FX_MAX_DIM];
+    for (int b = 0; b < n; b++) {
+        row_to_f32(s + (int64_t)b * 2 * d, d, bf16, mn);
+        row_to_f32(s + (int64_t)b * 2 * d + d, d, bf16, mx);
+        for (int j = 0; j < r; j++) {
+            const float *qj = q + (int64_t)j * d;
+            float acc = 0.0f;
+            for (int e = 0; e < d; e++) acc += qj[e] * (qj[e] > 0 ? mx[e] : mn[e]);
+            out[j * ld + b] = acc;
+        }
+    }
+}
+
+static void gap_max_portable(const float *x, int64_t ld, const float *m, int r, int n, float *score) {
+    for (int b = 0; b < n; b++) score[b] = x[b] - m[0];
+    for (int j = 1; j < r; j++)
+        for (int b = 0; b < n; b++) {
+            float v = x[j * ld + b] - m[j];
+            score[b] = v > score[b] ? v : score[b];
+        }
+}
+
 const fx_kernels fx_kernels_portable = {
     "portable", qk_portable, pv_portable, exp_neg_portable, row_max_portable, exp_sum_portable,
-    stage_copy_portable, fence_portable, bound_portable, minmax_portable,
+    stage_copy_portable, fence_portable, bound_portable, minmax_portable, bound_heads_portable, gap_max_portable,
 };

@@ -1,9 +1,11 @@
 """Block summaries live in the KV's own 16-bit dtype (native/fluxion.h).  Min and max of 16-bit keys are 16-bit
 values, so the summaries must be the exact per-block min/max of the stored keys, and the Quest bound (widened to
 fp32 in the kernel) and the top-k selection must equal a float64 reference computed from the keys themselves:
-for fp16 and bf16, across incremental decode appends that leave blocks partly filled, on every SIMD path this CPU
+for group and per-head scoring, fp16 and bf16, across incremental decode appends that leave blocks partly filled, on every SIMD path this CPU
 runs, with one and several threads."""
 from __future__ import annotations
+
+import itertools
 
 import numpy as np
 import pytest
@@ -46,35 +48,39 @@ def _check_summaries(store: HostKVStore, slot: int, keys64: np.ndarray) -> None:
 
 def _check_selection(store: HostKVStore, slots: list[int], keys64: list[np.ndarray], q: np.ndarray,
                      exact: list[bool]) -> None:
-    """Top-k of every (slot, KV head) at every g and a few k against the float64 bound of the exact min/max.
-    exact[si]: the slot's scores are exact in fp32 (grid keys and queries), so ids and scores must be equal;
-    otherwise the chosen blocks must be the best up to float32 rounding."""
+    """Top-k of every (slot, KV head) at every g and a few k, group and per-head scoring, against the float64 bound
+    of the exact min/max.  exact[si]: the slot's scores are exact in fp32 (grid keys and queries), so ids and scores
+    must be equal; otherwise the chosen blocks must be the best up to float32 rounding."""
     view = store.view(0)
-    for g in GRANS:
+    for g, scoring in itertools.product(GRANS, ("group", "per-head")):
         n_blocks = [-(-len(k) // g) for k in keys64]
         for k in sorted({1, 3, max(n_blocks) // 2 + 1, max(n_blocks)}):
             excl = [[(0, g), (len(kk) - g, len(kk))] for kk in keys64]  # a sink block and the recent block
             rows = [(si, h) for si in range(len(slots)) for h in range(HKV)]
             tasks = np.concatenate([native.make_tasks(slots[si], si, h, g, k, exclude=excl[si]) for si, h in rows])
-            ids, scores, counts = native.group_topk(view, q, tasks)
+            ids, scores, counts = native.group_topk(view, q, tasks, scoring=scoring)
             for ti, (si, h) in enumerate(rows):
                 n = len(keys64[si])
                 mins, maxs = ref.block_summaries(keys64[si][:, h], g)
-                want = ref.block_scores(q[si, h * R:(h + 1) * R], mins, maxs)  # float64 [n_blocks]
                 eligible = ref.eligible_blocks(n, g, excl[si])
+                qg = q[si, h * R:(h + 1) * R]
+                want = (ref.block_scores(qg, mins, maxs) if scoring == "group"  # float64 [n_blocks]
+                        else ref.per_head_scores(qg, mins, maxs, eligible))
                 chosen = ids[ti, :counts[ti]]
                 assert counts[ti] == min(k, len(eligible))
                 if exact[si]:
-                    assert np.array_equal(want, want.astype(np.float32)), "premise: bounds exact in fp32"
+                    assert np.array_equal(want[eligible], want[eligible].astype(np.float32)), "premise: exact in fp32"
                     best = sorted(eligible.tolist(), key=lambda b: (-want[b], b))[:k]  # ties -> lower id
-                    assert chosen.tolist() == sorted(best), (g, k, si, h)
+                    assert chosen.tolist() == sorted(best), (g, scoring, k, si, h)
                     assert np.array_equal(scores[ti, :counts[ti]], want[chosen].astype(np.float32))
                 else:
                     assert np.all(np.diff(chosen) > 0) and np.isin(chosen, eligible).all()
-                    np.testing.assert_allclose(scores[ti, :counts[ti]], want[chosen], rtol=1e-5, atol=1e-4)
+                    # fp32 rounding scales with the bounds (per-head scores are differences of them)
+                    tol = 1e-5 * np.abs(ref.head_bounds(qg, mins, maxs)).sum(axis=0).max()
+                    np.testing.assert_allclose(scores[ti, :counts[ti]], want[chosen], rtol=0, atol=tol)
                     rest = np.setdiff1d(eligible, chosen)
                     if len(rest) and len(chosen):
-                        assert want[chosen].min() >= want[rest].max() - 1e-5 * np.abs(want).max()
+                        assert want[chosen].min() >= want[rest].max() - tol
 
 
 @pytest.mark.parametrize("threads", (1, N_THREADS))
