@@ -419,18 +419,19 @@ static void minmax_avx2(const uint16_t *k, int len, int d, int bf16, uint16_t *m
 /* R (<= 5) heads' bounds of one block: per 8-wide chunk the min or the max by the sign of q (blendv reads the sign
  * bit: -0.0 takes the min, harmless as its product is 0), one FMA per head; chunks alternate between two accumulators
  * per head (2R accumulators + min + max + q + pick = 14 of the 16 ymm registers at R = 5). */
-FX_INLINE void bound_heads_block(const float *q, int R, const float *mn, int d, float *out, int64_t ld) {
-    const float *mx = mn + d;
+FX_INLINE void bound_heads_block(const float *q, int R, const uint16_t *mn, int d, int bf16, float *out,
+                                 int64_t ld) {
+    const uint16_t *mx = mn + d;
     __m256 a0[5], a1[5];
     for (int j = 0; j < R; j++) a0[j] = a1[j] = _mm256_setzero_ps();
     for (int e = 0; e < d; e += 16) { /* d % 16 == 0 */
-        __m256 lo = _mm256_loadu_ps(mn + e), hi = _mm256_loadu_ps(mx + e);
+        __m256 lo = load8(mn + e, bf16), hi = load8(mx + e, bf16);
         for (int j = 0; j < R; j++) {
             __m256 qv = _mm256_loadu_ps(q + j * d + e);
             a0[j] = _mm256_fmadd_ps(qv, _mm256_blendv_ps(hi, lo, qv), a0[j]);
         }
-        lo = _mm256_loadu_ps(mn + e + 8);
-        hi = _mm256_loadu_ps(mx + e + 8);
+        lo = load8(mn + e + 8, bf16);
+        hi = load8(mx + e + 8, bf16);
         for (int j = 0; j < R; j++) {
             __m256 qv = _mm256_loadu_ps(q + j * d + e + 8);
             a1[j] = _mm256_fmadd_ps(qv, _mm256_blendv_ps(hi, lo, qv), a1[j]);
@@ -447,33 +448,36 @@ FX_INLINE void bound_heads_block(const float *q, int R, const float *mn, int d, 
 }
 
 /* Heads in even passes of at most 5 (r = 7: 4 + 3, r = 8: 4 + 4), every pass over the same block while in L1.
- * The block's 16-bit summary is widened once into fp32 (exact) and then serves every head. */
-static void bound_heads_avx2(const float *q, int r, const uint16_t *s, int n, int d, int bf16, float *out,
-                             int64_t ld) {
-    float wide[2 * FX_MAX_DIM] __attribute__((aligned(32))); /* the block's [2][D] */
+ * Each 16-bit summary chunk is widened (exactly) once per pass and serves all the pass's heads. */
+FX_INLINE void bound_heads_body(const float *q, int r, const uint16_t *s, int n, int d, int bf16, float *out,
+                                int64_t ld) {
     const char *base = (const char *)s;
     const int64_t bb = (int64_t)2 * d * 2, end = (int64_t)n * bb;
     int passes = (r + 4) / 5;
     for (int b = 0; b < n; b++) {
         for (int64_t o = b * bb + FX_BOUND_AHEAD, e = o + bb < end ? o + bb : end; o < e; o += 64)
             __builtin_prefetch(base + o, 0, 2);
-        const uint16_t *src = s + (int64_t)b * 2 * d;
-        for (int i = 0; i < 2 * d; i += 8) _mm256_store_ps(wide + i, load8(src + i, bf16));
-        const float *mn = wide;
+        const uint16_t *mn = s + (int64_t)b * 2 * d;
         for (int p = 0, j0 = 0; p < passes; p++) {
             int j1 = r * (p + 1) / passes;
             const float *qj = q + (int64_t)j0 * d;
             float *o = out + j0 * ld + b;
             switch (j1 - j0) {
-                case 1: bound_heads_block(qj, 1, mn, d, o, ld); break;
-                case 2: bound_heads_block(qj, 2, mn, d, o, ld); break;
-                case 3: bound_heads_block(qj, 3, mn, d, o, ld); break;
-                case 4: bound_heads_block(qj, 4, mn, d, o, ld); break;
-                default: bound_heads_block(qj, 5, mn, d, o, ld); break;
+                case 1: bound_heads_block(qj, 1, mn, d, bf16, o, ld); break;
+                case 2: bound_heads_block(qj, 2, mn, d, bf16, o, ld); break;
+                case 3: bound_heads_block(qj, 3, mn, d, bf16, o, ld); break;
+                case 4: bound_heads_block(qj, 4, mn, d, bf16, o, ld); break;
+                default: bound_heads_block(qj, 5, mn, d, bf16, o, ld); break;
             }
             j0 = j1;
         }
     }
+}
+
+static void bound_heads_avx2(const float *q, int r, const uint16_t *s, int n, int d, int bf16, float *out,
+                             int64_t ld) {
+    if (bf16) bound_heads_body(q, r, s, n, d, 1, out, ld);
+    else bound_heads_body(q, r, s, n, d, 0, out, ld);
 }
 
 static void gap_max_avx2(const float *x, int64_t ld, const float *m, int r, int n, float *score) {

@@ -385,17 +385,17 @@ FX_INLINE void store_sums(const __m512 *v, int n, float *const *out) {
  * q (precomputed per call), one FMA per head and block.  Two blocks share each q load and mask and give every head
  * two independent chains; a single block alternates two accumulators over its chunks instead.  Sums are reduced
  * four at a time (a lone horizontal sum costs about as much as four). */
-FX_INLINE void bound_heads_blocks(const float *q, const __mmask16 *neg, int R, int NB, const float *mn, int d,
-                                  float *out, int64_t ld) {
+FX_INLINE void bound_heads_blocks(const float *q, const __mmask16 *neg, int R, int NB, const uint16_t *mn, int d,
+                                  int bf16, float *out, int64_t ld) {
     const int nc = d / 16; /* chunks; mask of head j, chunk c: neg[j * nc + c] */
     __m512 acc[2][8];
     for (int x = 0; x < 2; x++)
         for (int j = 0; j < R; j++) acc[x][j] = _mm512_setzero_ps();
     if (NB == 2) {
-        const float *mx0 = mn + d, *mn1 = mn + 2 * d, *mx1 = mn + 3 * d;
+        const uint16_t *mx0 = mn + d, *mn1 = mn + 2 * d, *mx1 = mn + 3 * d;
         for (int c = 0; c < nc; c++) {
-            __m512 lo0 = _mm512_loadu_ps(mn + 16 * c), hi0 = _mm512_loadu_ps(mx0 + 16 * c);
-            __m512 lo1 = _mm512_loadu_ps(mn1 + 16 * c), hi1 = _mm512_loadu_ps(mx1 + 16 * c);
+            __m512 lo0 = load16(mn + 16 * c, bf16), hi0 = load16(mx0 + 16 * c, bf16);
+            __m512 lo1 = load16(mn1 + 16 * c, bf16), hi1 = load16(mx1 + 16 * c, bf16);
             for (int j = 0; j < R; j++) {
                 __m512 qv = _mm512_loadu_ps(q + j * d + 16 * c);
                 __mmask16 m = neg[j * nc + c];
@@ -404,9 +404,9 @@ FX_INLINE void bound_heads_blocks(const float *q, const __mmask16 *neg, int R, i
             }
         }
     } else {
-        const float *mx = mn + d;
+        const uint16_t *mx = mn + d;
         for (int c = 0; c < nc; c++) {
-            __m512 lo = _mm512_loadu_ps(mn + 16 * c), hi = _mm512_loadu_ps(mx + 16 * c);
+            __m512 lo = load16(mn + 16 * c, bf16), hi = load16(mx + 16 * c, bf16);
             for (int j = 0; j < R; j++)
                 acc[c & 1][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c),
                                                 _mm512_mask_blend_ps(neg[j * nc + c], hi, lo), acc[c & 1][j]);
@@ -425,10 +425,9 @@ FX_INLINE void bound_heads_blocks(const float *q, const __mmask16 *neg, int R, i
 }
 
 /* Heads in even passes of at most 8 (r = 12: 6 + 6), blocks in pairs; every pass over the same blocks while in L1.
- * The pair's 16-bit summaries are widened once into fp32 (exact) and then serve every head. */
-static void bound_heads_avx512(const float *q, int r, const uint16_t *s, int n, int d, int bf16, float *out,
-                               int64_t ld) {
-    float wide[2 * 2 * FX_MAX_DIM] __attribute__((aligned(64))); /* two blocks' [2][D] */
+ * Each 16-bit summary chunk is widened (exactly) once per pass and serves all the pass's heads. */
+FX_INLINE void bound_heads_body(const float *q, int r, const uint16_t *s, int n, int d, int bf16, float *out,
+                                int64_t ld) {
     __mmask16 neg[FX_MAX_GROUP * FX_MAX_DIM / 16]; /* per head and chunk: lanes where q <= 0 take the min */
     for (int i = 0; i < r * d / 16; i++)
         neg[i] = _mm512_cmp_ps_mask(_mm512_loadu_ps(q + 16 * i), _mm512_setzero_ps(), _CMP_LE_OQ);
@@ -439,9 +438,7 @@ static void bound_heads_avx512(const float *q, int r, const uint16_t *s, int n, 
         int nb = n - b < 2 ? 1 : 2;
         for (int64_t o = b * bb + FX_BOUND_AHEAD, e = o + nb * bb < end ? o + nb * bb : end; o < e; o += 64)
             __builtin_prefetch(base + o, 0, 2);
-        const uint16_t *src = s + (int64_t)b * 2 * d;
-        for (int i = 0; i < nb * 2 * d; i += 16) _mm512_store_ps(wide + i, load16(src + i, bf16));
-        const float *mn = wide;
+        const uint16_t *mn = s + (int64_t)b * 2 * d;
         for (int p = 0, j0 = 0; p < passes; p++) {
             int j1 = r * (p + 1) / passes;
             const float *qj = q + (int64_t)j0 * d;
@@ -449,8 +446,8 @@ static void bound_heads_avx512(const float *q, int r, const uint16_t *s, int n, 
             float *o = out + j0 * ld + b;
 #define FX_HEADS_CASE(R)                                                              \
     case R:                                                                           \
-        if (nb == 2) bound_heads_blocks(qj, nj, R, 2, mn, d, o, ld);                  \
-        else bound_heads_blocks(qj, nj, R, 1, mn, d, o, ld);                          \
+        if (nb == 2) bound_heads_blocks(qj, nj, R, 2, mn, d, bf16, o, ld);            \
+        else bound_heads_blocks(qj, nj, R, 1, mn, d, bf16, o, ld);                    \
         break;
             switch (j1 - j0) {
                 FX_HEADS_CASE(1)
@@ -466,6 +463,12 @@ static void bound_heads_avx512(const float *q, int r, const uint16_t *s, int n, 
             j0 = j1;
         }
     }
+}
+
+static void bound_heads_avx512(const float *q, int r, const uint16_t *s, int n, int d, int bf16, float *out,
+                               int64_t ld) {
+    if (bf16) bound_heads_body(q, r, s, n, d, 1, out, ld);
+    else bound_heads_body(q, r, s, n, d, 0, out, ld);
 }
 
 static void gap_max_avx512(const float *x, int64_t ld, const float *m, int r, int n, float *score) {
