@@ -202,6 +202,13 @@ def measure(runner: Runner, steps: int, warmup: int) -> dict[str, Any]:
             "native_by_fn_us": {k: 1e6 * sum(v) / samples for k, v in sorted(by_fn.items())}}
 
 
+def tasks_per_layer(attn: SparseAttention, n_layers: int) -> float:
+    """The last step's retrieval tasks per layer (GraphedDecode.tasks: one table, or before 2026-11-30 a list of
+    per-layer tuples: this script also times older commits)."""
+    t = attn._graphed.tasks
+    return (sum(len(x[0]) for x in t) if isinstance(t, list) else len(t)) / n_layers
+
+
 def load_avg() -> float:
     try:
         return os.getloadavg()[0]
@@ -244,12 +251,11 @@ def main() -> None:
                 attn = make_backend(mode, cfg, batch, args.side, Path(args.plan_source))
                 fill_context(attn, cfg, batch, context, torch.device("cpu"), seed=context + batch)
                 runner = Runner(attn, cfg, batch, context)
-                tasks = sum(len(t) for t, _, _ in attn._graphed.tasks) / cfg.n_layers if attn._graphed.tasks else 0
                 for threads in args.threads:
                     native.set_threads(threads)
                     load0 = load_avg()
                     r = measure(runner, args.steps, args.warmup)
-                    tasks = sum(len(t[0]) for t in attn._graphed.tasks) / cfg.n_layers
+                    tasks = tasks_per_layer(attn, cfg.n_layers)
                     row = {"mode": mode, "context": context, "batch": batch, "threads": threads,
                            "tasks_per_layer": tasks, "load_avg": (load0 + load_avg()) / 2,
                            "kv_read_fraction": attn.stats()["kv_read_fraction"], **r}
