@@ -668,7 +668,9 @@ class PreparedSelection:
     the largest k of all rows, so every layer's rows keep the k_cap their own call would use or more; columns
     past counts[i] are never read)."""
 
-    def __init__(self, view: KVView, q: Any, tasks: Any, scale: float) -> None:
+    def __init__(self, view: KVView, q: Any, tasks: Any, scale: float, rows: Any | None = None,
+                 out: Any | None = None, lse: Any | None = None) -> None:
+        """rows, out, lse: for select_attend (see there); rows int64 [T], out fp32 [n_rows, r, D], lse [n_rows, r]."""
         self._q_ptr, self.q_rows, self.n_q_heads, self.r = _check_q(view, q)
         self.tasks = t = _tasks_array(tasks)
         if not (0.0 < scale < _INF):
@@ -681,6 +683,16 @@ class PreparedSelection:
         self._t, self._ids = _cptr(t), _cptr(self.ids)
         self._scores, self._counts = _cptr(self.scores), _cptr(self.counts)
         self.head_dim, self.n_kv_heads = view.head_dim, view.n_kv_heads
+        self.rows = None
+        if rows is not None or out is not None or lse is not None:
+            if rows is None or out is None or lse is None:
+                raise ValueError("rows, out and lse go together (select_attend's destination)")
+            self.rows = _arr(rows, "rows", _I64, ndim=1, shape=(n,))
+            self._out_ptr, (self.n_rows, _, _) = _buf(out, "out", _F32, 3, (None, self.r, self.head_dim),
+                                                      writable=True)
+            self._lse_ptr, _ = _buf(lse, "lse", _F32, 2, (self.n_rows, self.r), writable=True)
+            self._rows_ptr, self._dest = _cptr(self.rows), (out, lse)
+            self._tokens, self._seconds = ffi.new("int64_t[1]"), ffi.new("double[2]")
 
     def _same_shape(self, view: KVView) -> None:
         if view.head_dim != self.head_dim or view.n_kv_heads != self.n_kv_heads:
@@ -701,6 +713,35 @@ class PreparedSelection:
         if rc:
             raise _native_error(rc, err, "group_topk", view, self.tasks[lo:hi], q_rows=self.q_rows, k_cap=k_cap,
                                 kept_only=True)
+
+    def select_attend(self, view: KVView, lo: int, hi: int) -> tuple[int, float, float]:
+        """topk then attention of rows [lo, hi) in one C call, the results going straight to rows[lo:hi] of out/lse
+        (given to the constructor; rows strictly ascending within [lo, hi)); every other row's lse becomes -inf.
+        Returns (selected tokens: sum of counts * g, seconds selecting, seconds attending)."""
+        if self.rows is None:
+            raise ValueError("select_attend needs rows, out and lse given to the constructor")
+        self._same_shape(view)
+        n, scratch, k_cap = hi - lo, _scratch, self.k_cap
+        err = scratch.err
+        args = (view.struct, self._q_ptr, self.q_rows, self.n_q_heads, self._t + lo * TASK_FIELDS, n, k_cap,
+                self._ids + lo * k_cap, self._scores + lo * k_cap, self._counts + lo, self.scale, self._rows_ptr + lo,
+                self.n_rows, self._out_ptr, self._lse_ptr)
+        rc = lib.fx_select_attend(*args, scratch.ws_ptr, scratch.ws_floats, self._tokens, self._seconds, err)
+        if rc == _E_OUTPUT and int(err[0]) < 0:  # the workspace, for both kernels
+            max_blocks = -(-int(view.n_tokens.max()) // GRANULARITIES[0])
+            scratch.grow(max(int(lib.fx_topk_workspace_floats(n, max(1, max_blocks))),
+                             int(lib.fx_attention_workspace_floats(n, self.r, self.head_dim))))
+            rc = lib.fx_select_attend(*args, scratch.ws_ptr, scratch.ws_floats, self._tokens, self._seconds, err)
+        if rc == _E_OUTPUT:
+            i = int(err[0])
+            if i < 0:
+                raise ValueError("select_attend: the workspace is still short after growing it")
+            raise ValueError(f"select_attend: rows[{lo + i}]={int(self.rows[lo + i])}: rows must be strictly "
+                             f"ascending in [0, {self.n_rows})")
+        if rc:
+            raise _native_error(rc, err, "select_attend", view, self.tasks[lo:hi], q_rows=self.q_rows, k_cap=k_cap,
+                                kept_only=True)
+        return int(self._tokens[0]), float(self._seconds[0]), float(self._seconds[1])
 
     def attention(self, view: KVView, lo: int, hi: int, out: Any, lse: Any) -> None:
         """sparse_attention of rows [lo, hi) over their selections into out fp32 [hi - lo, r, D] and lse fp32

@@ -27,6 +27,7 @@ token goes to a sink slot). Anything else (prefill chunks, per-request plans, de
 """
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -43,22 +44,46 @@ from .sparse_step import GVALS, DecodeStep, retrieval_tasks
 if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
 
+LOG = logging.getLogger("fluxion_lite.sparse_graph")
 
-def step_tasks(a: SparseAttention, st: DecodeStep) -> tuple[np.ndarray, np.ndarray, list[int]]:
+
+def step_tasks(a: SparseAttention, st: DecodeStep) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
     """Every layer's retrieval tasks of a step in one pass over [L, B, Hkv] (sparse_step.retrieval_tasks on the static
     plan's arrays); also adds the step's read and streaming counters, which the eager path adds layer by layer.
     Returns the task table int32 [T, 9] (layer-major), each task's result row (sequence row * Hkv + group, int64
-    [T], ascending within a layer) and the layer boundaries: layer l's tasks are rows ends[l] .. ends[l + 1]."""
+    [T], ascending within a layer), the layer boundaries (layer l's tasks are rows ends[l] .. ends[l + 1]) and
+    each task's selected tokens as top-k will select them (int64 [T]): min(k, eligible blocks) blocks of g tokens,
+    the eligible blocks being those wholly inside the g-aligned gap [lo, hi) between sink and window (at host(l)
+    the store holds n - 1 >= hi tokens of the layer, so no block past hi exists to be excluded)."""
     n_layers, hkv, B = a.cfg.n_layers, a.cfg.n_kv_heads, st.batch
     gi = a._gidx[:, None, :]  # [L, 1, Hkv]
-    tasks, li, bi, h, _, _, _ = retrieval_tasks(st, gi, a._g[:, None, :], a._retrieval[:, None, :],
+    tasks, li, bi, h, k_blocks, lo, hi = retrieval_tasks(st, gi, a._g[:, None, :], a._retrieval[:, None, :],
                                                 a._budget[:, None, :])
     a._read_tokens += float(st.stream_read[gi, np.arange(B)[None, :, None]].sum())
     a._context_tokens += float(st.n.sum()) * hkv * n_layers
     a._stream_groups += float(n_layers * B * hkv - B * a._retrieval.sum())
     a._all_groups += float(n_layers * B * hkv)
     ends = np.searchsorted(li, np.arange(n_layers + 1))  # li is layer-major
-    return tasks, bi * hkv + h, ends.tolist()
+    g = tasks[:, 3].astype(np.int64)
+    selected = np.minimum(k_blocks, (hi - lo) // g) * g
+    return tasks, bi * hkv + h, ends.tolist(), selected
+
+
+def expected_sizes(selected: np.ndarray, ends: list[int]) -> list[tuple[int, int]]:
+    """Per layer (selected tokens of all its tasks, of its smallest non-empty task; 0, 0 without tasks) from each
+    task's selected tokens [T] and the layer boundaries (step_tasks)."""
+    starts, stops = np.array(ends[:-1]), np.array(ends[1:])
+    busy = stops > starts  # layers with tasks: reduceat over their starts covers exactly their rows
+    totals, smallest = np.zeros(len(starts), np.int64), np.zeros(len(starts), np.int64)
+    if len(selected):
+        totals[busy] = np.add.reduceat(selected, starts[busy])
+        smallest[busy] = np.minimum.reduceat(selected, starts[busy])
+    sizes = list(zip(totals.tolist(), smallest.tolist()))
+    for layer in np.flatnonzero(busy & (smallest == 0)).tolist():  # an empty task (k = 0): the smallest non-empty
+        part = selected[ends[layer] : ends[layer + 1]]
+        positive = part[part > 0]
+        sizes[layer] = (sizes[layer][0], int(positive.min()) if len(positive) else 0)
+    return sizes
 
 
 class StaticStep:
@@ -96,7 +121,6 @@ class StaticStep:
         # layer i + 1's graph, after layer i + 1's D2H went into the other copy
         self.stage_host = [torch.zeros(batch, hq + 2 * hkv, d, dtype=owner.dtype, pin_memory=cuda) for _ in range(2)]
         self.q32 = torch.zeros(batch, hq, d)  # [B, Hq, D] fp32: the native kernels' queries, refilled per layer
-        self.o_tmp, self.lse_tmp = np.zeros((n_bh, r, d), np.float32), np.zeros((n_bh, r), np.float32)  # scratch
         # The host append reads k and v straight from a staging copy: viewed as rows of [Hkv, D], batch row b's k is
         # row b * w + r and its v row b * w + r + 1 (w = (Hq + 2 Hkv) / Hkv). A model dtype other than the store's
         # goes through one converted copy [B, 2 Hkv, D] first (w = 2).
@@ -142,6 +166,8 @@ class GraphedDecode:
         self.ends: list[int] = []
         self.sel: native.PreparedSelection | None = None
         self.g = np.zeros(0, np.int32)
+        self.expect: list[tuple[int, int]] = []  # per layer: (selected tokens, smallest task's) top-k will give
+        self.mispredicted = 0  # layers whose top-k selected other than expected (tests check this stays 0)
         self.views: list[native.KVView] = []
         self._t0 = self._wait0 = 0.0
 
@@ -168,9 +194,14 @@ class GraphedDecode:
         a.store.reserve_decode(st.slots)  # before the views are fetched: the step's appends add no pages
         ss.slots32[:] = st.slots
         self.views = [a.store.view(layer) for layer in range(a.cfg.n_layers)]
-        self.tasks, self.bh, self.ends = step_tasks(a, st)
+        self.tasks, self.bh, self.ends, selected = step_tasks(a, st)
         self.g = np.ascontiguousarray(self.tasks[:, 3])
-        self.sel = native.PreparedSelection(self.views[0], ss.q32, self.tasks, a.scale) if len(self.tasks) else None
+        # what top-k will select, per layer: all the scheduler needs to see that a layer goes all-CPU (auto only)
+        self.expect = expected_sizes(selected, self.ends) if a.placement == "auto" else [(0, 0)] * a.cfg.n_layers
+        self.sel = None
+        if len(self.tasks):
+            self.sel = native.PreparedSelection(self.views[0], ss.q32, self.tasks, a.scale, rows=self.bh,
+                                                out=ss.o_np, lse=ss.lse_np)
         self._wait0 = a._st.gpu_wait_s
         self._t0 = time.perf_counter()
 
@@ -242,10 +273,16 @@ class GraphedDecode:
             assert self.sel is not None
             ss.q32.copy_(staged[:, : a.cfg.n_heads])  # [B, Hq, D] fp32 for the native kernels
             view = self.views[layer]
-            t0 = time.perf_counter()
-            self.sel.topk(view, lo, hi)
-            a._st.cpu_topk_s += time.perf_counter() - t0
-            self._run_tasks(layer, view, lo, hi)
+            ex = a.executor
+            per_token = a.cfg.head_dim * 2 * ex.elem  # K+V bytes of one selected token (scheduler.task_bytes)
+            placement = a.placement if ex.feeder is not None else "cpu"
+            if self._all_cpu(placement, *self.expect[layer], per_token):
+                self._select_attend(layer, view, lo, hi, per_token)
+            else:
+                t0 = time.perf_counter()
+                self.sel.topk(view, lo, hi)
+                a._st.cpu_topk_s += time.perf_counter() - t0
+                self._run_tasks(layer, view, lo, hi)
         else:
             ss.lse_np.fill(-np.inf)  # no CPU task in this layer
         if ss.res_dev is not ss.res_host:
@@ -263,23 +300,50 @@ class GraphedDecode:
         else:
             ss.appenders[layer % 2].run(self.views[layer])
 
+    def _select_attend(self, layer: int, view: native.KVView, lo: int, hi: int, per_token: int) -> None:
+        """Every task of the layer on the CPU: top-k and attention in one native call, the results written straight
+        into the pinned result buffer (lse -inf for rows without a task)."""
+        a, sel = self.a, self.sel
+        assert sel is not None
+        tokens, t_select, t_attend = sel.select_attend(view, lo, hi)
+        if a.placement == "auto" and tokens != self.expect[layer][0]:  # never seen; the results are right, only
+            # the split was decided before the selection
+            if not self.mispredicted:
+                LOG.warning("graphed decode: top-k selected %d tokens in layer %d, %d expected", tokens, layer,
+                            self.expect[layer][0])
+            self.mispredicted += 1
+        nbytes = float(tokens * per_token)
+        a._read_tokens += float(tokens)
+        st = a._st
+        st.cpu_topk_s += t_select
+        st.cpu_attn_s += t_attend
+        st.cpu_bytes += nbytes
+        a.executor.cost_model.observe_cpu(nbytes, t_attend)
+
+    def _all_cpu(self, placement: str, total: int, smallest: int, per_token: int) -> bool:
+        """Whether scheduler.split_tasks puts every task on the CPU, for tasks of `total` selected tokens whose
+        smallest non-empty one has `smallest`: always for placement cpu (or no GPU side), and for auto when the
+        scheduler's own shortcut applies (the CPU finishes everything before the GPU could finish the smallest
+        task). Decided before the selection from the sizes top-k will give (step_tasks), without the queue."""
+        if placement == "cpu":
+            return True
+        if placement != "auto":
+            return False
+        costs = self.a.executor.cost_model.costs
+        if not costs.has_gpu:
+            return True
+        return costs.makespan(float(total * per_token), 0.0) <= costs.makespan(0.0, float(smallest * per_token))
+
     def _run_tasks(self, layer: int, view: native.KVView, lo: int, hi: int) -> None:
-        """The layer's tasks (rows lo .. hi of the step's table, selections made): CPU tasks into the pinned result
-        buffer, GPU tasks (zero-copy feeder) into the device buffers."""
+        """The layer's tasks (rows lo .. hi of the step's table, selections made) as the scheduler splits them: CPU
+        tasks into the pinned result buffer, GPU tasks (zero-copy feeder) into the device buffers."""
         a, ss, sel = self.a, self.ss, self.sel
         assert ss is not None and sel is not None
         ex = a.executor
-        counts = sel.counts[lo:hi]
-        tokens = np.dot(counts, self.g[lo:hi])  # selected tokens (exact integers)
-        a._read_tokens += float(tokens)
-        per_token = a.cfg.head_dim * 2 * ex.elem  # K+V bytes of one selected token (scheduler.task_bytes)
-        placement = a.placement if ex.feeder is not None else "cpu"
-        if self._all_cpu(placement, counts, lo, hi, per_token):
-            self._cpu_direct(view, lo, hi, float(tokens) * per_token)
-            return
-        tasks, ids, bh = self.tasks[lo:hi], sel.ids[lo:hi], self.bh[lo:hi]
+        tasks, ids, counts, bh = self.tasks[lo:hi], sel.ids[lo:hi], sel.counts[lo:hi], self.bh[lo:hi]
+        a._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
         nbytes = task_bytes(counts, tasks[:, 3].astype(np.int64), a.cfg.head_dim, ex.elem)
-        split = split_tasks(nbytes, ex.cost_model.costs, placement)
+        split = split_tasks(nbytes, ex.cost_model.costs, a.placement if ex.feeder is not None else "cpu")
         a._st.cpu_bytes += split.cpu_bytes
         a._st.gpu_bytes += split.gpu_bytes
         ci, gi = split.cpu, split.gpu
@@ -299,45 +363,6 @@ class GraphedDecode:
             a._st.host_wait_s += time.perf_counter() - t0
         elif len(ci):
             self._cpu_part(*cpu_args)
-
-    def _all_cpu(self, placement: str, counts: np.ndarray, lo: int, hi: int, per_token: int) -> bool:
-        """Whether scheduler.split_tasks would put every task on the CPU, decided without building its queue: always
-        for placement cpu (or no GPU side), and for auto when its own shortcut applies (the CPU finishes everything
-        before the GPU could finish the smallest task)."""
-        if placement == "cpu":
-            return True
-        costs = self.a.executor.cost_model.costs
-        if placement != "auto":
-            return False
-        if not costs.has_gpu:
-            return True
-        tokens = counts * self.g[lo:hi]  # [T] selected tokens per task
-        positive = tokens[tokens > 0]
-        smallest = float(positive.min()) * per_token if len(positive) else 0.0
-        return costs.makespan(float(tokens.sum()) * per_token, 0.0) <= costs.makespan(0.0, smallest)
-
-    def _cpu_direct(self, view: native.KVView, lo: int, hi: int, nbytes: float) -> None:
-        """Every task of the layer on the CPU: native attention straight into the result buffer when the tasks cover
-        every row (bh ascending and distinct, so T == rows means bh is 0 .. rows - 1), else into scratch rows that
-        are then scattered."""
-        a, ss, sel = self.a, self.ss, self.sel
-        assert ss is not None and sel is not None
-        a._st.cpu_bytes += nbytes
-        n = hi - lo
-        t0 = time.perf_counter()
-        if n == len(ss.lse_np):
-            sel.attention(view, lo, hi, ss.o_np, ss.lse_np)
-            dt = time.perf_counter() - t0
-        else:
-            o, lse = ss.o_tmp[:n], ss.lse_tmp[:n]
-            sel.attention(view, lo, hi, o, lse)
-            dt = time.perf_counter() - t0
-            bh = self.bh[lo:hi]
-            ss.lse_np.fill(-np.inf)  # rows without a CPU task
-            ss.o_np[bh] = o
-            ss.lse_np[bh] = lse
-        a._st.cpu_attn_s += dt
-        a.executor.cost_model.observe_cpu(nbytes, dt)
 
     def _cpu_part(self, view: native.KVView, q_host: torch.Tensor, tasks: np.ndarray, ids: np.ndarray,
                   counts: np.ndarray, bh: np.ndarray, nbytes: float) -> None:

@@ -167,3 +167,91 @@ def test_reserve_decode_leaves_the_step_no_page_table_change() -> None:
     np.testing.assert_array_equal(store.layer_version, versions)
     assert [store.n_tokens(layer, int(slots[0])) for layer in range(3)] == [257] * 3
     torch.testing.assert_close(store.read(2, int(slots[0]))[0][256], k[0], rtol=0, atol=0)
+
+
+def test_select_attend_writes_rows_in_place_like_topk_then_attention() -> None:
+    """One call: top-k, then attention into rows[i] of the caller's buffers; rows without a task get lse = -inf and
+    keep their out; the selected-token count and both phases' times come back."""
+    store, slots, kv = filled_store(1)
+    q = torch.from_numpy(np.random.default_rng(6).standard_normal((len(slots), H * R, D), dtype=np.float32))
+    tasks = tasks_for(slots)[:6]
+    n_rows = 9
+    rows = np.array([0, 2, 3, 5, 7, 8], np.int64)
+    out, lse = np.full((n_rows, R, D), 7.0, np.float32), np.zeros((n_rows, R), np.float32)
+    scale = D**-0.5
+    sel = native.PreparedSelection(store.view(0), q, tasks, scale, rows=rows, out=out, lse=lse)
+    tokens, t_select, t_attend = sel.select_attend(store.view(0), 0, 6)
+    view = store.view(0)
+    ids_w, _, counts_w = native.group_topk(view, q, tasks)
+    out_w, lse_w = native.sparse_attention(view, q, tasks, ids_w, counts_w, scale)
+    np.testing.assert_array_equal(sel.counts, counts_w)
+    assert tokens == int((counts_w.astype(np.int64) * tasks[:, 3]).sum()) and t_select > 0 and t_attend > 0
+    np.testing.assert_array_equal(out[rows], out_w)
+    np.testing.assert_array_equal(lse[rows], lse_w)
+    free = np.setdiff1d(np.arange(n_rows), rows)
+    assert np.isneginf(lse[free]).all() and (out[free] == 7.0).all()
+    for i, t in enumerate(tasks):  # and against the float64 definition
+        slot, row, h, g = (int(x) for x in t[:4])
+        keys, values = kv[0, slot]
+        toks = ref.block_tokens(sel.ids[i, :sel.counts[i]], g, int(view.n_tokens[slot]))
+        o_ref, lse_ref = ref.attention(q[row, h * R:(h + 1) * R].double().numpy(), keys[toks, h], values[toks, h],
+                                       scale)
+        np.testing.assert_allclose(out[rows[i]], o_ref, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(lse[rows[i]], lse_ref, rtol=1e-5, atol=1e-5)
+    # a sub-range of the table, rows taken from the same offset
+    sel.select_attend(view, 2, 5)
+    np.testing.assert_array_equal(out[rows[2:5]], out_w[2:5])
+    assert np.isneginf(lse[[0, 1, 2, 4, 6, 7, 8]]).all()
+
+
+def test_select_attend_rejects_bad_rows_and_needs_a_destination() -> None:
+    store, slots, _ = filled_store(1)
+    q = torch.zeros(len(slots), H * R, D)
+    tasks = tasks_for(slots)[:3]
+    out, lse = np.zeros((4, R, D), np.float32), np.zeros((4, R), np.float32)
+    for bad in ([0, 2, 2], [1, 0, 3], [0, 1, 4], [-1, 0, 1]):
+        sel = native.PreparedSelection(store.view(0), q, tasks, 0.5, rows=np.array(bad, np.int64), out=out, lse=lse)
+        with pytest.raises(ValueError, match="strictly ascending"):
+            sel.select_attend(store.view(0), 0, 3)
+    with pytest.raises(ValueError, match="select_attend needs rows"):
+        native.PreparedSelection(store.view(0), q, tasks, 0.5).select_attend(store.view(0), 0, 3)
+    with pytest.raises(ValueError, match="go together"):
+        native.PreparedSelection(store.view(0), q, tasks, 0.5, rows=np.arange(3))
+    with pytest.raises(ValueError, match="lse"):
+        native.PreparedSelection(store.view(0), q, tasks, 0.5, rows=np.arange(3), out=out, lse=lse[:3])
+    bad = tasks.copy()
+    bad[1, 2] = H  # a KV head the store does not have
+    sel = native.PreparedSelection(store.view(0), q, bad, 0.5, rows=np.arange(3), out=out, lse=lse)
+    with pytest.raises(ValueError, match=r"tasks\[1\]\.kv_head=2"):
+        sel.select_attend(store.view(0), 0, 3)
+
+
+def test_select_attend_grows_a_fresh_threads_workspace() -> None:
+    """A new thread starts with a small workspace (65536 floats); 1200 tasks over 517 tokens at g=16 need more for
+    top-k, which C reports before doing anything, and the call grows it and goes on."""
+    import threading
+
+    store, slots, _ = filled_store(1)
+    q = torch.from_numpy(np.random.default_rng(8).standard_normal((len(slots), H * R, D), dtype=np.float32))
+    one = np.array([[slots[1], 1, 1, 16, 5, 0, 16, 448, 517]], np.int32)
+    tasks = np.repeat(one, 1200, axis=0)
+    out, lse = np.zeros((1200, R, D), np.float32), np.zeros((1200, R), np.float32)
+    results: list[object] = []
+
+    def work() -> None:
+        try:
+            assert native._scratch.ws_floats < 1200 * (2 * 33 + 2)
+            sel = native.PreparedSelection(store.view(0), q, tasks, 0.25, rows=np.arange(1200), out=out, lse=lse)
+            results.append(sel.select_attend(store.view(0), 0, 1200))
+        except Exception as e:  # noqa: BLE001 - reported by the main thread
+            results.append(e)
+
+    t = threading.Thread(target=work)
+    t.start()
+    t.join()
+    assert not isinstance(results[0], Exception), results[0]
+    o1, l1 = native.sparse_attention(store.view(0), q, tasks[:1], *native.group_topk(store.view(0), q, tasks[:1])[::2],
+                                     0.25)
+    # the same selection everywhere; attention splits blocks into chunks by the call's total work: fp32 rounding
+    np.testing.assert_allclose(out, np.repeat(o1, 1200, axis=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, np.repeat(l1, 1200, axis=0), rtol=1e-6, atol=1e-6)
