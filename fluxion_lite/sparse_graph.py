@@ -159,13 +159,12 @@ class GraphedDecode:
         self.ss: StaticStep | None = None
         self.st: DecodeStep | None = None
         self.chunks: list[SeqChunk] = []
-        # the step's tasks (step_tasks): table, result row, layer boundaries; their prepared native calls; per task
-        # its block size (bytes of a selection); the layers' store views (valid for the step: see begin)
+        # the step's tasks (step_tasks): table, result row, layer boundaries; their prepared native calls; the
+        # layers' store views (valid for the step: see begin)
         self.tasks = np.zeros((0, native.TASK_FIELDS), np.int32)
         self.bh = np.zeros(0, np.int64)
         self.ends: list[int] = []
         self.sel: native.PreparedSelection | None = None
-        self.g = np.zeros(0, np.int32)
         self.expect: list[tuple[int, int]] = []  # per layer: (selected tokens, smallest task's) top-k will give
         self.mispredicted = 0  # layers whose top-k selected other than expected (tests check this stays 0)
         self.views: list[native.KVView] = []
@@ -195,7 +194,6 @@ class GraphedDecode:
         ss.slots32[:] = st.slots
         self.views = [a.store.view(layer) for layer in range(a.cfg.n_layers)]
         self.tasks, self.bh, self.ends, selected = step_tasks(a, st)
-        self.g = np.ascontiguousarray(self.tasks[:, 3])
         # what top-k will select, per layer: all the scheduler needs to see that a layer goes all-CPU (auto only)
         self.expect = expected_sizes(selected, self.ends) if a.placement == "auto" else [(0, 0)] * a.cfg.n_layers
         self.sel = None
