@@ -21,6 +21,7 @@ Two passes per case: the timed pass (headline medians), then a pass with every n
 (native.lib replaced by a proxy), which splits host(layer) into native time and Python glue.
 
 Usage: python bench/host_step.py --contexts 4096 8192 32768 --batches 1 4 --threads 1 2
+       python bench/host_step.py --compare BEFORE.json [...] -- AFTER.json [...]   (side by side per case)
 """
 from __future__ import annotations
 
@@ -216,7 +217,36 @@ def load_avg() -> float:
         return float("nan")
 
 
+def compare(before: list[Path], after: list[Path]) -> None:
+    """Side by side: the rows of runs before and after a change (same cases), medians in us per layer."""
+    def rows(paths: list[Path]) -> tuple[dict[tuple, dict], list[str]]:
+        out, notes = {}, []
+        for p in paths:
+            d = json.loads(p.read_text())
+            notes.append(f"{p}: {d['note']} | {d.get('command') or '; '.join(d.get('commands', []))}")
+            for r in d["rows"]:
+                out[(r["mode"], r["context"], r["batch"], r["threads"])] = r
+        return out, notes
+
+    b, nb = rows(before)
+    a, na = rows(after)
+    print("\n".join(["before:"] + nb + ["after:"] + na))
+    print(f"{'mode':<8}{'ctx':>6}{'B':>3}{'thr':>4} | {'host us':>15} | {'step/L us':>15} | {'glue us':>13} | "
+          f"{'native us':>15} | load")
+    for key in sorted(set(b) & set(a), key=lambda k: (k[3], k[1], k[2], k[0])):
+        x, y = b[key], a[key]
+        print(f"{key[0]:<8}{key[1]:>6}{key[2]:>3}{key[3]:>4} | {x['host_us']:>6.0f} -> {y['host_us']:>5.0f} | "
+              f"{x['step_host_us_per_layer']:>6.0f} -> {y['step_host_us_per_layer']:>5.0f} | "
+              f"{x['glue_us']:>5.0f} -> {y['glue_us']:>4.0f} | {x['native_us']:>6.0f} -> {y['native_us']:>5.0f} | "
+              f"{x['load_avg']:.1f} / {y['load_avg']:.1f}")
+
+
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--compare":  # --compare BEFORE.json [...] -- AFTER.json [...]
+        args = sys.argv[2:]
+        cut = args.index("--")
+        compare([Path(p) for p in args[:cut]], [Path(p) for p in args[cut + 1:]])
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--contexts", nargs="+", type=int, default=[4096, 8192, 32768])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 4])
