@@ -252,10 +252,21 @@ static void append_worker(void *ctx, int tid, int nthreads) {
     }
 }
 
+/* Appends of at most this many (item, page, head) units run on the caller alone: a decode step's one token per
+ * sequence is a few hundred bytes per unit, and waking the pool for it cost more than the copies (on the 2-core VM:
+ * ~10 us for one token x 8 heads on the caller, 30 us and more with the second thread). */
+enum { FX_APPEND_INLINE_UNITS = 64 };
+
 static int run_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *lo, const int64_t *hi,
                       const int64_t *row_start, int64_t n_items, const void *src_k, const void *src_v) {
     append_job J = {kv, slots, lo, hi, row_start, src_k, src_v, n_items, 0, kern()};
-    fx_pool_run(append_worker, &J);
+    int64_t units = 0, P = kv->page_tokens;
+    for (int64_t i = 0; i < n_items && units <= FX_APPEND_INLINE_UNITS; i++)
+        if (hi[i] > lo[i]) units += ((hi[i] - 1) / P - lo[i] / P + 1) * kv->n_kv_heads;
+    if (units <= FX_APPEND_INLINE_UNITS)
+        append_worker(&J, 0, 1); /* correct with any subset of participants, the caller alone included */
+    else
+        fx_pool_run(append_worker, &J);
     return FX_OK;
 }
 
