@@ -694,13 +694,16 @@ class PreparedSelection:
             self._rows_ptr, self._dest = _cptr(self.rows), (out, lse)
             self._tokens, self._seconds = ffi.new("int64_t[1]"), ffi.new("double[2]")
 
-    def _same_shape(self, view: KVView) -> None:
+    def _check(self, view: KVView, lo: int, hi: int) -> None:
+        """The call's view and row range (pointers are offset by lo: a range past the table would read past it)."""
         if view.head_dim != self.head_dim or view.n_kv_heads != self.n_kv_heads:
             raise ValueError("view: another store's shape than the one the call was prepared for")
+        if not 0 <= lo <= hi <= len(self.tasks):
+            raise ValueError(f"rows [{lo}, {hi}) outside the task table's {len(self.tasks)} rows")
 
     def topk(self, view: KVView, lo: int, hi: int) -> None:
         """group_topk of rows [lo, hi) into ids/scores/counts rows [lo, hi)."""
-        self._same_shape(view)
+        self._check(view, lo, hi)
         scratch, k_cap = _scratch, self.k_cap
         err = scratch.err
         args = (view.struct, self._q_ptr, self.q_rows, self.n_q_heads, self._t + lo * TASK_FIELDS, hi - lo, k_cap,
@@ -720,7 +723,7 @@ class PreparedSelection:
         Returns (selected tokens: sum of counts * g, seconds selecting, seconds attending)."""
         if self.rows is None:
             raise ValueError("select_attend needs rows, out and lse given to the constructor")
-        self._same_shape(view)
+        self._check(view, lo, hi)
         n, scratch, k_cap = hi - lo, _scratch, self.k_cap
         err = scratch.err
         args = (view.struct, self._q_ptr, self.q_rows, self.n_q_heads, self._t + lo * TASK_FIELDS, n, k_cap,
@@ -746,7 +749,7 @@ class PreparedSelection:
     def attention(self, view: KVView, lo: int, hi: int, out: Any, lse: Any) -> None:
         """sparse_attention of rows [lo, hi) over their selections into out fp32 [hi - lo, r, D] and lse fp32
         [hi - lo, r] (numpy arrays or CPU tensors; checked here: a few us)."""
-        self._same_shape(view)
+        self._check(view, lo, hi)
         n, r, d = hi - lo, self.r, self.head_dim
         out_ptr, _ = _buf(out, "out", _F32, 3, (n, r, d), writable=True)
         lse_ptr, _ = _buf(lse, "lse", _F32, 2, (n, r), writable=True)

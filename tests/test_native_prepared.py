@@ -104,6 +104,9 @@ def test_selection_reads_q_in_place_and_rejects_bad_input() -> None:
     with pytest.raises(ValueError, match="shape"):
         native.PreparedSelection(store.view(0), q, tasks, 0.5).topk(other.view(0), 0, 6)
     sel = native.PreparedSelection(store.view(0), q, tasks, 0.5)
+    for lo, hi in ((0, 7), (-1, 3), (4, 2)):
+        with pytest.raises(ValueError, match="outside the task table"):
+            sel.topk(store.view(0), lo, hi)
     sel.topk(store.view(0), 0, 6)
     sel.counts[1] = sel.k_cap + 1  # a selection the C side must refuse
     with pytest.raises(ValueError, match=r"counts\[1\]"):
