@@ -683,7 +683,7 @@ class PreparedSelection:
         self._t, self._ids = _cptr(t), _cptr(self.ids)
         self._scores, self._counts = _cptr(self.scores), _cptr(self.counts)
         self.head_dim, self.n_kv_heads = view.head_dim, view.n_kv_heads
-        self.rows = None
+        self.rows: np.ndarray | None = None
         if rows is not None or out is not None or lse is not None:
             if rows is None or out is None or lse is None:
                 raise ValueError("rows, out and lse go together (select_attend's destination)")

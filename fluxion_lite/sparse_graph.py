@@ -132,7 +132,7 @@ class StaticStep:
         else:
             self.kv16 = torch.zeros(batch, 2 * hkv, d, dtype=store.dtype)
             sources, first = [self.kv16], 0
-        self.appenders = []
+        self.appenders: list[native.PreparedAppend] = []
         for src in sources:
             w = src.shape[1] // hkv
             rows = src.view(batch * w, hkv, d)
