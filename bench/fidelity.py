@@ -29,6 +29,7 @@ from fluxion_lite.engine import Engine
 from fluxion_lite.errors import FluxionError
 from fluxion_lite.eval_text import essay_text
 from fluxion_lite.model import Transformer
+from fluxion_lite.sparse_plan import SparsePlan
 
 SEQ_ID = 0
 
@@ -80,11 +81,12 @@ def compare(ref: torch.Tensor, test: torch.Tensor, next_tokens: list[int]) -> di
     }
 
 
-def backend_for(mode: str, full: Engine) -> tuple[Transformer, AttentionBackend] | str:
+def backend_for(mode: str, full: Engine, plan: SparsePlan | None = None) -> tuple[Transformer, AttentionBackend] | str:
     """(model, attention backend) for a mode on the one loaded model, or the reason it is unavailable. Goes through
-    the engine, so `fluxion` gets the per-request predictor when --predictor is given, as in serving."""
+    the engine, so `fluxion` gets the per-request predictor when --predictor is given, as in serving; `plan`
+    replaces fluxion's static plan (policy variants)."""
     try:
-        full.set_attention(mode)
+        full.set_attention(mode, plan)
     except FluxionError as exc:
         return str(exc)
     return full.model, full.attn
@@ -103,11 +105,18 @@ def main() -> None:
     ap.add_argument("--predictor", action="store_true", help="fluxion plans each request with the predictor")
     ap.add_argument("--tokens", default=None, help="read the text's token ids from this JSON file (no tokenizer)")
     ap.add_argument("--export-tokens", default=None, help="write the text's token ids to this JSON file and stop")
+    ap.add_argument("--plan", nargs="*", default=[], help="also run fluxion with these plan files (fluxion@<stem>)")
     ap.add_argument("--out", default=None, help="default bench/results/fidelity_<model>_<context>.json")
     args = ap.parse_args()
     if not 1 <= args.positions <= args.context - 2:
         ap.error("--positions must be in [1, context - 2]")
-    modes = ["full"] + [m for m in args.modes if m != "full"]  # full is the reference: always first
+    # full is the reference: always first; plan variants run as fluxion@<file stem>
+    runs: list[tuple[str, str, SparsePlan | None]] = [("full", "full", None)]
+    runs += [(m, m, None) for m in args.modes if m != "full"]
+    try:
+        runs += [("fluxion", f"fluxion@{Path(p).stem}", SparsePlan.load(Path(p))) for p in args.plan]
+    except FluxionError as exc:
+        sys.exit(f"error: {exc}")
 
     try:
         full = Engine(args.model, attention="full", device=args.device, dtype=args.dtype,
@@ -134,11 +143,11 @@ def main() -> None:
         "dtype": args.dtype, "machine": platform.node(), "processor": platform.processor(), "modes": {},
     }
     ref: torch.Tensor | None = None
-    for mode in modes:
-        got = backend_for(mode, full)
+    for mode, label, plan in runs:
+        got = backend_for(mode, full, plan)
         if isinstance(got, str):
-            print(f"[skip] mode {mode!r}: {got}", file=sys.stderr)
-            result["modes"][mode] = {"skipped": got}
+            print(f"[skip] mode {label!r}: {got}", file=sys.stderr)
+            result["modes"][label] = {"skipped": got}
             continue
         model, attn = got
         reset = getattr(attn, "reset_stats", None)
@@ -151,20 +160,21 @@ def main() -> None:
             ref = logprobs
         row: dict[str, Any] = compare(ref, logprobs, next_tokens) | {"seconds": seconds}
         row |= {k: float(v) for k, v in attn.stats().items()}
-        result["modes"][mode] = row
-        print(f"[{mode}] done in {seconds:.1f} s", file=sys.stderr)
+        result["modes"][label] = row
+        print(f"[{label}] done in {seconds:.1f} s", file=sys.stderr)
 
     print(f"\nfidelity of {args.model}: {args.context} tokens, last {args.positions} decoded one at a time, vs full")
     header = ["KL mean", "KL p90", "KL max", "top-1", "NLL", "KV read/step", "streaming"]
-    print(f"{'mode':<10}" + "".join(f"{h:>{w}}" for h, w in zip(header, (9, 9, 9, 8, 8, 14, 11))))
+    width = max(10, *(len(label) + 2 for label in result["modes"]))
+    print(f"{'mode':<{width}}" + "".join(f"{h:>{w}}" for h, w in zip(header, (9, 9, 9, 8, 8, 14, 11))))
     for mode, r in result["modes"].items():
         if "skipped" in r:
-            print(f"{mode:<10}  skipped: {r['skipped']}")
+            print(f"{mode:<{width}}  skipped: {r['skipped']}")
             continue
         kv = f"{r['kv_read_fraction']:.1%}" if "kv_read_fraction" in r else "100%"
         st = f"{r['streaming_fraction']:.1%}" if "streaming_fraction" in r else "-"
         print(
-            f"{mode:<10}{r['kl_mean']:>9.4f}{r['kl_p90']:>9.4f}{r['kl_max']:>9.4f}{r['top1_agreement']:>8.1%}"
+            f"{mode:<{width}}{r['kl_mean']:>9.4f}{r['kl_p90']:>9.4f}{r['kl_max']:>9.4f}{r['top1_agreement']:>8.1%}"
             f"{r['nll_mean']:>8.3f}{kv:>14}{st:>11}"
         )
     out = Path(args.out or f"bench/results/fidelity_{Path(args.model).stem}_{args.context}.json")

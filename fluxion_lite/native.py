@@ -49,6 +49,7 @@ GRANULARITIES = (16, 32, 64, 128)
 MAX_GROUP, MAX_DIM, MAX_BLOCK = 16, 256, 128
 SIMD_PATHS = ("portable", "avx2", "avx512")
 DTYPES = ("float16", "bfloat16")
+SCORINGS = ("group", "per-head")  # group_topk's block scoring, in the order of fluxion.h's FX_SCORE_* codes
 
 _ERRORS = {
     1: "invalid KV view",
@@ -63,6 +64,7 @@ _ERRORS = {
     10: "query heads not a multiple of KV heads, or group too large",
     11: "SIMD path not supported on this CPU",
     12: "append past the page table's capacity",
+    13: "unknown block-scoring mode",
 }
 
 
@@ -518,14 +520,22 @@ def summaries_update(view: KVView, slots: Any, from_token: Any) -> None:
 
 
 def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
-               out: tuple[Any, Any, Any] | None = None) -> tuple[Any, Any, Any]:
-    """Per task, the k highest-scoring eligible blocks (Quest bound summed over the group's query heads).
+               out: tuple[Any, Any, Any] | None = None, scoring: str = "group") -> tuple[Any, Any, Any]:
+    """Per task, the k highest-scoring eligible blocks by the Quest bound of the group's query heads.
 
     q: fp32 [q_rows, Hq, D]; tasks: int32 [T, TASK_FIELDS] (make_tasks).  Returns ids int32 [T, k_cap] (ascending
     block ids), scores fp32 [T, k_cap], counts int32 [T]; only ids[i, :counts[i]] are meaningful.
     out: optional preallocated (ids, scores, counts), numpy arrays or CPU tensors, filled and returned as given.
+    scoring: "group" scores a block by the bound of the summed query heads; "per-head" by max over the heads j of
+    bound_j(block) - max over eligible blocks of bound_j (each head's gap to its own best block; scores <= 0).
     """
-    q_ptr, q_rows, n_q_heads, _ = _check_q(view, q)
+    if scoring == "group":  # compared by value first: the usual argument costs no list search
+        code = 0
+    elif scoring in SCORINGS:
+        code = SCORINGS.index(scoring)
+    else:
+        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    q_ptr, q_rows, n_q_heads, r = _check_q(view, q)
     t = _tasks_array(tasks)
     n = len(t)
     if k_cap is None:
@@ -542,8 +552,8 @@ def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
     err = scratch.err
 
     def call() -> int:
-        return lib.fx_group_topk(view.struct, q_ptr, q_rows, n_q_heads, t_ptr, n, k_cap, ids_ptr, scores_ptr,
-                                 counts_ptr, scratch.ws_ptr, scratch.ws_floats, err)
+        return lib.fx_group_topk_scoring(view.struct, q_ptr, q_rows, n_q_heads, t_ptr, n, k_cap, code, ids_ptr,
+                                         scores_ptr, counts_ptr, scratch.ws_ptr, scratch.ws_floats, err)
 
     # Try the thread's workspace as it is: C computes the exact need (from every task's block count) and returns
     # FX_E_OUTPUT before touching any memory when it is short.  Only then size it, for the longest slot at the
@@ -552,7 +562,7 @@ def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
     rc = call()
     if rc == _E_OUTPUT:
         max_blocks = -(-int(view.n_tokens.max()) // GRANULARITIES[0])
-        scratch.grow(int(lib.fx_topk_workspace_floats(n, max(1, max_blocks))))
+        scratch.grow(int(lib.fx_topk_scoring_workspace_floats(n, max(1, max_blocks), r, code)))
         rc = call()
     if rc:
         raise _native_error(rc, err, "group_topk", view, t, q_rows=q_rows, k_cap=k_cap, kept_only=True)
@@ -775,7 +785,7 @@ def read_bandwidth_probe(buf: Any, repeats: int = 1) -> float:
 
 
 __all__ = [
-    "TASK_FIELDS", "GRANULARITIES", "SIMD_PATHS", "KVView", "make_tasks", "append", "summaries_update",
+    "TASK_FIELDS", "GRANULARITIES", "SIMD_PATHS", "SCORINGS", "KVView", "make_tasks", "append", "summaries_update",
     "group_topk", "sparse_attention", "gather", "read_bandwidth_probe", "set_threads", "get_threads",
     "set_simd", "get_simd", "simd_supported", "set_checks", "set_stream_stores", "physical_cores", "page_bytes",
     "gran_mask", "PreparedAppend", "PreparedSelection",

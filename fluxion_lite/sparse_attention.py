@@ -33,12 +33,12 @@ from .device_select import DeviceSummaries
 from .host_kv import HostKVStore
 from .hybrid import HybridExecutor, StepStats, Timer, biased_attention, lse_merge
 from .kv_cache import DenseKVCache
+from .pinned import PinnedBlocks
 from .request_plan import RequestPlanner, RowPlan
 from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan
 from .sparse_graph import GraphedDecode
 from .sparse_step import GVALS, DecodeStep, build_step, retrieval_tasks
-from .topk_experimental import per_head_topk
 from . import zero_copy as zc
 
 MAX_G = max(GRANULARITIES)
@@ -53,7 +53,7 @@ def _align_up(x: int, a: int) -> int:
 class SparseAttention(AttentionBackend):
     def __init__(self, cfg: ModelConfig, plan: SparsePlan, dtype: torch.dtype, device: torch.device, max_seqs: int,
                  placement: Placement = "auto", selection: Selection = "cpu", costs: Costs | None = None,
-                 zero_copy: bool | None = None):
+                 zero_copy: bool | None = None, topk_scoring: str | None = None):
         plan.validate(cfg.n_layers, cfg.n_kv_heads)
         if plan.window < 1:
             raise ValueError("the sparse backend needs window >= 1 (the newest token is attended on the device)")
@@ -82,6 +82,9 @@ class SparseAttention(AttentionBackend):
         self._dsum: DeviceSummaries | None = None
         # per-request plans from the head-property predictor (request_plan.py); None: the static plan for all
         self.planner: RequestPlanner | None = None
+        # blocks pinned at prefill end by the prompt's own attention (pinned.py); CPU selection, static plan only
+        self.pins = (PinnedBlocks(cfg.n_layers, cfg.n_kv_heads, plan.obs_window)
+                     if plan.pin_fraction > 0 and selection == "cpu" else None)
         if selection == "gpu":
             gs = set(self._g[self._retrieval].tolist())
             if len(gs) > 1:
@@ -123,16 +126,35 @@ class SparseAttention(AttentionBackend):
         self._stream_groups = self._all_groups = 0.0
         self.serial = next(_serials)
         self._graphed = GraphedDecode(self)
-        # block scoring of retrieval groups: the native group bound, or FLUXION_TOPK=per-head (experimental)
-        self.topk_scoring = os.environ.get("FLUXION_TOPK", "native")
-        if self.topk_scoring not in ("native", "per-head"):
-            raise ValueError(f"FLUXION_TOPK={self.topk_scoring!r}: use 'native' or 'per-head'")
+        # block scoring of the native top-k (native.SCORINGS), for the eager and the graphed decode paths alike:
+        # the argument, else FLUXION_TOPK, else the plan's (plan files can name it: policy variants)
+        env = os.environ.get("FLUXION_TOPK")
+        try:
+            self.topk_scoring = topk_scoring or env or plan.scoring
+        except ValueError as e:
+            raise ValueError(f"FLUXION_TOPK={env!r}: {e}" if topk_scoring is None else str(e)) from None
+
+    @property
+    def topk_scoring(self) -> str:
+        """How the native top-k scores a retrieval group's blocks: "group" (the Quest bound of the summed query
+        heads) or "per-head" (each head's bound as a gap to its own best block, best over the heads)."""
+        return self._topk_scoring
+
+    @topk_scoring.setter
+    def topk_scoring(self, value: str) -> None:
+        value = "group" if value == "native" else value  # "native": the group scoring's old FLUXION_TOPK name
+        if value not in native.SCORINGS:
+            raise ValueError(f"topk_scoring must be one of {native.SCORINGS}, got {value!r}")
+        if value != "group" and self.selection != "cpu":
+            raise ValueError(f"topk_scoring={value!r} needs selection='cpu' (the device-side selection scores "
+                             f"blocks by the group bound)")
+        self._topk_scoring = value
 
     def decode_hooks(self, chunks: list[SeqChunk]) -> GraphedDecode | None:
         """The captured form of this decode step (sparse_graph.py), or None where it must run eagerly: prefill
         chunks or a sequence's first decode step, a token still landing in the sink, per-request plans, device-side
         selection."""
-        if self.selection != "cpu" or self.planner is not None or self.topk_scoring != "native":
+        if self.selection != "cpu" or self.planner is not None:
             return None
         if any(c.length != 1 or c.seq_id in self._prefilling or c.start < self.sink_cap for c in chunks):
             return None
@@ -187,6 +209,8 @@ class SparseAttention(AttentionBackend):
                 self.executor.wait_idle()
             self.store.release(slot)
         self.scratch.free(seq_id)
+        if self.pins is not None:
+            self.pins.forget(seq_id, slot)
         self._len.pop(seq_id, None)
         self._prefilling.discard(seq_id)
         self._step = None
@@ -278,11 +302,17 @@ class SparseAttention(AttentionBackend):
                 out[sl] = causal_attention(q[sl], keys, values, c.start, self.scale)
                 if self.planner is not None:
                     self.planner.record(layer, c.seq_id, q[sl])
+                if self.pins is not None:
+                    self.pins.observe(layer, c.seq_id, c.start, q[sl])
             else:
                 rows.append(offset)
                 dec.append(c)
                 if self.planner is not None and c.seq_id in self._prefilling:  # prefill ended: plan this layer
                     self.planner.prefill_done(layer, c.seq_id, *self.scratch.view(layer, c.seq_id))
+                if self.pins is not None and self.planner is None and c.seq_id in self._prefilling:
+                    row = [(not gp.streaming, gp.g, gp.budget) for gp in self.plan.groups[layer]]
+                    self.pins.pin(layer, c.seq_id, slot, self.scratch.view(layer, c.seq_id)[0], c.start + 1,
+                                  self.scale, row, self.plan.sink, self.plan.window, self.plan.pin_fraction)
                 if layer == self.cfg.n_layers - 1 and c.seq_id in self._prefilling:
                     self._prefilling.discard(c.seq_id)  # decoding started: the dense scratch goes
                     self.scratch.free(c.seq_id)
@@ -370,6 +400,7 @@ class SparseAttention(AttentionBackend):
         cuda = self.device.type == "cuda"
         rp = self._row_plan(st)
         tasks, meta = self._layer_tasks(layer, st, rp)
+        pinned = self.pins is not None and rp is None and len(tasks) > 0 and self.pins.any(layer)
         ev_q = None
         if len(tasks) and self.selection == "cpu" and cuda:  # queued before the streaming part so it lands first
             self.ensure_decode_buffers(B)
@@ -400,10 +431,9 @@ class SparseAttention(AttentionBackend):
                 if ev_q is not None:
                     ev_q.synchronize()
                 q_host = self._q_out[:B] if cuda else q.float().contiguous()  # [B, Hq, D] fp32
-                if self.topk_scoring == "per-head":  # experimental (topk_experimental.py); numpy, not a hot path
-                    ids, counts = per_head_topk(self.store, layer, q_host, tasks, self.scale)
-                else:
-                    ids, _, counts = native.group_topk(view, q_host, tasks)
+                ids, scores, counts = native.group_topk(view, q_host, tasks, scoring=self.topk_scoring)
+                if pinned:  # pins take part of each task's k
+                    ids, counts = self.pins.merge(layer, tasks, ids, scores, counts)
             else:
                 q_host = q
                 ids, counts = self._select_on_device(layer, st, qg, bi, h, k_blocks, lo, hi)

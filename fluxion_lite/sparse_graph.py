@@ -274,13 +274,19 @@ class GraphedDecode:
             ex = a.executor
             per_token = a.cfg.head_dim * 2 * ex.elem  # K+V bytes of one selected token (scheduler.task_bytes)
             placement = a.placement if ex.feeder is not None else "cpu"
-            if self._all_cpu(placement, *self.expect[layer], per_token):
+            pinned = a.pins is not None and a.pins.any(layer)
+            # the one-call path: group scoring (what fx_select_attend selects by), no pins (they change the selection)
+            if a.topk_scoring == "group" and not pinned and self._all_cpu(placement, *self.expect[layer], per_token):
                 self._select_attend(layer, view, lo, hi, per_token)
             else:
+                tasks = self.tasks[lo:hi]
                 t0 = time.perf_counter()
-                self.sel.topk(view, lo, hi)
+                ids, scores, counts = native.group_topk(view, ss.q32, tasks, scoring=a.topk_scoring)
+                if pinned:  # pins take part of each task's k
+                    assert a.pins is not None
+                    ids, counts = a.pins.merge(layer, tasks, ids, scores, counts)
                 a._st.cpu_topk_s += time.perf_counter() - t0
-                self._run_tasks(layer, view, lo, hi)
+                self._run_tasks(layer, view, lo, hi, ids, counts)
         else:
             ss.lse_np.fill(-np.inf)  # no CPU task in this layer
         if ss.res_dev is not ss.res_host:
@@ -332,13 +338,15 @@ class GraphedDecode:
             return True
         return costs.makespan(float(total * per_token), 0.0) <= costs.makespan(0.0, float(smallest * per_token))
 
-    def _run_tasks(self, layer: int, view: native.KVView, lo: int, hi: int) -> None:
-        """The layer's tasks (rows lo .. hi of the step's table, selections made) as the scheduler splits them: CPU
-        tasks into the pinned result buffer, GPU tasks (zero-copy feeder) into the device buffers."""
-        a, ss, sel = self.a, self.ss, self.sel
-        assert ss is not None and sel is not None
+    def _run_tasks(self, layer: int, view: native.KVView, lo: int, hi: int, ids: np.ndarray, counts: np.ndarray
+                   ) -> None:
+        """The layer's tasks (rows lo .. hi of the step's table) with their selections (ids int32 [T, k], counts
+        [T]) as the scheduler splits them: CPU tasks into the pinned result buffer, GPU tasks (zero-copy feeder)
+        into the device buffers."""
+        a, ss = self.a, self.ss
+        assert ss is not None
         ex = a.executor
-        tasks, ids, counts, bh = self.tasks[lo:hi], sel.ids[lo:hi], sel.counts[lo:hi], self.bh[lo:hi]
+        tasks, bh = self.tasks[lo:hi], self.bh[lo:hi]
         a._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
         nbytes = task_bytes(counts, tasks[:, 3].astype(np.int64), a.cfg.head_dim, ex.elem)
         split = split_tasks(nbytes, ex.cost_model.costs, a.placement if ex.feeder is not None else "cpu")

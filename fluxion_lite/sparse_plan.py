@@ -23,6 +23,11 @@ class SparsePlan:
     window: int  # most recent tokens always attended
     groups: list[list[GroupPlan]]  # [layer][kv_group]
     source: str = ""  # how the plan was made (for --explain and logs)
+    # share of each retrieval group's block budget pinned at the end of prefill by the attention of the prompt's last
+    # obs_window tokens (pinned.py); 0 = every block chosen by the per-step top-k
+    pin_fraction: float = 0.0
+    obs_window: int = 32
+    scoring: str = "group"  # block scoring of the native top-k: "group" or "per-head" (native.SCORINGS)
 
     @classmethod
     def uniform(cls, n_layers: int, n_groups: int, g: int, budget: float, sink: int, window: int) -> "SparsePlan":
@@ -36,10 +41,19 @@ class SparsePlan:
             for gp in row:
                 if not gp.streaming and (gp.g not in GRANULARITIES or not 0.0 < gp.budget <= 1.0):
                     raise ModelFileError(f"sparse plan: bad group entry {gp}")
+        if self.scoring not in ("group", "per-head"):
+            raise ModelFileError(f"sparse plan: scoring must be 'group' or 'per-head' (got {self.scoring!r})")
+        if not 0.0 <= self.pin_fraction <= 1.0 or self.obs_window < 1:
+            raise ModelFileError(f"sparse plan: pin_fraction must be in [0, 1] and obs_window >= 1 "
+                                 f"(got {self.pin_fraction}, {self.obs_window})")
 
     def save(self, path: Path) -> None:
         data = {"sink": self.sink, "window": self.window, "source": self.source,
                 "groups": [[asdict(gp) for gp in row] for row in self.groups]}
+        if self.pin_fraction:
+            data |= {"pin_fraction": self.pin_fraction, "obs_window": self.obs_window}
+        if self.scoring != "group":
+            data["scoring"] = self.scoring
         path.write_text(json.dumps(data, indent=1))
 
     @classmethod
@@ -47,12 +61,19 @@ class SparsePlan:
         try:
             data = json.loads(Path(path).read_text())
             groups = [[GroupPlan(**gp) for gp in row] for row in data["groups"]]
-            return cls(int(data["sink"]), int(data["window"]), groups, str(data.get("source", path.name)))
+            return cls(int(data["sink"]), int(data["window"]), groups, str(data.get("source", path.name)),
+                       float(data.get("pin_fraction", 0.0)), int(data.get("obs_window", 32)),
+                       str(data.get("scoring", "group")))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
 
     def explain(self) -> str:
         lines = [f"sparse plan ({self.source}): sink {self.sink}, window {self.window}"]
+        if self.scoring != "group":
+            lines.append(f"  blocks scored per query head ({self.scoring})")
+        if self.pin_fraction:
+            lines.append(f"  {self.pin_fraction:.0%} of each retrieval budget pinned at prefill end "
+                         f"(attention of the last {self.obs_window} prompt tokens)")
         for i, row in enumerate(self.groups):
             ret = [gp for gp in row if not gp.streaming]
             desc = ", ".join(f"g={gp.g} b={gp.budget:.3f}" for gp in ret) or "-"

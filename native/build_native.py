@@ -46,9 +46,14 @@ int fx_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *row_sta
 int fx_summaries_update(const fx_kv_view *kv, const int32_t *slots, const int64_t *from_token, int64_t n_items,
                         int64_t *err_index);
 int64_t fx_topk_workspace_floats(int64_t n_tasks, int64_t max_blocks);
+int64_t fx_topk_scoring_workspace_floats(int64_t n_tasks, int64_t max_blocks, int32_t group, int32_t scoring);
 int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
                   int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
                   float *workspace, int64_t workspace_floats, int64_t *err_index);
+int fx_group_topk_scoring(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                          const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring, int32_t *out_ids,
+                          float *out_scores, int32_t *out_counts, float *workspace, int64_t workspace_floats,
+                          int64_t *err_index);
 int64_t fx_attention_workspace_floats(int64_t n_tasks, int32_t group, int32_t head_dim);
 int fx_sparse_attention(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
                         const int32_t *tasks, int64_t n_tasks, const int32_t *ids, const int32_t *counts,

@@ -67,7 +67,10 @@ enum {
     FX_E_GROUP = 10,    /* Hq not a multiple of Hkv, or group larger than FX_MAX_GROUP */
     FX_E_SIMD = 11,     /* requested SIMD path not supported by this CPU */
     FX_E_APPEND = 12,   /* append past page-table capacity */
+    FX_E_SCORING = 13,  /* unknown block-scoring mode */
 };
+/* Block scoring of fx_group_topk_scoring. */
+enum { FX_SCORE_GROUP = 0, FX_SCORE_PER_HEAD = 1 };
 
 typedef struct fx_kv_view {
     int32_t n_slots;        /* rows of the page table */
@@ -106,14 +109,25 @@ int fx_summaries_update(const fx_kv_view *kv, const int32_t *slots, const int64_
                         int64_t *err_index);
 
 /* ---- group top-k ----
- * score(block) = sum over the group's query heads j and dims d of max(q_jd*min_d, q_jd*max_d).
- * Returns the k best eligible blocks per task (all of them when fewer): ids ascending by block id, scores
- * alongside, counts[i] how many.  Ties: the lower block id wins.  out_ids/out_scores: [n_tasks][k_cap].
- * workspace: >= fx_topk_workspace_floats(n_tasks, largest n_blocks among the tasks) floats. */
+ * Per task, the k best eligible blocks (all of them when fewer): ids ascending by block id, scores alongside,
+ * counts[i] how many.  Ties: the lower block id wins.  out_ids/out_scores: [n_tasks][k_cap].  Two scorings, with
+ * bound_j(b) = sum over dims d of max(q_jd*min_bd, q_jd*max_bd) the Quest bound of query head j of the group:
+ *   FX_SCORE_GROUP     score(b) = sum_j bound_j(b)  (the bound of the summed query heads)
+ *   FX_SCORE_PER_HEAD  score(b) = max_j (bound_j(b) - max_b' bound_j(b')), b' over the task's eligible blocks:
+ *                      the gap to each head's own best block, so a block that one head ranks near its top is kept
+ *                      whatever the other heads do.  Scores are <= 0, the best block of some head scores 0.
+ * workspace: >= fx_topk_scoring_workspace_floats(n_tasks, largest n_blocks among the tasks, r, scoring) floats
+ * (r = n_q_heads / n_kv_heads); per-head scoring keeps every head's bounds there, r floats per block.
+ * fx_group_topk is fx_group_topk_scoring with FX_SCORE_GROUP, and fx_topk_workspace_floats its workspace size. */
 int64_t fx_topk_workspace_floats(int64_t n_tasks, int64_t max_blocks);
+int64_t fx_topk_scoring_workspace_floats(int64_t n_tasks, int64_t max_blocks, int32_t group, int32_t scoring);
 int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
                   int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
                   float *workspace, int64_t workspace_floats, int64_t *err_index);
+int fx_group_topk_scoring(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                          const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring, int32_t *out_ids,
+                          float *out_scores, int32_t *out_counts, float *workspace, int64_t workspace_floats,
+                          int64_t *err_index);
 
 /* ---- sparse attention ----
  * For each task, each of its r query heads attends over the selected blocks' valid tokens:

@@ -34,6 +34,12 @@ typedef struct fx_kernels {
     void (*bound)(const float *qpos, const float *qneg, const float *s, int n, int d, float *score);
     /* Fold rows K[0..len) into per-dim min/max (init != 0: start from the first row). */
     void (*minmax)(const uint16_t *k, int len, int d, int bf16, float *mn, float *mx, int init);
+    /* One bound per query head (per-head scoring): out[j*ld + b] = sum_e q[j*d+e] * (q[j*d+e] > 0 ? S[b][1][e] :
+     * S[b][0][e]) for j < r, b < n; q [r][d].  One multiply-add per element and head (the min or the max, picked
+     * by the sign of q, instead of two products); each summary is read once for all r heads. */
+    void (*bound_heads)(const float *q, int r, const float *s, int n, int d, float *out, int64_t ld);
+    /* score[b] = max over j < r of (x[j*ld + b] - m[j]) for b < n (n >= 1). */
+    void (*gap_max)(const float *x, int64_t ld, const float *m, int r, int n, float *score);
 } fx_kernels;
 
 extern const fx_kernels fx_kernels_portable;

@@ -397,9 +397,82 @@ static void minmax_avx2(const uint16_t *k, int len, int d, int bf16, float *mn, 
     }
 }
 
+/* R (<= 5) heads' bounds of one block: per 8-wide chunk the min or the max by the sign of q (blendv reads the sign
+ * bit: -0.0 takes the min, harmless as its product is 0), one FMA per head; chunks alternate between two accumulators
+ * per head (2R accumulators + min + max + q + pick = 14 of the 16 ymm registers at R = 5). */
+FX_INLINE void bound_heads_block(const float *q, int R, const float *mn, int d, float *out, int64_t ld) {
+    const float *mx = mn + d;
+    __m256 a0[5], a1[5];
+    for (int j = 0; j < R; j++) a0[j] = a1[j] = _mm256_setzero_ps();
+    for (int e = 0; e < d; e += 16) { /* d % 16 == 0 */
+        __m256 lo = _mm256_loadu_ps(mn + e), hi = _mm256_loadu_ps(mx + e);
+        for (int j = 0; j < R; j++) {
+            __m256 qv = _mm256_loadu_ps(q + j * d + e);
+            a0[j] = _mm256_fmadd_ps(qv, _mm256_blendv_ps(hi, lo, qv), a0[j]);
+        }
+        lo = _mm256_loadu_ps(mn + e + 8);
+        hi = _mm256_loadu_ps(mx + e + 8);
+        for (int j = 0; j < R; j++) {
+            __m256 qv = _mm256_loadu_ps(q + j * d + e + 8);
+            a1[j] = _mm256_fmadd_ps(qv, _mm256_blendv_ps(hi, lo, qv), a1[j]);
+        }
+    }
+    int j = 0;
+    for (; j + 4 <= R; j += 4) {
+        float t[4];
+        _mm_storeu_ps(t, reduce4(_mm256_add_ps(a0[j], a1[j]), _mm256_add_ps(a0[j + 1], a1[j + 1]),
+                                 _mm256_add_ps(a0[j + 2], a1[j + 2]), _mm256_add_ps(a0[j + 3], a1[j + 3])));
+        for (int u = 0; u < 4; u++) out[(j + u) * ld] = t[u];
+    }
+    for (; j < R; j++) out[j * ld] = hsum8(_mm256_add_ps(a0[j], a1[j]));
+}
+
+/* Heads in even passes of at most 5 (r = 7: 4 + 3, r = 8: 4 + 4), every pass over the same block while in L1. */
+static void bound_heads_avx2(const float *q, int r, const float *s, int n, int d, float *out, int64_t ld) {
+    const char *base = (const char *)s;
+    const int64_t bb = (int64_t)2 * d * 4, end = (int64_t)n * bb;
+    int passes = (r + 4) / 5;
+    for (int b = 0; b < n; b++) {
+        for (int64_t o = b * bb + FX_BOUND_AHEAD, e = o + bb < end ? o + bb : end; o < e; o += 64)
+            __builtin_prefetch(base + o, 0, 2);
+        const float *mn = s + (int64_t)b * 2 * d;
+        for (int p = 0, j0 = 0; p < passes; p++) {
+            int j1 = r * (p + 1) / passes;
+            const float *qj = q + (int64_t)j0 * d;
+            float *o = out + j0 * ld + b;
+            switch (j1 - j0) {
+                case 1: bound_heads_block(qj, 1, mn, d, o, ld); break;
+                case 2: bound_heads_block(qj, 2, mn, d, o, ld); break;
+                case 3: bound_heads_block(qj, 3, mn, d, o, ld); break;
+                case 4: bound_heads_block(qj, 4, mn, d, o, ld); break;
+                default: bound_heads_block(qj, 5, mn, d, o, ld); break;
+            }
+            j0 = j1;
+        }
+    }
+}
+
+static void gap_max_avx2(const float *x, int64_t ld, const float *m, int r, int n, float *score) {
+    int b = 0;
+    for (; b + 8 <= n; b += 8) {
+        __m256 v = _mm256_sub_ps(_mm256_loadu_ps(x + b), _mm256_set1_ps(m[0]));
+        for (int j = 1; j < r; j++)
+            v = _mm256_max_ps(v, _mm256_sub_ps(_mm256_loadu_ps(x + j * ld + b), _mm256_set1_ps(m[j])));
+        _mm256_storeu_ps(score + b, v);
+    }
+    for (; b < n; b++) {
+        float v = x[b] - m[0];
+        for (int j = 1; j < r; j++) {
+            float w = x[j * ld + b] - m[j];
+            v = w > v ? w : v;
+        }
+        score[b] = v;
+    }
+}
+
 const fx_kernels fx_kernels_avx2 = {
     "avx2", qk_avx2, pv_avx2, exp_neg_avx2, row_max_avx2, exp_sum_avx2, stage_copy_avx2, fence_avx2, bound_avx2,
-    minmax_avx2,
+    minmax_avx2, bound_heads_avx2, gap_max_avx2,
 };
 
 #if defined(__clang__)

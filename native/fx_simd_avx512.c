@@ -356,9 +356,118 @@ static void minmax_avx512(const uint16_t *k, int len, int d, int bf16, float *mn
     }
 }
 
+/* Horizontal sums of n (<= 16) vectors v[i] stored to out[i]: four at a time (missing ones zero). */
+FX_INLINE void store_sums(const __m512 *v, int n, float *const *out) {
+    const __m512 z = _mm512_setzero_ps();
+    for (int i = 0; i < n; i += 4) {
+        float t[4];
+        _mm_storeu_ps(t, reduce4(v[i], i + 1 < n ? v[i + 1] : z, i + 2 < n ? v[i + 2] : z, i + 3 < n ? v[i + 3] : z));
+        for (int u = 0; u < 4 && i + u < n; u++) *out[i + u] = t[u];
+    }
+}
+
+/* R (<= 8) heads' bounds of NB (1 or 2) consecutive blocks: per 16-wide chunk the min or the max by the sign mask of
+ * q (precomputed per call), one FMA per head and block.  Two blocks share each q load and mask and give every head
+ * two independent chains; a single block alternates two accumulators over its chunks instead.  Sums are reduced
+ * four at a time (a lone horizontal sum costs about as much as four). */
+FX_INLINE void bound_heads_blocks(const float *q, const __mmask16 *neg, int R, int NB, const float *mn, int d,
+                                  float *out, int64_t ld) {
+    const int nc = d / 16; /* chunks; mask of head j, chunk c: neg[j * nc + c] */
+    __m512 acc[2][8];
+    for (int x = 0; x < 2; x++)
+        for (int j = 0; j < R; j++) acc[x][j] = _mm512_setzero_ps();
+    if (NB == 2) {
+        const float *mx0 = mn + d, *mn1 = mn + 2 * d, *mx1 = mn + 3 * d;
+        for (int c = 0; c < nc; c++) {
+            __m512 lo0 = _mm512_loadu_ps(mn + 16 * c), hi0 = _mm512_loadu_ps(mx0 + 16 * c);
+            __m512 lo1 = _mm512_loadu_ps(mn1 + 16 * c), hi1 = _mm512_loadu_ps(mx1 + 16 * c);
+            for (int j = 0; j < R; j++) {
+                __m512 qv = _mm512_loadu_ps(q + j * d + 16 * c);
+                __mmask16 m = neg[j * nc + c];
+                acc[0][j] = _mm512_fmadd_ps(qv, _mm512_mask_blend_ps(m, hi0, lo0), acc[0][j]);
+                acc[1][j] = _mm512_fmadd_ps(qv, _mm512_mask_blend_ps(m, hi1, lo1), acc[1][j]);
+            }
+        }
+    } else {
+        const float *mx = mn + d;
+        for (int c = 0; c < nc; c++) {
+            __m512 lo = _mm512_loadu_ps(mn + 16 * c), hi = _mm512_loadu_ps(mx + 16 * c);
+            for (int j = 0; j < R; j++)
+                acc[c & 1][j] = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * d + 16 * c),
+                                                _mm512_mask_blend_ps(neg[j * nc + c], hi, lo), acc[c & 1][j]);
+        }
+        for (int j = 0; j < R; j++) acc[0][j] = _mm512_add_ps(acc[0][j], acc[1][j]);
+    }
+    __m512 v[16];
+    float *o[16];
+    int n = 0;
+    for (int j = 0; j < R; j++)
+        for (int x = 0; x < NB; x++) {
+            v[n] = acc[x][j];
+            o[n++] = out + j * ld + x;
+        }
+    store_sums(v, n, o);
+}
+
+/* Heads in even passes of at most 8 (r = 12: 6 + 6), blocks in pairs; every pass over the same blocks while in L1. */
+static void bound_heads_avx512(const float *q, int r, const float *s, int n, int d, float *out, int64_t ld) {
+    __mmask16 neg[FX_MAX_GROUP * FX_MAX_DIM / 16]; /* per head and chunk: lanes where q <= 0 take the min */
+    for (int i = 0; i < r * d / 16; i++)
+        neg[i] = _mm512_cmp_ps_mask(_mm512_loadu_ps(q + 16 * i), _mm512_setzero_ps(), _CMP_LE_OQ);
+    const char *base = (const char *)s;
+    const int64_t bb = (int64_t)2 * d * 4, end = (int64_t)n * bb;
+    int passes = (r + 7) / 8, nc = d / 16;
+    for (int b = 0; b < n; b += 2) {
+        int nb = n - b < 2 ? 1 : 2;
+        for (int64_t o = b * bb + FX_BOUND_AHEAD, e = o + nb * bb < end ? o + nb * bb : end; o < e; o += 64)
+            __builtin_prefetch(base + o, 0, 2);
+        const float *mn = s + (int64_t)b * 2 * d;
+        for (int p = 0, j0 = 0; p < passes; p++) {
+            int j1 = r * (p + 1) / passes;
+            const float *qj = q + (int64_t)j0 * d;
+            const __mmask16 *nj = neg + j0 * nc;
+            float *o = out + j0 * ld + b;
+#define FX_HEADS_CASE(R)                                                              \
+    case R:                                                                           \
+        if (nb == 2) bound_heads_blocks(qj, nj, R, 2, mn, d, o, ld);                  \
+        else bound_heads_blocks(qj, nj, R, 1, mn, d, o, ld);                          \
+        break;
+            switch (j1 - j0) {
+                FX_HEADS_CASE(1)
+                FX_HEADS_CASE(2)
+                FX_HEADS_CASE(3)
+                FX_HEADS_CASE(4)
+                FX_HEADS_CASE(5)
+                FX_HEADS_CASE(6)
+                FX_HEADS_CASE(7)
+                default: FX_HEADS_CASE(8)
+            }
+#undef FX_HEADS_CASE
+            j0 = j1;
+        }
+    }
+}
+
+static void gap_max_avx512(const float *x, int64_t ld, const float *m, int r, int n, float *score) {
+    int b = 0;
+    for (; b + 16 <= n; b += 16) {
+        __m512 v = _mm512_sub_ps(_mm512_loadu_ps(x + b), _mm512_set1_ps(m[0]));
+        for (int j = 1; j < r; j++)
+            v = _mm512_max_ps(v, _mm512_sub_ps(_mm512_loadu_ps(x + j * ld + b), _mm512_set1_ps(m[j])));
+        _mm512_storeu_ps(score + b, v);
+    }
+    if (b < n) {
+        __mmask16 k = (__mmask16)((1u << (n - b)) - 1);
+        __m512 v = _mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + b), _mm512_set1_ps(m[0]));
+        for (int j = 1; j < r; j++)
+            v = _mm512_max_ps(v, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + j * ld + b), _mm512_set1_ps(m[j])));
+        _mm512_mask_storeu_ps(score + b, k, v);
+    }
+}
+
 const fx_kernels fx_kernels_avx512 = {
     "avx512", qk_avx512, pv_avx512, exp_neg_avx512, row_max_avx512, exp_sum_avx512, stage_copy_avx512,
-    fence_avx512, bound_avx512, minmax_avx512,
+    fence_avx512, bound_avx512, minmax_avx512, bound_heads_avx512, gap_max_avx512,
 };
 
 #if defined(__clang__)

@@ -110,7 +110,29 @@ static void minmax_portable(const uint16_t *k, int len, int d, int bf16, float *
     }
 }
 
+static void bound_heads_portable(const float *q, int r, const float *s, int n, int d, float *out, int64_t ld) {
+    for (int b = 0; b < n; b++) {
+        const float *mn = s + (int64_t)b * 2 * d;
+        const float *mx = mn + d;
+        for (int j = 0; j < r; j++) {
+            const float *qj = q + (int64_t)j * d;
+            float acc = 0.0f;
+            for (int e = 0; e < d; e++) acc += qj[e] * (qj[e] > 0 ? mx[e] : mn[e]);
+            out[j * ld + b] = acc;
+        }
+    }
+}
+
+static void gap_max_portable(const float *x, int64_t ld, const float *m, int r, int n, float *score) {
+    for (int b = 0; b < n; b++) score[b] = x[b] - m[0];
+    for (int j = 1; j < r; j++)
+        for (int b = 0; b < n; b++) {
+            float v = x[j * ld + b] - m[j];
+            score[b] = v > score[b] ? v : score[b];
+        }
+}
+
 const fx_kernels fx_kernels_portable = {
     "portable", qk_portable, pv_portable, exp_neg_portable, row_max_portable, exp_sum_portable,
-    stage_copy_portable, fence_portable, bound_portable, minmax_portable,
+    stage_copy_portable, fence_portable, bound_portable, minmax_portable, bound_heads_portable, gap_max_portable,
 };

@@ -18,6 +18,23 @@ def block_scores(q_group: np.ndarray, mins: np.ndarray, maxs: np.ndarray) -> np.
     return np.maximum(q * mins[None], q * maxs[None]).sum(axis=(0, 2))
 
 
+def head_bounds(q_group: np.ndarray, mins: np.ndarray, maxs: np.ndarray) -> np.ndarray:
+    """Every query head's own Quest bound: sum_d max(q_jd*min_d, q_jd*max_d).  -> [r, n_blocks]"""
+    q = q_group.astype(np.float64)[:, None, :]  # [r, 1, D]
+    return np.maximum(q * mins[None], q * maxs[None]).sum(axis=2)
+
+
+def per_head_scores(q_group: np.ndarray, mins: np.ndarray, maxs: np.ndarray, eligible: np.ndarray) -> np.ndarray:
+    """Per-head scoring over the eligible blocks: max_j (bound_j(b) - max over eligible b' of bound_j(b')).
+    -> [n_blocks], -inf where not eligible."""
+    bounds = head_bounds(q_group, mins, maxs)  # [r, n_blocks]
+    out = np.full(bounds.shape[1], -np.inf)
+    if len(eligible):
+        e = bounds[:, eligible]
+        out[eligible] = (e - e.max(axis=1, keepdims=True)).max(axis=0)
+    return out
+
+
 def eligible_blocks(n_tokens: int, g: int, exclude: list[tuple[int, int]]) -> np.ndarray:
     """Block ids not intersecting any excluded token range [lo, hi)."""
     ids = []

@@ -1,22 +1,20 @@
-"""Experimental block scoring for retrieval groups, in numpy (not a hot path): per-query-head Quest bounds.
+"""The first per-query-head block scoring, in numpy (it ran on the eager decode path before the native kernel):
+kept as an independent reference for the native per-head top-k (native.group_topk(..., scoring="per-head")).
 
-The native top-k scores a block of a GQA group with the Quest bound of the group's *summed* query heads: one
-retrieval head among r = 7 (qwen2.5-coder) is then drowned by the other six. Here every query head j gets its own
-bound, measured as the gap to that head's best block, and a block scores the best gap over the group's heads:
+Every query head j of a GQA group gets its own Quest bound, measured as the gap to that head's best block, and a
+block scores the best gap over the group's heads:
 
     bound_j(b) = scale * sum_d max(q_jd * min_bd, q_jd * max_bd)
     score(b)   = max_j (bound_j(b) - max_b' bound_j(b'))
 
-so the top-k keeps the blocks that some head ranks near its own top, whatever the other heads do. The same tasks
-in, the same outputs as native.group_topk (ids ascending per task, counts); selected with FLUXION_TOPK=per-head
-on the eager decode path (sparse_attention.py), for quality experiments (bench/ruler_split.py) on the CPU.
+The same tasks in, the same outputs as native.group_topk (ids ascending per task, counts), in float32.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .host_kv import HostKVStore
+from fluxion_lite.host_kv import HostKVStore
 
 
 def per_head_topk(store: HostKVStore, layer: int, q: torch.Tensor, tasks: np.ndarray, scale: float

@@ -1,0 +1,58 @@
+"""Derive a policy-variant plan from a model's shipped static plan, for RULER / fidelity experiments.
+
+The shipped plan keeps its streaming / retrieval split; every retrieval group can get another block size and a
+scaled budget. Feed the result to `bench/ruler_split.py answer --plan FILE` (runs as mode fluxion@<file stem>).
+
+  python bench/plan_variant.py --model qwen2.5-coder-0.5b --g 16 --budget-scale 0.6 --scoring per-head \
+      --pin-fraction 0.5 --out /tmp/g16x06.plan.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.resources import files
+from dataclasses import replace
+from pathlib import Path
+
+from fluxion_lite.policy import plan_bytes_fraction
+from fluxion_lite.sparse_plan import GRANULARITIES, SparsePlan
+
+
+def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str = "group", pin_fraction: float = 0.0,
+            obs_window: int = 32) -> SparsePlan:
+    """The same split with retrieval groups at block size g (None: keep), budgets x budget_scale (capped at 1), the
+    given block scoring and share of pinned blocks."""
+    rows = [[gp if gp.streaming else replace(gp, g=g or gp.g, budget=min(1.0, gp.budget * budget_scale))
+             for gp in row] for row in plan.groups]
+    source = (f"{plan.source}; retrieval g={g or 'kept'}, budgets x{budget_scale:g}, {scoring} scoring, "
+              f"{pin_fraction:g} pinned")
+    return SparsePlan(plan.sink, plan.window, rows, source, pin_fraction, obs_window, scoring)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="catalog name whose shipped plan is the base")
+    ap.add_argument("--g", type=int, default=None, choices=GRANULARITIES, help="block size for every retrieval group")
+    ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every retrieval budget by this")
+    ap.add_argument("--scoring", default="group", choices=("group", "per-head"), help="native top-k block scoring")
+    ap.add_argument("--pin-fraction", type=float, default=0.0,
+                    help="share of each retrieval budget pinned at prefill end by the prompt's last tokens")
+    ap.add_argument("--obs-window", type=int, default=32, help="prompt tokens whose attention picks the pins")
+    ap.add_argument("--out", required=True, help="where to write the variant plan (.plan.json)")
+    args = ap.parse_args()
+    if args.budget_scale <= 0:
+        sys.exit("error: --budget-scale must be > 0")
+    if not 0.0 <= args.pin_fraction <= 1.0 or args.obs_window < 1:
+        sys.exit("error: --pin-fraction must be in [0, 1] and --obs-window >= 1")
+    base = SparsePlan.load(Path(str(files("fluxion_lite.models"))) / f"{args.model}.plan.json")
+    out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window)
+    out.save(Path(args.out))
+    print(out.explain())
+    for n in (4096, 8192, 16384, 32768):  # head_dim only scales both numerator and denominator
+        kv, touched = plan_bytes_fraction(out, n, head_dim=64)
+        print(f"  {n:>6} tokens: predicted KV read {kv:.1%} per step, {touched:.1%} with summaries")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Blocks pinned at the end of prefill by the prompt's own attention, for the retrieval groups of a sparse plan.
+
+The Quest bound ranks a block by the extremes of its keys. Among look-alike distractors (RULER's multi-key needles:
+"the magic number for <key> is ...", hundreds of times with other keys) the extremes barely differ, and the needle's
+block is lost. At the end of prefill the exact answer is at hand: the prompt's last tokens, which hold the question,
+attend over the dense prompt KV that prefill kept on the compute device. So, per (layer, retrieval group), the blocks
+with the most attention mass from the last `obs_window` prompt positions (summed over the group's query heads and
+those positions) are kept for the whole decode: pinned. They take `pin_fraction` of the group's block budget; the
+per-step top-k fills the rest with its best blocks that are not pinned, so a step reads as many blocks as without
+pins.
+
+Eligible blocks lie wholly between the sink and the recent window of the first decode step, block-aligned to the
+group's g, as the top-k's own exclusion ranges are: the window only moves forward, so a pinned block never overlaps
+the device-side streaming part later.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_NONE = np.iinfo(np.int32).max  # sorts after every block id
+
+
+def attention_mass(q_obs: torch.Tensor, keys: torch.Tensor, first_pos: int, scale: float) -> torch.Tensor:
+    """Softmax attention mass per key, summed over the observation rows and the group's query heads.
+    q_obs: [W, Hq, D], rows at positions first_pos .. first_pos + W - 1; keys: [Hkv, n, D] -> fp32 [Hkv, n]."""
+    w, hq, d = q_obs.shape
+    hkv, n, _ = keys.shape
+    r = hq // hkv
+    mass = torch.zeros(hkv, n, dtype=torch.float32, device=keys.device)
+    pos = first_pos + torch.arange(w, device=keys.device)  # [W]
+    future = torch.arange(n, device=keys.device)[None, :] > pos[:, None]  # [W, n]: causal mask of each row
+    for h in range(hkv):  # one group at a time: [r W, n] scores, not [Hkv r W, n]
+        qh = q_obs[:, h * r : (h + 1) * r].float().transpose(0, 1).reshape(r * w, d)  # [r W, D], head-major
+        logits = (qh @ keys[h].float().T) * scale  # [r W, n]
+        logits.masked_fill_(future.repeat(r, 1), float("-inf"))
+        mass[h] = torch.softmax(logits, dim=-1).sum(0)
+    return mass
+
+
+def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: int) -> np.ndarray:
+    """The `count` blocks of granularity g with the most mass (mass: [n_prompt] per key), among blocks wholly inside
+    [sink rounded up to g, (n - window) rounded down to g) for a step with n tokens. int32 ids, ascending."""
+    sink_hi = min(-(-sink // g) * g, n)
+    win_lo = max((max(n - window, 0) // g) * g, sink_hi)
+    first, last = sink_hi // g, win_lo // g  # eligible block ids [first, last)
+    if count <= 0 or last <= first:
+        return np.zeros(0, np.int32)
+    padded = np.zeros(last * g, np.float64)
+    m = min(len(mass), last * g)
+    padded[:m] = mass[:m]
+    per_block = padded.reshape(last, g).sum(1)[first:]  # [eligible]
+    order = np.lexsort((np.arange(len(per_block)), -per_block))[:count]  # most mass first, ties to the lower id
+    return np.sort(order + first).astype(np.int32)
+
+
+class PinnedBlocks:
+    """Per layer, the pinned block ids of each host-store slot's retrieval groups, and their use in decode steps."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, obs_window: int):
+        self.obs_window = obs_window
+        self.n_kv_heads = n_kv_heads
+        self._q: dict[int, list[tuple[int, torch.Tensor] | None]] = {}  # seq -> per layer (first position, q rows)
+        # per layer: int32 [slots, Hkv, P] pinned ids padded with _NONE, and int32 [slots, Hkv] counts
+        self._ids = [np.full((0, n_kv_heads, 0), _NONE, np.int32) for _ in range(n_layers)]
+        self._counts = [np.zeros((0, n_kv_heads), np.int32) for _ in range(n_layers)]
+
+    def observe(self, layer: int, seq_id: int, start: int, q: torch.Tensor) -> None:
+        """Keep the last obs_window rows of a prefill chunk's q ([n, Hq, D] at positions start..)."""
+        per_layer = self._q.setdefault(seq_id, [None] * len(self._ids))
+        prev = per_layer[layer]
+        if prev is not None and prev[0] + len(prev[1]) == start:  # a short last chunk: keep the tail of the one before
+            q = torch.cat([prev[1], q])
+            start = prev[0]
+        keep = min(len(q), self.obs_window)
+        per_layer[layer] = (start + len(q) - keep, q[-keep:].detach().clone())
+
+    def pin(self, layer: int, seq_id: int, slot: int, keys: torch.Tensor, n: int, scale: float,
+            plan_row: list[tuple[bool, int, float]], sink: int, window: int, pin_fraction: float) -> None:
+        """At a sequence's first decode step (n tokens incl. the new one): pin blocks for each retrieval group of the
+        layer. keys: the dense prompt keys [Hkv, n_prompt, D]; plan_row: (retrieval, g, budget) per group."""
+        per_layer = self._q.get(seq_id)
+        obs = per_layer[layer] if per_layer else None
+        if obs is None:
+            return
+        per_layer[layer] = None  # used once
+        mass = attention_mass(obs[1], keys, obs[0], scale).cpu().numpy()  # [Hkv, n_prompt]
+        pins = []
+        for h, (retrieval, g, budget) in enumerate(plan_row):
+            count = int(pin_fraction * np.ceil(budget * n / g)) if retrieval else 0
+            pins.append(pick_pins(mass[h], g, n, sink, window, count))
+        self._store(layer, slot, pins)
+
+    def _store(self, layer: int, slot: int, pins: list[np.ndarray]) -> None:
+        ids, counts = self._ids[layer], self._counts[layer]
+        width = max(ids.shape[2], max(len(p) for p in pins))
+        if slot >= ids.shape[0] or width > ids.shape[2]:
+            rows = max(slot + 1, ids.shape[0])
+            grown = np.full((rows, self.n_kv_heads, width), _NONE, np.int32)
+            grown[: ids.shape[0], :, : ids.shape[2]] = ids
+            grown_counts = np.zeros((rows, self.n_kv_heads), np.int32)
+            grown_counts[: counts.shape[0]] = counts
+            self._ids[layer], self._counts[layer] = ids, counts = grown, grown_counts
+        ids[slot] = _NONE
+        for h, p in enumerate(pins):
+            ids[slot, h, : len(p)] = p
+            counts[slot, h] = len(p)
+
+    def forget(self, seq_id: int, slot: int | None) -> None:
+        """A sequence ended: its observation rows and its slot's pins go."""
+        self._q.pop(seq_id, None)
+        if slot is None:
+            return
+        for ids, counts in zip(self._ids, self._counts):
+            if slot < ids.shape[0]:
+                ids[slot] = _NONE
+                counts[slot] = 0
+
+    def any(self, layer: int) -> bool:
+        return bool(self._counts[layer].any())
+
+    def merge(self, layer: int, tasks: np.ndarray, ids: np.ndarray, scores: np.ndarray, counts: np.ndarray
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """A task's blocks with pins: its slot's P pinned blocks plus the k - P best-scoring top-k blocks that are
+        not pinned, so a step reads k blocks as without pins (k = tasks[:, 4]; the top-k was asked for all k).
+        ids, scores: [T, k_cap] from native.group_topk (ids ascending, only [:counts[i]] valid) ->
+        (ids int32 [T, width] ascending, counts int32 [T])."""
+        table, table_counts = self._ids[layer], self._counts[layer]
+        n_tasks, k_cap = ids.shape
+        slot, h = tasks[:, 0], tasks[:, 2]
+        inside = slot < table.shape[0]
+        pinned = np.full((n_tasks, table.shape[2]), _NONE, np.int32)  # [T, P]
+        pinned[inside] = table[slot[inside], h[inside]]
+        n_pinned = np.zeros(n_tasks, np.int64)
+        n_pinned[inside] = table_counts[slot[inside], h[inside]]
+        valid = np.arange(k_cap)[None, :] < counts[:, None]  # [T, k_cap]
+        row = np.arange(n_tasks, dtype=np.int64)[:, None]
+        already = np.isin((row << 32) | ids, ((row << 32) | pinned)[pinned != _NONE])  # top-k ids that are pinned
+        free = valid & ~already
+        order = np.argsort(np.where(free, -scores, np.inf), axis=1, kind="stable")  # best free block first
+        rank = np.empty_like(order)
+        np.put_along_axis(rank, order, np.arange(k_cap)[None, :].repeat(n_tasks, 0), axis=1)
+        keep = free & (rank < np.maximum(tasks[:, 4] - n_pinned, 0)[:, None])
+        both = np.sort(np.concatenate([np.where(keep, ids, _NONE), pinned], axis=1), axis=1)  # [T, k_cap + P]
+        merged_counts = (both != _NONE).sum(1).astype(np.int32)
+        width = max(1, int(merged_counts.max())) if n_tasks else 1
+        return np.ascontiguousarray(np.where(both[:, :width] == _NONE, 0, both[:, :width])), merged_counts

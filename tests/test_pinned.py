@@ -1,0 +1,163 @@
+"""Blocks pinned at prefill end by the prompt's own attention (fluxion_lite/pinned.py): the attention mass against a
+float64 reference, the choice of blocks, the union with the per-step top-k, and decode through the sparse backend."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fluxion_lite.engine import Engine, make_attention
+from fluxion_lite.errors import ModelFileError
+from fluxion_lite.pinned import PinnedBlocks, attention_mass, pick_pins
+from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from test_sparse import MODEL, decode_logits, engine, essay_tokens  # noqa: F401  (fixtures)
+
+
+def reference_mass(q: np.ndarray, keys: np.ndarray, first_pos: int, scale: float) -> np.ndarray:
+    """float64: for each KV head, sum over its query heads and the rows of softmax(q k^T) over keys <= the row."""
+    w, hq, _ = q.shape
+    hkv, n, _ = keys.shape
+    r = hq // hkv
+    out = np.zeros((hkv, n))
+    for h in range(hkv):
+        for j in range(h * r, (h + 1) * r):
+            for i in range(w):
+                visible = first_pos + i + 1
+                s = keys[h, :visible] @ q[i, j] * scale
+                p = np.exp(s - s.max())
+                out[h, :visible] += p / p.sum()
+    return out
+
+
+@pytest.mark.parametrize("w,hq,hkv,d,n", [(5, 6, 2, 16, 90), (32, 7, 1, 64, 300), (1, 8, 8, 32, 40)])
+def test_attention_mass_matches_float64_reference(w: int, hq: int, hkv: int, d: int, n: int) -> None:
+    g = torch.Generator().manual_seed(w * 100 + n)
+    q = torch.randn(w, hq, d, generator=g)
+    keys = torch.randn(hkv, n, d, generator=g)
+    first = n - w
+    got = attention_mass(q, keys, first, d**-0.5).numpy()
+    want = reference_mass(q.double().numpy(), keys.double().numpy(), first, d**-0.5)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+    assert got.sum() == pytest.approx(w * hq, rel=1e-5)  # every row's softmax sums to 1
+
+
+@pytest.mark.parametrize("g,n,count", [(16, 700, 5), (128, 700, 2), (32, 300, 100), (64, 100, 3)])
+def test_pick_pins_takes_the_heaviest_eligible_blocks(g: int, n: int, count: int) -> None:
+    sink, window = 20, 70
+    mass = np.random.default_rng(g + n).random(n - 1)  # the prompt: n - 1 tokens before the first decode token
+    got = pick_pins(mass, g, n, sink, window, count)
+    sink_hi = -(-sink // g) * g
+    win_lo = max(((n - window) // g) * g, sink_hi)
+    eligible = [b for b in range(n // g + 1) if b * g >= sink_hi and (b + 1) * g <= win_lo]
+    per_block = {b: mass[b * g : (b + 1) * g].sum() for b in eligible}
+    want = sorted(sorted(eligible, key=lambda b: (-per_block[b], b))[:count])
+    assert got.tolist() == want
+    assert got.dtype == np.int32
+
+
+def test_merge_is_a_sorted_union_without_duplicates() -> None:
+    rng = np.random.default_rng(7)
+    pins = PinnedBlocks(n_layers=1, n_kv_heads=2, obs_window=4)
+    pinned = {(0, 0): [3, 9, 20], (0, 1): [], (2, 0): [1], (2, 1): [5, 6, 7, 8]}
+    for slot in (0, 2):
+        pins._store(0, slot, [np.array(pinned[(slot, h)], np.int32) for h in range(2)])
+    tasks = np.zeros((5, 9), np.int32)
+    tasks[:, 0] = [0, 0, 2, 2, 1]  # slot 1 has no pins
+    tasks[:, 2] = [0, 1, 0, 1, 0]
+    tasks[:, 4] = 6
+    ids = np.sort(np.stack([rng.choice(30, size=6, replace=False) for _ in range(5)]), axis=1).astype(np.int32)
+    scores = rng.standard_normal((5, 6)).astype(np.float32)
+    counts = np.array([6, 4, 0, 6, 3], np.int32)
+    merged, merged_counts = pins.merge(0, tasks, ids, scores, counts)
+    for i in range(5):
+        pin = pinned.get((int(tasks[i, 0]), int(tasks[i, 2])), [])
+        free = sorted({(-float(scores[i, j]), j) for j in range(counts[i]) if ids[i, j] not in pin})
+        best: list[int] = []
+        for _, j in free:  # the best-scoring non-pinned ids, each id once, until k - P blocks
+            if len(best) < 6 - len(pin) and int(ids[i, j]) not in best:
+                best.append(int(ids[i, j]))
+        want = sorted(set(best) | set(pin))
+        assert merged[i, : merged_counts[i]].tolist() == want, i
+    pins.forget(seq_id=0, slot=2)
+    assert not pins._counts[0][2].any() and pins.any(0)
+
+
+def test_observe_keeps_the_last_rows_across_a_short_last_chunk() -> None:
+    pins = PinnedBlocks(n_layers=2, n_kv_heads=1, obs_window=8)
+    q = torch.arange(20 * 2 * 4, dtype=torch.float32).view(20, 2, 4)
+    pins.observe(1, seq_id=5, start=0, q=q[:17])
+    pins.observe(1, seq_id=5, start=17, q=q[17:])
+    first, rows = pins._q[5][1]  # type: ignore[misc]
+    assert first == 12 and torch.equal(rows, q[12:])
+
+
+def test_a_needle_block_the_summed_bound_misses_is_pinned() -> None:
+    """The question (the observed rows) matches one block's keys exactly; other blocks have larger extremes."""
+    hkv, hq, d, n, g = 1, 4, 32, 512, 16
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(hkv, n, d, generator=gen) * 0.3
+    keys[0, 200:216] += 3.0 * torch.randn(d, generator=gen).sign()  # block 12 is far from the question...
+    needle = torch.randn(d, generator=gen)
+    keys[0, 300:316] = needle * 0.8  # ...block 18 holds the needle
+    q = needle.repeat(4, hq, 1)  # [W, Hq, D]
+    pins = PinnedBlocks(1, hkv, obs_window=4)
+    pins.observe(0, seq_id=1, start=n - 4, q=q)
+    pins.pin(0, seq_id=1, slot=0, keys=keys, n=n + 1, scale=d**-0.5, plan_row=[(True, g, 0.1)], sink=16, window=64,
+             pin_fraction=0.5)
+    assert 300 // g in pins._ids[0][0, 0, : pins._counts[0][0, 0]].tolist()
+
+
+@pytest.mark.parametrize("g,pin_fraction", [(16, 0.1), (128, 0.5)])
+def test_pins_plus_topk_at_full_budget_equal_dense(engine: Engine, essay_tokens: list[int], g: int,  # noqa: F811
+                                                   pin_fraction: float) -> None:
+    """At budget 1 the pins and the shrunk top-k together still cover every block, some of them twice: each block
+    must be read once (a duplicate would count its tokens twice in the softmax)."""
+    cfg = engine.config
+    dense = decode_logits(engine, engine.attn, essay_tokens, 6)
+    plan = SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=g, budget=1.0, sink=20, window=70)
+    plan.pin_fraction = pin_fraction
+    attn = make_attention("fluxion", cfg, torch.float32, torch.device("cpu"), 2, MODEL, plan=plan)
+    sparse = decode_logits(engine, attn, essay_tokens, 6)
+    assert attn.pins is not None and not attn.pins.any(0)  # freed with the sequence
+    assert attn.stats()["kv_read_fraction"] == pytest.approx(1.0)
+    kl = (dense.log_softmax(-1).exp() * (dense.log_softmax(-1) - sparse.log_softmax(-1))).sum(-1)
+    assert float(kl.max()) < 1e-3
+    assert torch.equal(dense.argmax(-1), sparse.argmax(-1))
+
+
+def test_pinned_plan_reads_the_same_blocks_per_step(engine: Engine, essay_tokens: list[int]) -> None:  # noqa: F811
+    """Pins take part of the budget: a step reads as many blocks as the unpinned plan (block counts, not tokens:
+    a pinned block can be a different, never partial, block, so the fractions agree to rounding only)."""
+    cfg = engine.config
+    reads = {}
+    for frac in (0.0, 0.5):
+        plan = SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.2, sink=16, window=64)
+        plan.pin_fraction = frac
+        attn = make_attention("fluxion", cfg, torch.float32, torch.device("cpu"), 2, MODEL, plan=plan)
+        logits = decode_logits(engine, attn, essay_tokens, 4)
+        assert torch.isfinite(logits).all()
+        reads[frac] = attn.stats()["kv_read_fraction"]
+    assert reads[0.5] == pytest.approx(reads[0.0], rel=1e-9)
+
+
+def test_plan_file_round_trips_the_pin_settings(tmp_path: Path) -> None:
+    plan = SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05), GroupPlan(True)]], "t", pin_fraction=0.5, obs_window=48,
+                      scoring="per-head")
+    plan.save(tmp_path / "p.plan.json")
+    back = SparsePlan.load(tmp_path / "p.plan.json")
+    assert (back.pin_fraction, back.obs_window, back.scoring, back.groups) == (0.5, 48, "per-head", plan.groups)
+    assert "50% of each retrieval budget pinned" in back.explain() and "per-head" in back.explain()
+    bad = SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05)]], "t", scoring="exact")
+    with pytest.raises(ModelFileError, match="scoring"):
+        bad.validate(1, 1)
+
+
+def test_the_plan_names_the_block_scoring(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    cfg = engine.config
+    monkeypatch.delenv("FLUXION_TOPK", raising=False)
+    plan = SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.1, sink=16, window=64)
+    plan.scoring = "per-head"
+    attn = make_attention("fluxion", cfg, torch.float32, torch.device("cpu"), 2, MODEL, plan=plan)
+    assert attn.topk_scoring == "per-head"
