@@ -77,7 +77,8 @@ def borrowed_plan(cfg: ModelConfig, source: Path, seed: int = 0) -> SparsePlan:
     for layer in range(cfg.n_layers):
         row = src.groups[layer * len(src.groups) // cfg.n_layers]
         groups.append([rng.choice(row) for _ in range(cfg.n_kv_heads)])
-    return SparsePlan(src.sink, src.window, groups, source=f"drawn from {source.name}")
+    # pins need a real prefill (this bench imports a synthetic context), so only the block scoring carries over
+    return SparsePlan(src.sink, src.window, groups, source=f"drawn from {source.name}", scoring=src.scoring)
 
 
 def host_bytes_per_token(cfg: ModelConfig) -> float:

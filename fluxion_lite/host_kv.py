@@ -183,6 +183,13 @@ class HostKVStore:
         row_start[1:] = np.cumsum(counts_a)[:-1]
         native.append(self._views[layer], slots_a.astype(np.int32), row_start, counts_a, k, v)
 
+    def reserve_decode(self, slots: np.ndarray) -> None:
+        """Pages for one more token of each slot (int64 [B], allocated) in every layer, ahead of a decode step's
+        appends: those then never change a page table, so views fetched after this call stay valid for the step."""
+        n = self._n_tokens[:, slots]  # [L, B]
+        for layer, i in zip(*np.nonzero(n % self.page_tokens == 0)):
+            self._ensure_pages(int(layer), int(slots[i]), int(n[layer, i]) + 1)
+
     def append_decode(self, layer: int, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
         """append_batch for one new token per slot, on the decode hot path: slots int64 [B] (allocated, distinct:
         the caller checked them once per step), k, v [B, Hkv, D] in the store's dtype on the host. Pages are

@@ -640,6 +640,142 @@ def gather(view: KVView, tasks: Any, ids: Any, counts: Any, k_out: Any, v_out: A
     return offs, tokens
 
 
+# ----------------------------------------------------------------------------------------------- prepared calls --
+#
+# The graphed decode step (sparse_graph.py) calls append, group_topk and sparse_attention once per layer on the
+# critical path (the GPU waits for the host at small batches). The checked wrappers above cost 10-20 us per call
+# in Python; these objects check their arguments once (per step or per buffer) and then make one C call per layer.
+# The C side still validates every slot, head, page and block id on each call.
+
+
+class PreparedAppend:
+    """append() of one token per slot from fixed buffers: k, v [n_rows, Hkv, D] (16-bit, the store's dtype), slot
+    slots[i] taking row row_start[i]. slots is an int32 [n] array the caller may refill in place between calls
+    (distinct values); run(view) appends into any layer's view of the same store."""
+
+    def __init__(self, view: KVView, slots: np.ndarray, row_start: Any, k: Any, v: Any) -> None:
+        self._k_ptr, k_shape = _kv_rows(view, k, "k", None)
+        self._v_ptr, _ = _kv_rows(view, v, "v", k_shape[0])
+        self.slots = _arr(slots, "slots", _I32, ndim=1, writable=True)
+        n = len(self.slots)
+        rs = _int_vector(row_start, n)
+        if n and (int(rs.min()) < 0 or int(rs.max()) >= k_shape[0]):
+            raise ValueError(f"row_start: rows must lie within k's {k_shape[0]} rows")
+        self._keep = (k, v, rs, np.ones(n, np.int64))  # the memory the pointers below point into
+        self._args = (_cptr(self.slots), _cptr(rs), _cptr(self._keep[3]), n, self._k_ptr, self._v_ptr, k_shape[0])
+
+    def run(self, view: KVView) -> None:
+        err = _scratch.err
+        s, rs, rc_, n, k, v, n_rows = self._args
+        rc = lib.fx_append(view.struct, s, rs, rc_, n, k, v, n_rows, err)
+        _raise_for(rc, err, "append")
+
+
+class PreparedSelection:
+    """group_topk then sparse_attention over the task rows [lo, hi) of one table, per layer, with the arguments
+    checked once: q fp32 [q_rows, Hq, D] (read at every call: refill it in place), tasks int32 [T, 9] (every
+    layer's tasks, layer-major). ids int32 [T, k_cap] / scores / counts int32 [T] belong to this object (k_cap:
+    the largest k of all rows, so every layer's rows keep the k_cap their own call would use or more; columns
+    past counts[i] are never read)."""
+
+    def __init__(self, view: KVView, q: Any, tasks: Any, scale: float, rows: Any | None = None,
+                 out: Any | None = None, lse: Any | None = None) -> None:
+        """rows, out, lse: for select_attend (see there); rows int64 [T], out fp32 [n_rows, r, D], lse [n_rows, r]."""
+        self._q_ptr, self.q_rows, self.n_q_heads, self.r = _check_q(view, q)
+        self.tasks = t = _tasks_array(tasks)
+        if not (0.0 < scale < _INF):
+            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+        self.scale = float(scale)
+        n = len(t)
+        self.k_cap = k_cap = max(0, int(np.maximum.reduce(t[:, 4]))) if n else 0
+        self.ids, self.scores, self.counts = np.empty((n, k_cap), _I32), np.empty((n, k_cap), _F32), np.empty(n, _I32)
+        self._q = q
+        self._t, self._ids = _cptr(t), _cptr(self.ids)
+        self._scores, self._counts = _cptr(self.scores), _cptr(self.counts)
+        self.head_dim, self.n_kv_heads = view.head_dim, view.n_kv_heads
+        self.rows: np.ndarray | None = None
+        if rows is not None or out is not None or lse is not None:
+            if rows is None or out is None or lse is None:
+                raise ValueError("rows, out and lse go together (select_attend's destination)")
+            self.rows = _arr(rows, "rows", _I64, ndim=1, shape=(n,))
+            self._out_ptr, (self.n_rows, _, _) = _buf(out, "out", _F32, 3, (None, self.r, self.head_dim),
+                                                      writable=True)
+            self._lse_ptr, _ = _buf(lse, "lse", _F32, 2, (self.n_rows, self.r), writable=True)
+            self._rows_ptr, self._dest = _cptr(self.rows), (out, lse)
+            self._tokens, self._seconds = ffi.new("int64_t[1]"), ffi.new("double[2]")
+
+    def _check(self, view: KVView, lo: int, hi: int) -> None:
+        """The call's view and row range (pointers are offset by lo: a range past the table would read past it)."""
+        if view.head_dim != self.head_dim or view.n_kv_heads != self.n_kv_heads:
+            raise ValueError("view: another store's shape than the one the call was prepared for")
+        if not 0 <= lo <= hi <= len(self.tasks):
+            raise ValueError(f"rows [{lo}, {hi}) outside the task table's {len(self.tasks)} rows")
+
+    def topk(self, view: KVView, lo: int, hi: int) -> None:
+        """group_topk of rows [lo, hi) into ids/scores/counts rows [lo, hi)."""
+        self._check(view, lo, hi)
+        scratch, k_cap = _scratch, self.k_cap
+        err = scratch.err
+        args = (view.struct, self._q_ptr, self.q_rows, self.n_q_heads, self._t + lo * TASK_FIELDS, hi - lo, k_cap,
+                self._ids + lo * k_cap, self._scores + lo * k_cap, self._counts + lo)
+        rc = lib.fx_group_topk(*args, scratch.ws_ptr, scratch.ws_floats, err)
+        if rc == _E_OUTPUT:  # as in group_topk: size the workspace only when C says it is short
+            max_blocks = -(-int(view.n_tokens.max()) // GRANULARITIES[0])
+            scratch.grow(int(lib.fx_topk_workspace_floats(hi - lo, max(1, max_blocks))))
+            rc = lib.fx_group_topk(*args, scratch.ws_ptr, scratch.ws_floats, err)
+        if rc:
+            raise _native_error(rc, err, "group_topk", view, self.tasks[lo:hi], q_rows=self.q_rows, k_cap=k_cap,
+                                kept_only=True)
+
+    def select_attend(self, view: KVView, lo: int, hi: int) -> tuple[int, float, float]:
+        """topk then attention of rows [lo, hi) in one C call, the results going straight to rows[lo:hi] of out/lse
+        (given to the constructor; rows strictly ascending within [lo, hi)); every other row's lse becomes -inf.
+        Returns (selected tokens: sum of counts * g, seconds selecting, seconds attending)."""
+        if self.rows is None:
+            raise ValueError("select_attend needs rows, out and lse given to the constructor")
+        self._check(view, lo, hi)
+        n, scratch, k_cap = hi - lo, _scratch, self.k_cap
+        err = scratch.err
+        args = (view.struct, self._q_ptr, self.q_rows, self.n_q_heads, self._t + lo * TASK_FIELDS, n, k_cap,
+                self._ids + lo * k_cap, self._scores + lo * k_cap, self._counts + lo, self.scale, self._rows_ptr + lo,
+                self.n_rows, self._out_ptr, self._lse_ptr)
+        rc = lib.fx_select_attend(*args, scratch.ws_ptr, scratch.ws_floats, self._tokens, self._seconds, err)
+        if rc == _E_OUTPUT and int(err[0]) < 0:  # the workspace, for both kernels
+            max_blocks = -(-int(view.n_tokens.max()) // GRANULARITIES[0])
+            scratch.grow(max(int(lib.fx_topk_workspace_floats(n, max(1, max_blocks))),
+                             int(lib.fx_attention_workspace_floats(n, self.r, self.head_dim))))
+            rc = lib.fx_select_attend(*args, scratch.ws_ptr, scratch.ws_floats, self._tokens, self._seconds, err)
+        if rc == _E_OUTPUT:
+            i = int(err[0])
+            if i < 0:
+                raise ValueError("select_attend: the workspace is still short after growing it")
+            raise ValueError(f"select_attend: rows[{lo + i}]={int(self.rows[lo + i])}: rows must be strictly "
+                             f"ascending in [0, {self.n_rows})")
+        if rc:
+            raise _native_error(rc, err, "select_attend", view, self.tasks[lo:hi], q_rows=self.q_rows, k_cap=k_cap,
+                                kept_only=True)
+        return int(self._tokens[0]), float(self._seconds[0]), float(self._seconds[1])
+
+    def attention(self, view: KVView, lo: int, hi: int, out: Any, lse: Any) -> None:
+        """sparse_attention of rows [lo, hi) over their selections into out fp32 [hi - lo, r, D] and lse fp32
+        [hi - lo, r] (numpy arrays or CPU tensors; checked here: a few us)."""
+        self._check(view, lo, hi)
+        n, r, d = hi - lo, self.r, self.head_dim
+        out_ptr, _ = _buf(out, "out", _F32, 3, (n, r, d), writable=True)
+        lse_ptr, _ = _buf(lse, "lse", _F32, 2, (n, r), writable=True)
+        scratch, k_cap = _scratch, self.k_cap
+        err = scratch.err
+        args = (view.struct, self._q_ptr, self.q_rows, self.n_q_heads, self._t + lo * TASK_FIELDS, n,
+                self._ids + lo * k_cap, self._counts + lo, k_cap, self.scale, out_ptr, lse_ptr)
+        rc = lib.fx_sparse_attention(*args, scratch.ws_ptr, scratch.ws_floats, err)
+        if rc == _E_OUTPUT:
+            scratch.grow(int(lib.fx_attention_workspace_floats(n, r, d)))
+            rc = lib.fx_sparse_attention(*args, scratch.ws_ptr, scratch.ws_floats, err)
+        if rc:
+            raise _native_error(rc, err, "sparse_attention", view, self.tasks[lo:hi], q_rows=self.q_rows,
+                                k_cap=k_cap, ids=self.ids[lo:hi], counts=self.counts[lo:hi])
+
+
 def read_bandwidth_probe(buf: Any, repeats: int = 1) -> float:
     """Read every byte of buf `repeats` times on the pool (a STREAM-like read); returns a checksum."""
     a = _np_view(buf, "buf")
@@ -652,5 +788,5 @@ __all__ = [
     "TASK_FIELDS", "GRANULARITIES", "SIMD_PATHS", "SCORINGS", "KVView", "make_tasks", "append", "summaries_update",
     "group_topk", "sparse_attention", "gather", "read_bandwidth_probe", "set_threads", "get_threads",
     "set_simd", "get_simd", "simd_supported", "set_checks", "set_stream_stores", "physical_cores", "page_bytes",
-    "gran_mask",
+    "gran_mask", "PreparedAppend", "PreparedSelection",
 ]

@@ -177,7 +177,9 @@ class CostModel:
 
     def observe_cpu(self, nbytes: float, seconds: float) -> None:
         c = self.costs
-        self.costs = replace(c, cpu_gbs=self._rate(c.cpu_gbs, nbytes, seconds, c.cpu_fixed_s))
+        rate = self._rate(c.cpu_gbs, nbytes, seconds, c.cpu_fixed_s)
+        if rate != c.cpu_gbs:  # replace() costs a few us, once per decode layer
+            self.costs = replace(c, cpu_gbs=rate)
 
     def observe_gather(self, nbytes: float, seconds: float) -> None:
         c = self.costs

@@ -10,7 +10,11 @@ which decode_graphs.py captures next to the dense layer parts:
                     new K/V to the host store while the device runs this layer; wait for the D2H; native top-k;
                     the scheduler splits the tasks; CPU tasks run native sparse attention and their results go into
                     a pinned full-size buffer (lse = -inf for rows without a CPU task); GPU tasks run through the
-                    zero-copy feeder (eager device work) into full-size device buffers; one H2D of the CPU results
+                    zero-copy feeder (eager device work) into full-size device buffers; one H2D of the CPU results.
+                    At batch 1 the device waits for all of this, so its fixed cost is kept down: the native calls'
+                    arguments are checked once per step (native.PreparedSelection / PreparedAppend), pages for the
+                    step's appends are reserved in begin(), and an all-CPU split (the usual case at small batches)
+                    skips the scheduler's queue and writes the results in place.
   epilogue(layer)   three-way LSE merge (streaming, CPU, GPU) -> o [B, Hq, D]; reset
                     the GPU buffers' lse to -inf for the next layer
 
@@ -23,6 +27,7 @@ token goes to a sink slot). Anything else (prefill chunks, per-request plans, de
 """
 from __future__ import annotations
 
+import logging
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -39,21 +44,46 @@ from .sparse_step import GVALS, DecodeStep, retrieval_tasks
 if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
 
+LOG = logging.getLogger("fluxion_lite.sparse_graph")
 
-def step_tasks(a: SparseAttention, st: DecodeStep) -> list[tuple[np.ndarray, np.ndarray, np.ndarray]]:
+
+def step_tasks(a: SparseAttention, st: DecodeStep) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
     """Every layer's retrieval tasks of a step in one pass over [L, B, Hkv] (sparse_step.retrieval_tasks on the static
     plan's arrays); also adds the step's read and streaming counters, which the eager path adds layer by layer.
-    Returns per layer (task table int32 [T, 9], sequence row [T], group [T])."""
+    Returns the task table int32 [T, 9] (layer-major), each task's result row (sequence row * Hkv + group, int64
+    [T], ascending within a layer), the layer boundaries (layer l's tasks are rows ends[l] .. ends[l + 1]) and
+    each task's selected tokens as top-k will select them (int64 [T]): min(k, eligible blocks) blocks of g tokens,
+    the eligible blocks being those wholly inside the g-aligned gap [lo, hi) between sink and window (at host(l)
+    the store holds n - 1 >= hi tokens of the layer, so no block past hi exists to be excluded)."""
     n_layers, hkv, B = a.cfg.n_layers, a.cfg.n_kv_heads, st.batch
     gi = a._gidx[:, None, :]  # [L, 1, Hkv]
-    tasks, li, bi, h, _, _, _ = retrieval_tasks(st, gi, a._g[:, None, :], a._retrieval[:, None, :],
+    tasks, li, bi, h, k_blocks, lo, hi = retrieval_tasks(st, gi, a._g[:, None, :], a._retrieval[:, None, :],
                                                 a._budget[:, None, :])
     a._read_tokens += float(st.stream_read[gi, np.arange(B)[None, :, None]].sum())
     a._context_tokens += float(st.n.sum()) * hkv * n_layers
     a._stream_groups += float(n_layers * B * hkv - B * a._retrieval.sum())
     a._all_groups += float(n_layers * B * hkv)
     ends = np.searchsorted(li, np.arange(n_layers + 1))  # li is layer-major
-    return [(tasks[s:e], bi[s:e], h[s:e]) for s, e in zip(ends[:-1], ends[1:])]
+    g = tasks[:, 3].astype(np.int64)
+    selected = np.minimum(k_blocks, (hi - lo) // g) * g
+    return tasks, bi * hkv + h, ends.tolist(), selected
+
+
+def expected_sizes(selected: np.ndarray, ends: list[int]) -> list[tuple[int, int]]:
+    """Per layer (selected tokens of all its tasks, of its smallest non-empty task; 0, 0 without tasks) from each
+    task's selected tokens [T] and the layer boundaries (step_tasks)."""
+    starts, stops = np.array(ends[:-1]), np.array(ends[1:])
+    busy = stops > starts  # layers with tasks: reduceat over their starts covers exactly their rows
+    totals, smallest = np.zeros(len(starts), np.int64), np.zeros(len(starts), np.int64)
+    if len(selected):
+        totals[busy] = np.add.reduceat(selected, starts[busy])
+        smallest[busy] = np.minimum.reduceat(selected, starts[busy])
+    sizes = list(zip(totals.tolist(), smallest.tolist()))
+    for layer in np.flatnonzero(busy & (smallest == 0)).tolist():  # an empty task (k = 0): the smallest non-empty
+        part = selected[ends[layer] : ends[layer + 1]]
+        positive = part[part > 0]
+        sizes[layer] = (sizes[layer][0], int(positive.min()) if len(positive) else 0)
+    return sizes
 
 
 class StaticStep:
@@ -69,10 +99,14 @@ class StaticStep:
         self.slots = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] rows of the device slab
         self.ring = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] the new token's ring slot
         self.bias = torch.zeros(len(GVALS), batch, ltot, dtype=torch.float32, device=dev)  # [G, B, Ltot]
-        # CPU results, out and lse side by side: [B Hkv, r, D + 1] (pinned) and its device twin
-        self.res_host = torch.zeros(n_bh, r, d + 1, dtype=torch.float32, pin_memory=cuda)
-        self.res_dev = torch.zeros(n_bh, r, d + 1, dtype=torch.float32, device=dev) if cuda else self.res_host
-        self.res_np = self.res_host.numpy()  # the host writes through numpy: a fraction of a torch call's cost
+        # CPU results in one flat buffer (pinned) and its device twin: out [B Hkv, r, D], then lse [B Hkv, r]. Laid
+        # out as the native attention writes them, so a layer whose tasks cover every row writes them in place.
+        n_o = n_bh * r * d
+        self.res_host = torch.zeros(n_o + n_bh * r, dtype=torch.float32, pin_memory=cuda)
+        self.res_dev = torch.zeros(n_o + n_bh * r, dtype=torch.float32, device=dev) if cuda else self.res_host
+        self.o_dev, self.lse_dev = self.res_dev[:n_o].view(n_bh, r, d), self.res_dev[n_o:].view(n_bh, r)
+        res_np = self.res_host.numpy()  # the host writes through numpy: a fraction of a torch call's cost
+        self.o_np, self.lse_np = res_np[:n_o].reshape(n_bh, r, d), res_np[n_o:].reshape(n_bh, r)
         self.o_gpu = torch.zeros(n_bh, r, d, dtype=torch.float32, device=dev)  # zero-copy GPU tasks' results
         self.lse_gpu = torch.full((n_bh, r), float("-inf"), dtype=torch.float32, device=dev)
         self.out_s: list[torch.Tensor | None] = [None] * cfg.n_layers  # streaming part per layer (graph outputs)
@@ -86,6 +120,25 @@ class StaticStep:
         # two host copies, by layer parity: layer i's K/V are appended to the host store while the device runs
         # layer i + 1's graph, after layer i + 1's D2H went into the other copy
         self.stage_host = [torch.zeros(batch, hq + 2 * hkv, d, dtype=owner.dtype, pin_memory=cuda) for _ in range(2)]
+        self.q32 = torch.zeros(batch, hq, d)  # [B, Hq, D] fp32: the native kernels' queries, refilled per layer
+        # The host append reads k and v straight from a staging copy: viewed as rows of [Hkv, D], batch row b's k is
+        # row b * w + r and its v row b * w + r + 1 (w = (Hq + 2 Hkv) / Hkv). A model dtype other than the store's
+        # goes through one converted copy [B, 2 Hkv, D] first (w = 2).
+        store = owner.store
+        self.slots32 = np.zeros(batch, np.int32)  # the step's slots, refilled in place by begin()
+        self.kv16: torch.Tensor | None = None
+        if owner.dtype == store.dtype:
+            sources, first = self.stage_host, hq // hkv
+        else:
+            self.kv16 = torch.zeros(batch, 2 * hkv, d, dtype=store.dtype)
+            sources, first = [self.kv16], 0
+        self.appenders: list[native.PreparedAppend] = []
+        for src in sources:
+            w = src.shape[1] // hkv
+            rows = src.view(batch * w, hkv, d)
+            n_rows = batch * w - first - 1
+            k, v = rows[first : first + n_rows], rows[first + 1 : first + 1 + n_rows]
+            self.appenders.append(native.PreparedAppend(store.view(0), self.slots32, np.arange(batch) * w, k, v))
 
     def load(self, st: DecodeStep) -> None:
         """This step's indices into the static tensors (device-to-device copies, no sync)."""
@@ -106,7 +159,15 @@ class GraphedDecode:
         self.ss: StaticStep | None = None
         self.st: DecodeStep | None = None
         self.chunks: list[SeqChunk] = []
-        self.tasks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # per layer: task table, seq row, group
+        # the step's tasks (step_tasks): table, result row, layer boundaries; their prepared native calls; the
+        # layers' store views (valid for the step: see begin)
+        self.tasks = np.zeros((0, native.TASK_FIELDS), np.int32)
+        self.bh = np.zeros(0, np.int64)
+        self.ends: list[int] = []
+        self.sel: native.PreparedSelection | None = None
+        self.expect: list[tuple[int, int]] = []  # per layer: (selected tokens, smallest task's) top-k will give
+        self.mispredicted = 0  # layers whose top-k selected other than expected (tests check this stays 0)
+        self.views: list[native.KVView] = []
         self._t0 = self._wait0 = 0.0
 
     # ---- per step ------------------------------------------------------------------------------------------------
@@ -127,9 +188,18 @@ class GraphedDecode:
         for layer in range(a.cfg.n_layers):  # K/V queued by an eager step (the first decode step) go in first
             a._flush(layer)
         self.st = st = a._step_for(chunks)
-        self.ss = self.static[len(chunks)]
-        self.ss.load(st)
-        self.tasks = step_tasks(a, st)
+        self.ss = ss = self.static[len(chunks)]
+        ss.load(st)
+        a.store.reserve_decode(st.slots)  # before the views are fetched: the step's appends add no pages
+        ss.slots32[:] = st.slots
+        self.views = [a.store.view(layer) for layer in range(a.cfg.n_layers)]
+        self.tasks, self.bh, self.ends, selected = step_tasks(a, st)
+        # what top-k will select, per layer: all the scheduler needs to see that a layer goes all-CPU (auto only)
+        self.expect = expected_sizes(selected, self.ends) if a.placement == "auto" else [(0, 0)] * a.cfg.n_layers
+        self.sel = None
+        if len(self.tasks):
+            self.sel = native.PreparedSelection(self.views[0], ss.q32, self.tasks, a.scale, rows=self.bh,
+                                                out=ss.o_np, lse=ss.lse_np)
         self._wait0 = a._st.gpu_wait_s
         self._t0 = time.perf_counter()
 
@@ -170,7 +240,7 @@ class GraphedDecode:
         B, hkv, r, d = ss.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
         out_s, lse_s = ss.out_s[layer], ss.lse_s[layer]
         assert out_s is not None and lse_s is not None
-        o_c, lse_c = ss.res_dev[..., :d].view(B, hkv, r, d), ss.res_dev[..., d].view(B, hkv, r)
+        o_c, lse_c = ss.o_dev.view(B, hkv, r, d), ss.lse_dev.view(B, hkv, r)
         o_g, lse_g = ss.o_gpu.view(B, hkv, r, d), ss.lse_gpu.view(B, hkv, r)
         m = torch.maximum(torch.maximum(lse_s, lse_c), lse_g)  # finite: the streaming part always has tokens
         w_s, w_c, w_g = torch.exp(lse_s - m), torch.exp(lse_c - m), torch.exp(lse_g - m)
@@ -182,10 +252,8 @@ class GraphedDecode:
     def host(self, layer: int) -> None:
         a, ss, st = self.a, self.ss, self.st
         assert ss is not None and st is not None
-        B, hkv, r, d = ss.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
         cuda = a.device.type == "cuda"
         ev = None
-        hq = a.cfg.n_heads
         staged = ss.stage_host[layer % 2]
         if cuda:
             staged.copy_(ss.stage, non_blocking=True)  # q, k, v of this layer (the replay just queued)
@@ -195,54 +263,106 @@ class GraphedDecode:
             staged.copy_(ss.stage)
         if layer > 0:
             self._append(layer - 1)  # overlaps with this layer's graph on the device
-        tasks, bi, h = self.tasks[layer]
         if ev is not None:
             ev.synchronize()
         t_idle = time.perf_counter()  # from here until the next replay the device waits for the host
-        ss.res_np[..., d] = -np.inf  # rows without a CPU task
-        if len(tasks):
-            view = a.store.view(layer)
-            q_host = staged[:, :hq].float().contiguous()  # [B, Hq, D] fp32 for the native kernels
-            t0 = time.perf_counter()
-            ids, scores, counts = native.group_topk(view, q_host, tasks, scoring=a.topk_scoring)
-            if a.pins is not None and a.pins.any(layer):  # pins take part of each task's k
-                ids, counts = a.pins.merge(layer, tasks, ids, scores, counts)
-            a._st.cpu_topk_s += time.perf_counter() - t0
-            a._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
-            q_dev = ss.q[layer]
-            assert q_dev is not None
-            self._run_tasks(layer, view, q_host, q_dev, tasks, ids, counts, bi * hkv + h)
+        lo, hi = self.ends[layer], self.ends[layer + 1]
+        if hi > lo:
+            assert self.sel is not None
+            ss.q32.copy_(staged[:, : a.cfg.n_heads])  # [B, Hq, D] fp32 for the native kernels
+            view = self.views[layer]
+            ex = a.executor
+            per_token = a.cfg.head_dim * 2 * ex.elem  # K+V bytes of one selected token (scheduler.task_bytes)
+            placement = a.placement if ex.feeder is not None else "cpu"
+            pinned = a.pins is not None and a.pins.any(layer)
+            # the one-call path: group scoring (what fx_select_attend selects by), no pins (they change the selection)
+            if a.topk_scoring == "group" and not pinned and self._all_cpu(placement, *self.expect[layer], per_token):
+                self._select_attend(layer, view, lo, hi, per_token)
+            else:
+                tasks = self.tasks[lo:hi]
+                t0 = time.perf_counter()
+                ids, scores, counts = native.group_topk(view, ss.q32, tasks, scoring=a.topk_scoring)
+                if pinned:  # pins take part of each task's k
+                    assert a.pins is not None
+                    ids, counts = a.pins.merge(layer, tasks, ids, scores, counts)
+                a._st.cpu_topk_s += time.perf_counter() - t0
+                self._run_tasks(layer, view, lo, hi, ids, counts)
+        else:
+            ss.lse_np.fill(-np.inf)  # no CPU task in this layer
         if ss.res_dev is not ss.res_host:
             ss.res_dev.copy_(ss.res_host, non_blocking=True)  # read by the next replay's epilogue
         a._st.gpu_wait_s += time.perf_counter() - t_idle
 
     def _append(self, layer: int) -> None:
         """The layer's new K/V into the host store (one layer late: top-k never selects a block touching the
-        window, which covers the newest token on the device meanwhile)."""
-        a, ss, st = self.a, self.ss, self.st
-        assert ss is not None and st is not None
-        hq, hkv = a.cfg.n_heads, a.cfg.n_kv_heads
-        kv_host = ss.stage_host[layer % 2][:, hq:].to(torch.bfloat16)  # the store's dtype (no copy in bf16)
-        a.store.append_decode(layer, st.slots, kv_host[:, :hkv], kv_host[:, hkv:])
+        window, which covers the newest token on the device meanwhile). Pages were reserved by begin()."""
+        ss = self.ss
+        assert ss is not None
+        if ss.kv16 is not None:  # a model dtype other than the store's: convert first
+            ss.kv16.copy_(ss.stage_host[layer % 2][:, self.a.cfg.n_heads :])
+            ss.appenders[0].run(self.views[layer])
+        else:
+            ss.appenders[layer % 2].run(self.views[layer])
 
-    def _run_tasks(self, layer: int, view: native.KVView, q_host: torch.Tensor, qg: torch.Tensor, tasks: np.ndarray,
-                   ids: np.ndarray, counts: np.ndarray, bh: np.ndarray) -> None:
-        """CPU tasks into the pinned result buffer, GPU tasks (zero-copy feeder) into the device buffers."""
+    def _select_attend(self, layer: int, view: native.KVView, lo: int, hi: int, per_token: int) -> None:
+        """Every task of the layer on the CPU: top-k and attention in one native call, the results written straight
+        into the pinned result buffer (lse -inf for rows without a task)."""
+        a, sel = self.a, self.sel
+        assert sel is not None
+        tokens, t_select, t_attend = sel.select_attend(view, lo, hi)
+        if a.placement == "auto" and tokens != self.expect[layer][0]:  # never seen; the results are right, only
+            # the split was decided before the selection
+            if not self.mispredicted:
+                LOG.warning("graphed decode: top-k selected %d tokens in layer %d, %d expected", tokens, layer,
+                            self.expect[layer][0])
+            self.mispredicted += 1
+        nbytes = float(tokens * per_token)
+        a._read_tokens += float(tokens)
+        st = a._st
+        st.cpu_topk_s += t_select
+        st.cpu_attn_s += t_attend
+        st.cpu_bytes += nbytes
+        a.executor.cost_model.observe_cpu(nbytes, t_attend)
+
+    def _all_cpu(self, placement: str, total: int, smallest: int, per_token: int) -> bool:
+        """Whether scheduler.split_tasks puts every task on the CPU, for tasks of `total` selected tokens whose
+        smallest non-empty one has `smallest`: always for placement cpu (or no GPU side), and for auto when the
+        scheduler's own shortcut applies (the CPU finishes everything before the GPU could finish the smallest
+        task). Decided before the selection from the sizes top-k will give (step_tasks), without the queue."""
+        if placement == "cpu":
+            return True
+        if placement != "auto":
+            return False
+        costs = self.a.executor.cost_model.costs
+        if not costs.has_gpu:
+            return True
+        return costs.makespan(float(total * per_token), 0.0) <= costs.makespan(0.0, float(smallest * per_token))
+
+    def _run_tasks(self, layer: int, view: native.KVView, lo: int, hi: int, ids: np.ndarray, counts: np.ndarray
+                   ) -> None:
+        """The layer's tasks (rows lo .. hi of the step's table) with their selections (ids int32 [T, k], counts
+        [T]) as the scheduler splits them: CPU tasks into the pinned result buffer, GPU tasks (zero-copy feeder)
+        into the device buffers."""
         a, ss = self.a, self.ss
         assert ss is not None
         ex = a.executor
+        tasks, bh = self.tasks[lo:hi], self.bh[lo:hi]
+        a._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
         nbytes = task_bytes(counts, tasks[:, 3].astype(np.int64), a.cfg.head_dim, ex.elem)
-        placement = a.placement if ex.feeder is not None else "cpu"
-        split = split_tasks(nbytes, ex.cost_model.costs, placement)
+        split = split_tasks(nbytes, ex.cost_model.costs, a.placement if ex.feeder is not None else "cpu")
         a._st.cpu_bytes += split.cpu_bytes
         a._st.gpu_bytes += split.gpu_bytes
         ci, gi = split.cpu, split.gpu
-        cpu_args = (view, q_host, tasks[ci], ids[ci], counts[ci], bh[ci], split.cpu_bytes)
+        ss.lse_np.fill(-np.inf)  # rows without a CPU task
+        q_dev = ss.q[layer]
+        assert q_dev is not None
+        cpu_args = (view, ss.q32, tasks[ci], ids[ci], counts[ci], bh[ci], split.cpu_bytes)
         fut = None
         if len(ci) and len(gi):  # both sides: the CPU part in the worker while this thread queues the GPU part
             fut = ex.submit(self._cpu_part, *cpu_args)
         if len(gi):
-            ex.zero_copy_into(layer, view, qg, tasks[gi], ids[gi], counts[gi], bh[gi], a.scale, ss.o_gpu, ss.lse_gpu)
+            ex.zero_copy_into(layer, view, q_dev, tasks[gi], ids[gi], counts[gi], bh[gi], a.scale, ss.o_gpu,
+                              ss.lse_gpu)
         if fut is not None:
             t0 = time.perf_counter()
             fut.result()
@@ -254,7 +374,6 @@ class GraphedDecode:
                   counts: np.ndarray, bh: np.ndarray, nbytes: float) -> None:
         a, ss = self.a, self.ss
         assert ss is not None
-        d = a.cfg.head_dim
         o, lse = a.executor.cpu_part(view, q_host, tasks, ids, counts, a.scale, nbytes)  # [Tc, r, D], [Tc, r]
-        ss.res_np[bh, :, :d] = o.numpy()  # [B Hkv, r, D + 1]
-        ss.res_np[bh, :, d] = lse.numpy()
+        ss.o_np[bh] = o.numpy()  # [B Hkv, r, D]
+        ss.lse_np[bh] = lse.numpy()

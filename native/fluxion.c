@@ -2,6 +2,7 @@
 #include <math.h>
 #include <stdatomic.h>
 #include <string.h>
+#include <time.h>
 #include "fx_internal.h"
 
 int fx_version(void) { return 4; } /* 4: block summaries in the KV dtype (3: per-head scoring, fp32 summaries) */
@@ -251,10 +252,21 @@ static void append_worker(void *ctx, int tid, int nthreads) {
     }
 }
 
+/* Appends of at most this many (item, page, head) units run on the caller alone: a decode step's one token per
+ * sequence is a few hundred bytes per unit, and waking the pool for it cost more than the copies (on the 2-core VM:
+ * ~10 us for one token x 8 heads on the caller, 30 us and more with the second thread). */
+enum { FX_APPEND_INLINE_UNITS = 64 };
+
 static int run_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *lo, const int64_t *hi,
                       const int64_t *row_start, int64_t n_items, const void *src_k, const void *src_v) {
     append_job J = {kv, slots, lo, hi, row_start, src_k, src_v, n_items, 0, kern()};
-    fx_pool_run(append_worker, &J);
+    int64_t units = 0, P = kv->page_tokens;
+    for (int64_t i = 0; i < n_items && units <= FX_APPEND_INLINE_UNITS; i++)
+        if (hi[i] > lo[i]) units += ((hi[i] - 1) / P - lo[i] / P + 1) * kv->n_kv_heads;
+    if (units <= FX_APPEND_INLINE_UNITS)
+        append_worker(&J, 0, 1); /* correct with any subset of participants, the caller alone included */
+    else
+        fx_pool_run(append_worker, &J);
     return FX_OK;
 }
 
@@ -685,6 +697,7 @@ typedef struct {
     int64_t n_tasks;
     float scale;
     float *out, *lse, *ws;
+    const int64_t *rows;     /* NULL: task i's results at row i of out/lse; else at row rows[i] */
     _Atomic int32_t *done;   /* per task: chunks finished (the last finisher merges) */
     _Atomic int64_t next;
     const fx_kernels *kern;
@@ -747,8 +760,8 @@ static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int3
 /* Merge one task's chunk results (items first .. first+nc-1 of the workspace) by log-sum-exp into out/lse. */
 static void merge_task(attn_job *J, int64_t ti, int64_t first, int64_t nc) {
     int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
-    int64_t stride = (int64_t)r * (D + 1);
-    float *out = J->out + ti * r * D, *lse = J->lse + ti * r;
+    int64_t stride = (int64_t)r * (D + 1), row = J->rows ? J->rows[ti] : ti;
+    float *out = J->out + row * r * D, *lse = J->lse + row * r;
     for (int j = 0; j < r; j++) {
         float mx = -INFINITY;
         for (int64_t c = 0; c < nc; c++) {
@@ -816,10 +829,11 @@ static void attn_worker(void *ctx, int tid, int nthreads) {
     }
 }
 
-int fx_sparse_attention(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
-                        const int32_t *tasks, int64_t n_tasks, const int32_t *ids, const int32_t *counts,
-                        int32_t k_cap, float scale, float *out, float *lse, float *workspace,
-                        int64_t workspace_floats, int64_t *err_index) {
+/* fx_sparse_attention with task i's results at row rows[i] of out/lse (rows NULL: row i). */
+static int attention_run(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                         const int32_t *tasks, int64_t n_tasks, const int32_t *ids, const int32_t *counts,
+                         int32_t k_cap, float scale, float *out, float *lse, const int64_t *rows, float *workspace,
+                         int64_t workspace_floats, int64_t *err_index) {
     *err_index = -1;
     int rc = check_view(kv);
     if (!rc) rc = check_group(kv, n_q_heads);
@@ -844,13 +858,64 @@ int fx_sparse_attention(const fx_kv_view *kv, const float *q, int64_t q_rows, in
     for (int64_t i = 0; i < n_tasks; i++) {
         atomic_init(&done[i], 0);
         if (counts[i] == 0) { /* no work item will merge an empty task */
-            memset(out + i * r * kv->head_dim, 0, sizeof(float) * (size_t)r * kv->head_dim);
-            for (int j = 0; j < r; j++) lse[i * r + j] = -INFINITY;
+            int64_t row = rows ? rows[i] : i;
+            memset(out + row * r * kv->head_dim, 0, sizeof(float) * (size_t)r * kv->head_dim);
+            for (int j = 0; j < r; j++) lse[row * r + j] = -INFINITY;
         }
     }
-    attn_job J = {kv, q, n_q_heads, k_cap, cb, tasks, ids, counts, n_tasks, scale, out, lse, workspace, done, 0,
-                  kern()};
+    attn_job J = {kv, q, n_q_heads, k_cap, cb, tasks, ids, counts, n_tasks, scale, out, lse, workspace, rows, done,
+                  0, kern()};
     fx_pool_run(attn_worker, &J);
+    return FX_OK;
+}
+
+int fx_sparse_attention(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                        const int32_t *tasks, int64_t n_tasks, const int32_t *ids, const int32_t *counts,
+                        int32_t k_cap, float scale, float *out, float *lse, float *workspace,
+                        int64_t workspace_floats, int64_t *err_index) {
+    return attention_run(kv, q, q_rows, n_q_heads, tasks, n_tasks, ids, counts, k_cap, scale, out, lse, NULL,
+                         workspace, workspace_floats, err_index);
+}
+
+/* ---------------------------------------------------------------------------------------- select + attend -- */
+
+static double now_seconds(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+int fx_select_attend(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
+                     int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
+                     float scale, const int64_t *rows, int64_t n_rows, float *out, float *lse, float *workspace,
+                     int64_t workspace_floats, int64_t *selected_tokens, double *seconds, int64_t *err_index) {
+    *err_index = -1;
+    int rc = check_view(kv);
+    if (!rc) rc = check_group(kv, n_q_heads);
+    if (rc) return rc;
+    int32_t r = n_q_heads / kv->n_kv_heads;
+    for (int64_t i = 0; i < n_tasks; i++) { /* strictly ascending rows inside [0, n_rows): no two tasks share one */
+        if (rows[i] < 0 || rows[i] >= n_rows || (i > 0 && rows[i] <= rows[i - 1])) {
+            *err_index = i;
+            return FX_E_OUTPUT;
+        }
+    }
+    /* the attention's share first, so that a short workspace is reported before any work (top-k checks its own) */
+    if (fx_attention_workspace_floats(n_tasks, r, kv->head_dim) > workspace_floats) return FX_E_OUTPUT;
+    double t0 = now_seconds();
+    rc = fx_group_topk(kv, q, q_rows, n_q_heads, tasks, n_tasks, k_cap, out_ids, out_scores, out_counts, workspace,
+                       workspace_floats, err_index);
+    if (rc) return rc;
+    double t1 = now_seconds();
+    int64_t tokens = 0;
+    for (int64_t i = 0; i < n_tasks; i++) tokens += (int64_t)out_counts[i] * tasks[i * FX_TASK_FIELDS + 3];
+    for (int64_t i = 0; i < n_rows * r; i++) lse[i] = -INFINITY; /* rows without a task; the others are written */
+    rc = attention_run(kv, q, q_rows, n_q_heads, tasks, n_tasks, out_ids, out_counts, k_cap, scale, out, lse, rows,
+                       workspace, workspace_floats, err_index);
+    if (rc) return rc;
+    *selected_tokens = tokens;
+    seconds[0] = t1 - t0;
+    seconds[1] = now_seconds() - t1;
     return FX_OK;
 }
 

@@ -141,6 +141,20 @@ int fx_sparse_attention(const fx_kv_view *kv, const float *q, int64_t q_rows, in
                         int32_t k_cap, float scale, float *out, float *lse, float *workspace,
                         int64_t workspace_floats, int64_t *err_index);
 
+/* ---- one decode layer's CPU part: top-k, then attention, results in place ----
+ * fx_group_topk, then fx_sparse_attention over the selections just made (one call instead of two on the decode
+ * hot path), with the results written straight into per-row buffers: task i's out goes to row rows[i] of
+ * out [n_rows][r][D] and its lse to row rows[i] of lse [n_rows][r]; rows must be strictly ascending in
+ * [0, n_rows) (else FX_E_OUTPUT with *err_index = i). Rows without a task get lse = -inf and keep their out.
+ * out_ids/out_scores/out_counts as in fx_group_topk. *selected_tokens = sum of counts[i] * g[i];
+ * seconds[0], seconds[1]: time spent selecting and attending.
+ * workspace: >= both fx_topk_workspace_floats(n_tasks, largest n_blocks) and
+ * fx_attention_workspace_floats(n_tasks, r, D) floats (FX_E_OUTPUT, *err_index = -1, before any work if short). */
+int fx_select_attend(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
+                     int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
+                     float scale, const int64_t *rows, int64_t n_rows, float *out, float *lse, float *workspace,
+                     int64_t workspace_floats, int64_t *selected_tokens, double *seconds, int64_t *err_index);
+
 /* ---- gather ----
  * Copy each task's selected blocks (valid tokens only, in the order given) into staging buffers
  * k_out/v_out [cap_tokens][D] 16-bit, starting at row out_offset[i]; out_tokens[i] = rows written. */
