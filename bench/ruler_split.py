@@ -93,6 +93,10 @@ def load_ids(meta_path: Path, ids_path: Path) -> tuple[dict[str, Any], list[list
 
 
 # ---- answer (GPU host: no tokenizer) --------------------------------------------------------------------------------
+def _stats(engine: Any) -> dict[str, float]:
+    return {k: float(v) for k, v in engine.attn.stats().items()}
+
+
 def answer(args: argparse.Namespace) -> None:
     import torch
 
@@ -134,22 +138,29 @@ def answer(args: argparse.Namespace) -> None:
                 rid = engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=s["max_new_tokens"]))
                 ids_by_req[rid] = k
             outputs: list[list[int]] = [[] for _ in prompts]
-            steps, done = 0, 0
+            finished: list[int] = []
+            run: dict[str, Any] = {"mode": label + ("+predictor" if mode == "fluxion" and args.predictor else ""),
+                                   "length": meta["length"], "model": meta["model"], "answered": finished,
+                                   "partial": True, "outputs": outputs}
+            results["runs"].append(run)
+            steps, last_write = 0, t0
             while engine.has_unfinished():
                 for o in engine.step():
                     outputs[ids_by_req[o.request_id]].extend(o.new_token_ids)
-                    done += o.finished
+                    if o.finished:
+                        finished.append(ids_by_req[o.request_id])
                 steps += 1
                 if steps % 50 == 0:  # progress: a slow run shows where the time goes before a time limit hits
-                    print(f"  [{label} {meta['length']}] step {steps}: {done}/{len(chosen)} done, "
+                    print(f"  [{label} {meta['length']}] step {steps}: {len(finished)}/{len(chosen)} done, "
                           f"{len(engine.running)} running, {time.perf_counter() - t0:.0f} s", flush=True)
+                if time.perf_counter() - last_write > args.checkpoint_s:  # a time limit still leaves what finished
+                    run |= {"seconds": time.perf_counter() - t0, "sparse": _stats(engine)}
+                    out.write_text(json.dumps(results))
+                    last_write = time.perf_counter()
             seconds = time.perf_counter() - t0
-            stats = {k: float(v) for k, v in engine.attn.stats().items()}
-            results["runs"].append({"mode": label + ("+predictor" if mode == "fluxion" and args.predictor else ""),
-                                    "length": meta["length"], "model": meta["model"], "answered": chosen,
-                                    "seconds": seconds, "sparse": stats, "outputs": outputs})
-            print(f"[{label} {meta['length']}] {len(chosen)} samples in {seconds:.1f} s {stats}", flush=True)
-            out.write_text(json.dumps(results))  # after every run: a timeout still leaves what finished
+            run |= {"answered": sorted(finished), "partial": False, "seconds": seconds, "sparse": _stats(engine)}
+            print(f"[{label} {meta['length']}] {len(chosen)} samples in {seconds:.1f} s {run['sparse']}", flush=True)
+            out.write_text(json.dumps(results))
     print(f"wrote {out}")
 
 
@@ -174,6 +185,11 @@ def score(args: argparse.Namespace) -> None:
         eog = set(meta["eog_ids"])
         records = []
         answered_ids = run.get("answered", range(len(meta["samples"])))  # older answer files: every sample
+        if run.get("partial"):
+            print(f"note: {run['mode']} at {length} was cut short: {len(answered_ids)} samples finished",
+                  file=sys.stderr)
+        if not answered_ids:
+            continue
         for k in answered_ids:
             s, out_ids = meta["samples"][k], run["outputs"][k]
             kept = [t for t in out_ids if t not in eog]
@@ -188,7 +204,8 @@ def score(args: argparse.Namespace) -> None:
             "tasks": meta["tasks"], "machine": "VM (scoring)", "machine_answered": answered.get("gpu") or
             answered.get("machine"), "device": answered.get("device"), "dtype": answered.get("dtype"), "modes": {}})
         res["modes"][run["mode"]] = summarise(records, meta["tasks"]) | {"records": records,
-                                                                         "batch_seconds": run["seconds"]}
+                                                                         "batch_seconds": run["seconds"],
+                                                                         "partial": bool(run.get("partial"))}
     for length, res in sorted(by_length.items()):
         print_tables(length, res["tasks"], res["modes"])
         out = Path(args.out_dir) / f"ruler_{tag}_{length}.json"
@@ -222,6 +239,8 @@ def main() -> None:
     a.add_argument("--plan", nargs="*", default=[], help="also run fluxion with these plan files (fluxion@<stem>)")
     a.add_argument("--tasks", nargs="*", default=None, help="only these tasks (default: all)")
     a.add_argument("--per-task", type=int, default=None, help="only the first N samples of each task")
+    a.add_argument("--checkpoint-s", type=float, default=20.0,
+                   help="rewrite --out this often during a run, with the samples finished so far (partial: true)")
     s = sub.add_parser("score")
     s.add_argument("--model", default="qwen2.5-coder-0.5b")
     s.add_argument("--dir", default=".ruler_ids")
