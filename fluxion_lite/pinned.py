@@ -64,6 +64,8 @@ class PinnedBlocks:
         # per layer: int32 [slots, Hkv, P] pinned ids padded with _NONE, and int32 [slots, Hkv] counts
         self._ids = [np.full((0, n_kv_heads, 0), _NONE, np.int32) for _ in range(n_layers)]
         self._counts = [np.zeros((0, n_kv_heads), np.int32) for _ in range(n_layers)]
+        # per layer: bool [slots, Hkv, blocks], True where a block is pinned (a lookup instead of a set search)
+        self._member = [np.zeros((0, n_kv_heads, 0), bool) for _ in range(n_layers)]
 
     def observe(self, layer: int, seq_id: int, start: int, q: torch.Tensor) -> None:
         """Keep the last obs_window rows of a prefill chunk's q ([n, Hq, D] at positions start..)."""
@@ -92,29 +94,36 @@ class PinnedBlocks:
         self._store(layer, slot, pins)
 
     def _store(self, layer: int, slot: int, pins: list[np.ndarray]) -> None:
-        ids, counts = self._ids[layer], self._counts[layer]
+        ids, counts, member = self._ids[layer], self._counts[layer], self._member[layer]
         width = max(ids.shape[2], max(len(p) for p in pins))
-        if slot >= ids.shape[0] or width > ids.shape[2]:
+        n_blocks = max(member.shape[2], max((int(p[-1]) + 1 for p in pins if len(p)), default=0))
+        if slot >= ids.shape[0] or width > ids.shape[2] or n_blocks > member.shape[2]:
             rows = max(slot + 1, ids.shape[0])
             grown = np.full((rows, self.n_kv_heads, width), _NONE, np.int32)
             grown[: ids.shape[0], :, : ids.shape[2]] = ids
             grown_counts = np.zeros((rows, self.n_kv_heads), np.int32)
             grown_counts[: counts.shape[0]] = counts
-            self._ids[layer], self._counts[layer] = ids, counts = grown, grown_counts
+            grown_member = np.zeros((rows, self.n_kv_heads, n_blocks), bool)
+            grown_member[: member.shape[0], :, : member.shape[2]] = member
+            self._ids[layer], self._counts[layer], self._member[layer] = grown, grown_counts, grown_member
+            ids, counts, member = grown, grown_counts, grown_member
         ids[slot] = _NONE
+        member[slot] = False
         for h, p in enumerate(pins):
             ids[slot, h, : len(p)] = p
             counts[slot, h] = len(p)
+            member[slot, h, p] = True
 
     def forget(self, seq_id: int, slot: int | None) -> None:
         """A sequence ended: its observation rows and its slot's pins go."""
         self._q.pop(seq_id, None)
         if slot is None:
             return
-        for ids, counts in zip(self._ids, self._counts):
+        for ids, counts, member in zip(self._ids, self._counts, self._member):
             if slot < ids.shape[0]:
                 ids[slot] = _NONE
                 counts[slot] = 0
+                member[slot] = False
 
     def any(self, layer: int) -> bool:
         return bool(self._counts[layer].any())
@@ -134,8 +143,12 @@ class PinnedBlocks:
         n_pinned = np.zeros(n_tasks, np.int64)
         n_pinned[inside] = table_counts[slot[inside], h[inside]]
         valid = np.arange(k_cap)[None, :] < counts[:, None]  # [T, k_cap]
-        row = np.arange(n_tasks, dtype=np.int64)[:, None]
-        already = np.isin((row << 32) | ids, ((row << 32) | pinned)[pinned != _NONE])  # top-k ids that are pinned
+        member = self._member[layer]
+        already = np.zeros_like(valid)  # top-k ids that are pinned
+        if member.shape[2]:
+            rows = np.flatnonzero(inside)
+            look = np.minimum(ids[rows], member.shape[2] - 1)
+            already[rows] = (ids[rows] < member.shape[2]) & member[slot[rows, None], h[rows, None], look]
         free = valid & ~already
         order = np.argsort(np.where(free, -scores, np.inf), axis=1, kind="stable")  # best free block first
         rank = np.empty_like(order)
