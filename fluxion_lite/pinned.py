@@ -147,8 +147,8 @@ class PinnedBlocks:
         already = np.zeros_like(valid)  # top-k ids that are pinned
         if member.shape[2]:
             rows = np.flatnonzero(inside)
-            look = np.minimum(ids[rows], member.shape[2] - 1)
-            already[rows] = (ids[rows] < member.shape[2]) & member[slot[rows, None], h[rows, None], look]
+            look = np.clip(ids[rows], 0, member.shape[2] - 1)  # entries past counts are uninitialised
+            already[rows] = valid[rows] & (ids[rows] == look) & member[slot[rows, None], h[rows, None], look]
         free = valid & ~already
         order = np.argsort(np.where(free, -scores, np.inf), axis=1, kind="stable")  # best free block first
         rank = np.empty_like(order)

@@ -68,6 +68,7 @@ def test_merge_is_a_sorted_union_without_duplicates() -> None:
     tasks[:, 2] = [0, 1, 0, 1, 0]
     tasks[:, 4] = 6
     ids = np.sort(np.stack([rng.choice(30, size=6, replace=False) for _ in range(5)]), axis=1).astype(np.int32)
+    ids[1, 4:] = [-7, 2**31 - 5]  # past counts[1]: garbage, as the native top-k leaves it
     scores = rng.standard_normal((5, 6)).astype(np.float32)
     counts = np.array([6, 4, 0, 6, 3], np.int32)
     merged, merged_counts = pins.merge(0, tasks, ids, scores, counts)
