@@ -32,6 +32,7 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str =
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b", help="catalog name whose shipped plan is the base")
+    ap.add_argument("--base", default=None, help="start from this plan file instead of the shipped one")
     ap.add_argument("--g", type=int, default=None, choices=GRANULARITIES, help="block size for every retrieval group")
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every retrieval budget by this")
     ap.add_argument("--scoring", default="group", choices=("group", "per-head"), help="native top-k block scoring")
@@ -44,7 +45,8 @@ def main() -> None:
         sys.exit("error: --budget-scale must be > 0")
     if not 0.0 <= args.pin_fraction <= 1.0 or args.obs_window < 1:
         sys.exit("error: --pin-fraction must be in [0, 1] and --obs-window >= 1")
-    base = SparsePlan.load(Path(str(files("fluxion_lite.models"))) / f"{args.model}.plan.json")
+    base_path = Path(args.base) if args.base else Path(str(files("fluxion_lite.models"))) / f"{args.model}.plan.json"
+    base = SparsePlan.load(base_path)
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window)
     out.save(Path(args.out))
     print(out.explain())
