@@ -3,33 +3,16 @@ k from 1 to all, thread counts and every SIMD path this CPU supports."""
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
 import native_reference as ref
+from native_cases import N_THREADS, PATHS, RATIOS, Case
 from fluxion_lite import native
 from fluxion_lite.host_kv import HostKVStore
 
-PATHS = native.simd_supported()
-RATIOS = (1, 3, 4, 7, 8)
-N_THREADS = max(2, native.physical_cores())
-
-
-@dataclass(frozen=True)
-class Case:
-    simd: str
-    ratio: int
-    head_dim: int
-    g: int
-    dtype: torch.dtype
-    threads: int
-
-    def __str__(self) -> str:
-        dt = "bf16" if self.dtype == torch.bfloat16 else "fp16"
-        return f"{self.simd}-r{self.ratio}-d{self.head_dim}-g{self.g}-{dt}-t{self.threads}"
 
 
 def _cases() -> list[Case]:

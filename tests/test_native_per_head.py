@@ -5,7 +5,6 @@ with the same selections as the numpy implementation it replaced (tests/per_head
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,29 +13,13 @@ import pytest
 import torch
 
 import native_reference as ref
+from native_cases import N_THREADS, PATHS, RATIOS, Case
 from fluxion_lite import native
 from fluxion_lite.host_kv import HostKVStore
 from per_head_numpy import per_head_topk
 
-PATHS = native.simd_supported()
-RATIOS = (1, 3, 4, 7, 8)
-N_THREADS = max(2, native.physical_cores())
 LENGTHS = (1000, 37, 513)  # ragged; every one ends in a partial block for every g
 N_KV = 2
-
-
-@dataclass(frozen=True)
-class Case:
-    simd: str
-    ratio: int
-    head_dim: int
-    g: int
-    dtype: torch.dtype
-    threads: int
-
-    def __str__(self) -> str:
-        dt = "bf16" if self.dtype == torch.bfloat16 else "fp16"
-        return f"{self.simd}-r{self.ratio}-d{self.head_dim}-g{self.g}-{dt}-t{self.threads}"
 
 
 def _cases() -> list[Case]:
