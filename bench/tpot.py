@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fluxion_lite import native, zero_copy
@@ -77,8 +78,8 @@ def borrowed_plan(cfg: ModelConfig, source: Path, seed: int = 0) -> SparsePlan:
     for layer in range(cfg.n_layers):
         row = src.groups[layer * len(src.groups) // cfg.n_layers]
         groups.append([rng.choice(row) for _ in range(cfg.n_kv_heads)])
-    # pins need a real prefill (this bench imports a synthetic context), so only the block scoring carries over
-    return SparsePlan(src.sink, src.window, groups, source=f"drawn from {source.name}", scoring=src.scoring)
+    return SparsePlan(src.sink, src.window, groups, source=f"drawn from {source.name}", pin_fraction=src.pin_fraction,
+                      obs_window=src.obs_window, scoring=src.scoring)
 
 
 def host_bytes_per_token(cfg: ModelConfig) -> float:
@@ -113,6 +114,22 @@ def fill_context(attn: object, cfg: ModelConfig, batch: int, context: int, dev: 
                     attn.cache.append(layer, b, s, k, v)
                 else:
                     attn.import_kv(layer, b, s, k, v)  # type: ignore[attr-defined]
+        if isinstance(attn, SparseAttention) and attn.pins is not None:
+            synthetic_pins(attn, b, context, seed + b)
+
+
+def synthetic_pins(attn: SparseAttention, seq: int, context: int, seed: int) -> None:
+    """Pinned blocks as a prefill would leave them (a plan with pin_fraction), from random attention mass: the
+    context here is imported, not prefilled, so no observed queries exist. Same counts and eligibility as serving, so
+    decode takes the same path (top-k, then the pins' merge)."""
+    assert attn.pins is not None
+    rng = np.random.default_rng(seed)
+    plan = attn.plan
+    for layer, row in enumerate(plan.groups):
+        mass = rng.random((len(row), context))  # [Hkv, n_prompt]
+        attn.pins.pin_by_mass(layer, attn._slot[seq], mass, context + 1,
+                              [(not gp.streaming, gp.g, gp.budget) for gp in row], plan.sink, plan.window,
+                              plan.pin_fraction)
 
 
 def new_attention(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan) -> object:

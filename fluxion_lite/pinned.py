@@ -87,6 +87,12 @@ class PinnedBlocks:
             return
         per_layer[layer] = None  # used once
         mass = attention_mass(obs[1], keys, obs[0], scale).cpu().numpy()  # [Hkv, n_prompt]
+        self.pin_by_mass(layer, slot, mass, n, plan_row, sink, window, pin_fraction)
+
+    def pin_by_mass(self, layer: int, slot: int, mass: np.ndarray, n: int, plan_row: list[tuple[bool, int, float]],
+                    sink: int, window: int, pin_fraction: float) -> None:
+        """Pin from a given attention mass per key ([Hkv, n_prompt]): pin()'s second half, also for benchmarks
+        whose context was imported rather than prefilled (no observed queries)."""
         pins = []
         for h, (retrieval, g, budget) in enumerate(plan_row):
             count = int(pin_fraction * np.ceil(budget * n / g)) if retrieval else 0

@@ -162,3 +162,55 @@ def test_the_plan_names_the_block_scoring(engine: Engine, monkeypatch: pytest.Mo
     plan.scoring = "per-head"
     attn = make_attention("fluxion", cfg, torch.float32, torch.device("cpu"), 2, MODEL, plan=plan)
     assert attn.topk_scoring == "per-head"
+
+
+def test_graphed_step_with_pins_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graphed step's host() merges pins as the eager path does: same logits, same bytes read, pins in place."""
+    from fluxion_lite.sparse_graph import GraphedDecode
+
+    hosted = []
+    real_host = GraphedDecode.host
+    monkeypatch.setattr(GraphedDecode, "host", lambda self, layer: (hosted.append(layer), real_host(self, layer))[1])
+    from fluxion_lite.attention import SeqChunk
+    from fluxion_lite.decode_graphs import DecodeGraphs
+    from fluxion_lite.gguf_loader import GGUFModel
+    from fluxion_lite.model import Transformer
+    from fluxion_lite.scheduler import Costs
+    from fluxion_lite.sparse_attention import SparseAttention
+    from test_decode_fastpath import make_cfg, random_weights
+
+    cfg = make_cfg("llama", hq=6, hkv=3, d=32)
+    w = random_weights(cfg, seed=8)
+    eager = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
+    runner = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
+    runner.graphs = DecodeGraphs(runner, capture=False)
+    groups = [[GroupPlan(False, 16, 0.2), GroupPlan(True), GroupPlan(False, 32, 0.3)] for _ in range(cfg.n_layers)]
+    plan = SparsePlan(sink=16, window=32, groups=groups, source="test", pin_fraction=0.5, obs_window=8)
+    costs = Costs(cpu_gbs=10.0, gather_gbs=1000.0, h2d_gbs=10.0)
+    backends = [SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, placement="cpu",
+                                costs=costs, zero_copy=False) for _ in range(2)]
+    g = torch.Generator().manual_seed(12)
+    lengths = [400, 260]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    for m, a in zip((eager, runner), backends):
+        for sid, toks in enumerate(prompts):
+            a.allocate(sid)
+            for s in range(0, len(toks), 128):  # chunked prefill: the observation rows span two chunks
+                n = min(128, len(toks) - s)
+                m.forward(toks[s : s + n], torch.arange(s, s + n), [SeqChunk(sid, s, n)], a)
+    pos = list(lengths)
+    for _ in range(6):
+        toks = torch.randint(0, cfg.vocab_size, (2,), generator=g)
+        chunks = [SeqChunk(s, pos[s], 1) for s in range(2)]
+        want = eager.forward(toks, torch.tensor(pos), chunks, backends[0])
+        got = runner.forward(toks, torch.tensor(pos), chunks, backends[1])
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+        pos = [p + 1 for p in pos]
+    hooked = backends[1]
+    assert len(hosted) == 5 * cfg.n_layers  # every step after the first (eager: it ends the prefill) went through host()
+    assert hooked.pins is not None and all(hooked.pins.any(layer) for layer in range(cfg.n_layers))
+    for layer in range(cfg.n_layers):
+        np.testing.assert_array_equal(hooked.pins._ids[layer], backends[0].pins._ids[layer])  # type: ignore[union-attr]
+    assert hooked.stats()["kv_read_fraction"] == pytest.approx(backends[0].stats()["kv_read_fraction"])
+    for a in backends:
+        a.executor.close()
