@@ -13,6 +13,7 @@ from fluxion_lite.attention import DenseAttention, SeqChunk
 from fluxion_lite.decode_graphs import MAX_GRAPH_SETS, DecodeGraphs, graphs_wanted
 from fluxion_lite.gguf_loader import GGUFModel
 from fluxion_lite.model import Transformer
+from decode_compare import decode_and_compare, prefill
 from test_decode_fastpath import make_cfg, random_weights
 
 
@@ -107,19 +108,8 @@ def test_sparse_hooks_match_the_eager_sparse_backend(placement: str, zero_copy: 
                             costs=costs, zero_copy=zero_copy)  # type: ignore[arg-type]
         backends.append(a)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
-    for m, a in zip((eager, runner), backends):
-        for sid, toks in enumerate(prompts):
-            a.allocate(sid)
-            m.forward(toks, torch.arange(len(toks)), [SeqChunk(sid, 0, len(toks))], a)
-    pos = list(lengths)
-    for step in range(5):
-        toks = torch.randint(0, cfg.vocab_size, (2,), generator=g)
-        chunks = [SeqChunk(s, pos[s], 1) for s in range(2)]
-        positions = torch.tensor(pos)
-        want = eager.forward(toks, positions, chunks, backends[0])
-        got = runner.forward(toks, positions, chunks, backends[1])
-        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
-        pos = [p + 1 for p in pos]
+    prefill((eager, runner), backends, prompts)
+    decode_and_compare(eager, runner, backends, lengths, 5, g, cfg.vocab_size)
     assert any(k[0] == "hooked" for k in runner.graphs.sets)  # the first decode step ran eagerly, then hooked
     s_eager, s_hooked = backends[0].stats(), backends[1].stats()
     assert s_hooked["steps"] == 4 and s_hooked["kv_read_fraction"] == pytest.approx(s_eager["kv_read_fraction"])

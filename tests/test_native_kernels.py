@@ -2,28 +2,22 @@
 k from 1 to all, thread counts and every SIMD path this CPU supports."""
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import pytest
 import torch
 
 import native_reference as ref
-from native_cases import N_THREADS, PATHS, RATIOS, Case
+from native_cases import N_THREADS, PATHS, Case, rotated_cases
 from fluxion_lite import native
 from fluxion_lite.host_kv import HostKVStore
 
 
 
 def _cases() -> list[Case]:
-    # Every path sees every GQA ratio; head_dim, g, dtype and threads rotate so each path also sees each of them.
-    cases = []
-    rot = itertools.cycle(itertools.product((64, 128), (16, 32, 64, 128), (torch.float16, torch.bfloat16),
-                                            (1, N_THREADS)))
+    # The rotation, then fixed cases so each path also sees each granularity, dtype and head_dim.
+    cases = rotated_cases()
     for simd in PATHS:
-        for ratio in RATIOS:
-            d, g, dt, th = next(rot)
-            cases.append(Case(simd, ratio, d, g, dt, th))
         # make sure each path sees every granularity, both dtypes and both head_dims
         for g, dt, d in ((16, torch.bfloat16, 128), (32, torch.float16, 64), (64, torch.bfloat16, 64),
                          (128, torch.float16, 128)):

@@ -4,7 +4,6 @@ counts and every SIMD path this CPU supports; deterministic ties; and the decode
 with the same selections as the numpy implementation it replaced (tests/per_head_numpy.py)."""
 from __future__ import annotations
 
-import itertools
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +12,7 @@ import pytest
 import torch
 
 import native_reference as ref
-from native_cases import N_THREADS, PATHS, RATIOS, Case
+from native_cases import N_THREADS, PATHS, Case, rotated_cases
 from fluxion_lite import native
 from fluxion_lite.host_kv import HostKVStore
 from per_head_numpy import per_head_topk
@@ -23,15 +22,10 @@ N_KV = 2
 
 
 def _cases() -> list[Case]:
-    # every path sees every GQA ratio; head_dim, g, dtype and threads rotate, and a few fixed cases make sure each
-    # path also sees each of them, plus the kernels' other head passes (12, 16 heads) and head_dims not a multiple of 32
-    cases = []
-    rot = itertools.cycle(itertools.product((64, 128), (16, 32, 64, 128), (torch.float16, torch.bfloat16),
-                                            (1, N_THREADS)))
+    # the rotation, and a few fixed cases so each path also sees each head_dim, g, dtype and thread count, plus the
+    # kernels' other head passes (12, 16 heads) and head_dims not a multiple of 32
+    cases = rotated_cases()
     for simd in PATHS:
-        for ratio in RATIOS:
-            d, g, dt, th = next(rot)
-            cases.append(Case(simd, ratio, d, g, dt, th))
         for ratio, d, g, dt, th in ((7, 128, 16, torch.bfloat16, N_THREADS), (4, 64, 32, torch.float16, 1),
                                     (8, 64, 64, torch.bfloat16, 1), (3, 128, 128, torch.float16, N_THREADS),
                                     (12, 64, 16, torch.bfloat16, 1), (16, 128, 32, torch.float16, N_THREADS),

@@ -12,6 +12,7 @@ from fluxion_lite.engine import Engine, make_attention
 from fluxion_lite.errors import ModelFileError
 from fluxion_lite.pinned import PinnedBlocks, attention_mass, pick_pins
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from decode_compare import decode_and_compare, prefill
 from test_sparse import MODEL, decode_logits, engine, essay_tokens  # noqa: F401  (fixtures)
 
 
@@ -171,7 +172,6 @@ def test_graphed_step_with_pins_matches_eager(monkeypatch: pytest.MonkeyPatch) -
     hosted = []
     real_host = GraphedDecode.host
     monkeypatch.setattr(GraphedDecode, "host", lambda self, layer: (hosted.append(layer), real_host(self, layer))[1])
-    from fluxion_lite.attention import SeqChunk
     from fluxion_lite.decode_graphs import DecodeGraphs
     from fluxion_lite.gguf_loader import GGUFModel
     from fluxion_lite.model import Transformer
@@ -192,20 +192,8 @@ def test_graphed_step_with_pins_matches_eager(monkeypatch: pytest.MonkeyPatch) -
     g = torch.Generator().manual_seed(12)
     lengths = [400, 260]
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
-    for m, a in zip((eager, runner), backends):
-        for sid, toks in enumerate(prompts):
-            a.allocate(sid)
-            for s in range(0, len(toks), 128):  # chunked prefill: the observation rows span two chunks
-                n = min(128, len(toks) - s)
-                m.forward(toks[s : s + n], torch.arange(s, s + n), [SeqChunk(sid, s, n)], a)
-    pos = list(lengths)
-    for _ in range(6):
-        toks = torch.randint(0, cfg.vocab_size, (2,), generator=g)
-        chunks = [SeqChunk(s, pos[s], 1) for s in range(2)]
-        want = eager.forward(toks, torch.tensor(pos), chunks, backends[0])
-        got = runner.forward(toks, torch.tensor(pos), chunks, backends[1])
-        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
-        pos = [p + 1 for p in pos]
+    prefill((eager, runner), backends, prompts, chunk=128)  # chunked: the observation rows span two chunks
+    decode_and_compare(eager, runner, backends, lengths, 6, g, cfg.vocab_size)
     hooked = backends[1]
     assert len(hosted) == 5 * cfg.n_layers  # every step after the first (eager: it ends the prefill) went through host()
     assert hooked.pins is not None and all(hooked.pins.any(layer) for layer in range(cfg.n_layers))

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from fluxion_lite import native
-from fluxion_lite.attention import SeqChunk
 from fluxion_lite.decode_graphs import DecodeGraphs
 from fluxion_lite.gguf_loader import GGUFModel
 from fluxion_lite.model import Transformer
@@ -19,6 +18,7 @@ from fluxion_lite.scheduler import Costs
 from fluxion_lite.sparse_attention import SparseAttention
 from fluxion_lite.sparse_graph import expected_sizes
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from decode_compare import decode_and_compare, prefill
 from test_decode_fastpath import make_cfg, random_weights
 
 
@@ -56,18 +56,8 @@ def test_fast_path_matches_eager_and_predicts_the_selection(monkeypatch: pytest.
     g = torch.Generator().manual_seed(11)
     lengths = [250, 700, 180]  # the first crosses a 256-token page boundary while decoding
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
-    for m, a in zip((eager, runner), backends):
-        for sid, toks in enumerate(prompts):
-            a.allocate(sid)
-            m.forward(toks, torch.arange(len(toks)), [SeqChunk(sid, 0, len(toks))], a)
-    pos = list(lengths)
-    for _ in range(9):
-        toks = torch.randint(0, cfg.vocab_size, (3,), generator=g)
-        chunks = [SeqChunk(s, pos[s], 1) for s in range(3)]
-        want = eager.forward(toks, torch.tensor(pos), chunks, backends[0])
-        got = runner.forward(toks, torch.tensor(pos), chunks, backends[1])
-        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
-        pos = [p + 1 for p in pos]
+    prefill((eager, runner), backends, prompts)
+    decode_and_compare(eager, runner, backends, lengths, 9, g, cfg.vocab_size)
     hooked = backends[1]
     assert len(calls) == 8 * cfg.n_layers  # every hooked layer took the one-call path (the first step ran eagerly)
     assert hooked._graphed.mispredicted == 0
