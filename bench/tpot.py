@@ -124,12 +124,9 @@ def synthetic_pins(attn: SparseAttention, seq: int, context: int, seed: int) -> 
     decode takes the same path (top-k, then the pins' merge)."""
     assert attn.pins is not None
     rng = np.random.default_rng(seed)
-    plan = attn.plan
-    for layer, row in enumerate(plan.groups):
-        mass = rng.random((len(row), context))  # [Hkv, n_prompt]
-        attn.pins.pin_by_mass(layer, attn._slot[seq], mass, context + 1,
-                              [(not gp.streaming, gp.g, gp.budget) for gp in row], plan.sink, plan.window,
-                              plan.pin_fraction)
+    for layer in range(attn.cfg.n_layers):
+        mass = rng.random((attn.cfg.n_kv_heads, context))  # [Hkv, n_prompt]
+        attn.pins.pin_by_mass(layer, attn._slot[seq], mass, context + 1)
 
 
 def new_attention(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan) -> object:

@@ -190,16 +190,6 @@ class HostKVStore:
         for layer, i in zip(*np.nonzero(n % self.page_tokens == 0)):
             self._ensure_pages(int(layer), int(slots[i]), int(n[layer, i]) + 1)
 
-    def append_decode(self, layer: int, slots: np.ndarray, k: torch.Tensor, v: torch.Tensor) -> None:
-        """append_batch for one new token per slot, on the decode hot path: slots int64 [B] (allocated, distinct:
-        the caller checked them once per step), k, v [B, Hkv, D] in the store's dtype on the host. Pages are
-        looked at only for the slots whose token opens a new page."""
-        n_before = self._n_tokens[layer, slots]
-        for i in np.flatnonzero(n_before % self.page_tokens == 0):
-            self._ensure_pages(layer, int(slots[i]), int(n_before[i]) + 1)
-        native.append(self._views[layer], slots.astype(np.int32), np.arange(len(slots)), 1, k.contiguous(),
-                      v.contiguous())
-
     # ---- what the kernels need ----
 
     def view(self, layer: int) -> native.KVView:

@@ -18,6 +18,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .sparse_plan import SparsePlan
+
 _NONE = np.iinfo(np.int32).max  # sorts after every block id
 
 
@@ -57,8 +59,10 @@ def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: i
 class PinnedBlocks:
     """Per layer, the pinned block ids of each host-store slot's retrieval groups, and their use in decode steps."""
 
-    def __init__(self, n_layers: int, n_kv_heads: int, obs_window: int):
-        self.obs_window = obs_window
+    def __init__(self, plan: SparsePlan):
+        self.plan = plan  # its groups' g and budget, sink, window, pin_fraction and obs_window
+        n_layers, n_kv_heads = len(plan.groups), len(plan.groups[0])
+        self.obs_window = plan.obs_window
         self.n_kv_heads = n_kv_heads
         self._q: dict[int, list[tuple[int, torch.Tensor] | None]] = {}  # seq -> per layer (first position, q rows)
         # per layer: int32 [slots, Hkv, P] pinned ids padded with _NONE, and int32 [slots, Hkv] counts
@@ -77,26 +81,25 @@ class PinnedBlocks:
         keep = min(len(q), self.obs_window)
         per_layer[layer] = (start + len(q) - keep, q[-keep:].detach().clone())
 
-    def pin(self, layer: int, seq_id: int, slot: int, keys: torch.Tensor, n: int, scale: float,
-            plan_row: list[tuple[bool, int, float]], sink: int, window: int, pin_fraction: float) -> None:
+    def pin(self, layer: int, seq_id: int, slot: int, keys: torch.Tensor, n: int, scale: float) -> None:
         """At a sequence's first decode step (n tokens incl. the new one): pin blocks for each retrieval group of the
-        layer. keys: the dense prompt keys [Hkv, n_prompt, D]; plan_row: (retrieval, g, budget) per group."""
+        layer. keys: the dense prompt keys [Hkv, n_prompt, D]."""
         per_layer = self._q.get(seq_id)
         obs = per_layer[layer] if per_layer else None
         if obs is None:
             return
         per_layer[layer] = None  # used once
         mass = attention_mass(obs[1], keys, obs[0], scale).cpu().numpy()  # [Hkv, n_prompt]
-        self.pin_by_mass(layer, slot, mass, n, plan_row, sink, window, pin_fraction)
+        self.pin_by_mass(layer, slot, mass, n)
 
-    def pin_by_mass(self, layer: int, slot: int, mass: np.ndarray, n: int, plan_row: list[tuple[bool, int, float]],
-                    sink: int, window: int, pin_fraction: float) -> None:
+    def pin_by_mass(self, layer: int, slot: int, mass: np.ndarray, n: int) -> None:
         """Pin from a given attention mass per key ([Hkv, n_prompt]): pin()'s second half, also for benchmarks
         whose context was imported rather than prefilled (no observed queries)."""
+        plan = self.plan
         pins = []
-        for h, (retrieval, g, budget) in enumerate(plan_row):
-            count = int(pin_fraction * np.ceil(budget * n / g)) if retrieval else 0
-            pins.append(pick_pins(mass[h], g, n, sink, window, count))
+        for h, gp in enumerate(plan.groups[layer]):
+            count = 0 if gp.streaming else int(plan.pin_fraction * np.ceil(gp.budget * n / gp.g))
+            pins.append(pick_pins(mass[h], gp.g, n, plan.sink, plan.window, count))
         self._store(layer, slot, pins)
 
     def _store(self, layer: int, slot: int, pins: list[np.ndarray]) -> None:

@@ -121,6 +121,14 @@ def priority_order(nbytes: np.ndarray) -> np.ndarray:
     return np.argsort(-np.asarray(nbytes, np.float64), kind="stable").astype(np.int64)
 
 
+def all_cpu_suffices(costs: Costs, total: float, smallest: float) -> bool:
+    """Whether all-CPU is an optimal split of tasks of `total` bytes whose smallest non-empty task has `smallest`.
+    Any split that uses the GPU takes at least makespan(0, smallest): its GPU side alone costs that much in both
+    models. When the CPU finishes everything sooner, no split beats all-CPU and the greedy loop (Python, per task,
+    ~0.1 ms per layer on the decode path) can be skipped; typical at batch 1, where the GPU's fixed cost wins."""
+    return costs.makespan(total, 0.0) <= costs.makespan(0.0, smallest)
+
+
 def split_tasks(nbytes: np.ndarray, costs: Costs, placement: Placement = "auto") -> Split:
     """Assign every task exactly once to the CPU or the GPU side, minimising the layer's makespan (see module doc)."""
     nbytes = np.asarray(nbytes, np.float64).reshape(-1)
@@ -139,12 +147,8 @@ def split_tasks(nbytes: np.ndarray, costs: Costs, placement: Placement = "auto")
         return all_gpu
     if placement != "auto":
         raise ValueError(f"placement must be 'cpu', 'gpu' or 'auto', got {placement!r}")
-    # Any split that uses the GPU takes at least makespan(0, smallest task): its GPU side alone costs that much in
-    # both models. When the CPU finishes everything sooner, all-CPU is optimal and the greedy loop (Python, per
-    # task, ~0.1 ms per layer on the decode path) is skipped; typical at batch 1, where the GPU's fixed cost wins.
     positive = nbytes[nbytes > 0]
-    smallest = float(positive.min()) if len(positive) else 0.0
-    if all_cpu.makespan_s <= costs.makespan(0.0, smallest):
+    if all_cpu_suffices(costs, total, float(positive.min()) if len(positive) else 0.0):
         return all_cpu
     on_gpu = np.zeros(len(order), bool)
     c = gb = 0.0

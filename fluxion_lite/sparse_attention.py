@@ -83,8 +83,7 @@ class SparseAttention(AttentionBackend):
         # per-request plans from the head-property predictor (request_plan.py); None: the static plan for all
         self.planner: RequestPlanner | None = None
         # blocks pinned at prefill end by the prompt's own attention (pinned.py); CPU selection, static plan only
-        self.pins = (PinnedBlocks(cfg.n_layers, cfg.n_kv_heads, plan.obs_window)
-                     if plan.pin_fraction > 0 and selection == "cpu" else None)
+        self.pins = PinnedBlocks(plan) if plan.pin_fraction > 0 and selection == "cpu" else None
         if selection == "gpu":
             gs = set(self._g[self._retrieval].tolist())
             if len(gs) > 1:
@@ -310,9 +309,8 @@ class SparseAttention(AttentionBackend):
                 if self.planner is not None and c.seq_id in self._prefilling:  # prefill ended: plan this layer
                     self.planner.prefill_done(layer, c.seq_id, *self.scratch.view(layer, c.seq_id))
                 if self.pins is not None and self.planner is None and c.seq_id in self._prefilling:
-                    row = [(not gp.streaming, gp.g, gp.budget) for gp in self.plan.groups[layer]]
                     self.pins.pin(layer, c.seq_id, slot, self.scratch.view(layer, c.seq_id)[0], c.start + 1,
-                                  self.scale, row, self.plan.sink, self.plan.window, self.plan.pin_fraction)
+                                  self.scale)
                 if layer == self.cfg.n_layers - 1 and c.seq_id in self._prefilling:
                     self._prefilling.discard(c.seq_id)  # decoding started: the dense scratch goes
                     self.scratch.free(c.seq_id)

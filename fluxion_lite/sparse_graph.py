@@ -38,7 +38,7 @@ import torch
 from . import native
 from .attention import SeqChunk
 from .hybrid import biased_attention
-from .scheduler import split_tasks, task_bytes
+from .scheduler import Placement, all_cpu_suffices, split_tasks, task_bytes
 from .sparse_step import GVALS, DecodeStep, retrieval_tasks
 
 if TYPE_CHECKING:
@@ -273,7 +273,7 @@ class GraphedDecode:
             view = self.views[layer]
             ex = a.executor
             per_token = a.cfg.head_dim * 2 * ex.elem  # K+V bytes of one selected token (scheduler.task_bytes)
-            placement = a.placement if ex.feeder is not None else "cpu"
+            placement: Placement = a.placement if ex.feeder is not None else "cpu"
             pinned = a.pins is not None and a.pins.any(layer)
             # the one-call path: group scoring (what fx_select_attend selects by), no pins (they change the selection)
             if a.topk_scoring == "group" and not pinned and self._all_cpu(placement, *self.expect[layer], per_token):
@@ -286,7 +286,7 @@ class GraphedDecode:
                     assert a.pins is not None
                     ids, counts = a.pins.merge(layer, tasks, ids, scores, counts)
                 a._st.cpu_topk_s += time.perf_counter() - t0
-                self._run_tasks(layer, view, lo, hi, ids, counts)
+                self._run_tasks(layer, view, lo, hi, ids, counts, placement)
         else:
             ss.lse_np.fill(-np.inf)  # no CPU task in this layer
         if ss.res_dev is not ss.res_host:
@@ -324,7 +324,7 @@ class GraphedDecode:
         st.cpu_bytes += nbytes
         a.executor.cost_model.observe_cpu(nbytes, t_attend)
 
-    def _all_cpu(self, placement: str, total: int, smallest: int, per_token: int) -> bool:
+    def _all_cpu(self, placement: Placement, total: int, smallest: int, per_token: int) -> bool:
         """Whether scheduler.split_tasks puts every task on the CPU, for tasks of `total` selected tokens whose
         smallest non-empty one has `smallest`: always for placement cpu (or no GPU side), and for auto when the
         scheduler's own shortcut applies (the CPU finishes everything before the GPU could finish the smallest
@@ -334,12 +334,10 @@ class GraphedDecode:
         if placement != "auto":
             return False
         costs = self.a.executor.cost_model.costs
-        if not costs.has_gpu:
-            return True
-        return costs.makespan(float(total * per_token), 0.0) <= costs.makespan(0.0, float(smallest * per_token))
+        return not costs.has_gpu or all_cpu_suffices(costs, float(total * per_token), float(smallest * per_token))
 
-    def _run_tasks(self, layer: int, view: native.KVView, lo: int, hi: int, ids: np.ndarray, counts: np.ndarray
-                   ) -> None:
+    def _run_tasks(self, layer: int, view: native.KVView, lo: int, hi: int, ids: np.ndarray, counts: np.ndarray,
+                   placement: Placement) -> None:
         """The layer's tasks (rows lo .. hi of the step's table) with their selections (ids int32 [T, k], counts
         [T]) as the scheduler splits them: CPU tasks into the pinned result buffer, GPU tasks (zero-copy feeder)
         into the device buffers."""
@@ -349,7 +347,7 @@ class GraphedDecode:
         tasks, bh = self.tasks[lo:hi], self.bh[lo:hi]
         a._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
         nbytes = task_bytes(counts, tasks[:, 3].astype(np.int64), a.cfg.head_dim, ex.elem)
-        split = split_tasks(nbytes, ex.cost_model.costs, a.placement if ex.feeder is not None else "cpu")
+        split = split_tasks(nbytes, ex.cost_model.costs, placement)
         a._st.cpu_bytes += split.cpu_bytes
         a._st.gpu_bytes += split.gpu_bytes
         ci, gi = split.cpu, split.gpu

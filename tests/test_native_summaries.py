@@ -119,8 +119,8 @@ def test_selection_with_16bit_summaries_equals_float64_reference(simd: str, dtyp
         live = [si for si in range(2) if n[si] < final[si]]
         if not live:
             break
-        store.append_decode(0, slots_a[live], torch.stack([keys[si][n[si]] for si in live]),
-                            torch.stack([values[si][n[si]] for si in live]))
+        store.append_batch(0, slots_a[live].tolist(), torch.stack([keys[si][n[si]] for si in live]),
+                           torch.stack([values[si][n[si]] for si in live]))  # one token per slot: a decode step
     assert [store.n_tokens(0, s) for s in slots] == list(final)
 
 

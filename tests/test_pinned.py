@@ -16,6 +16,12 @@ from decode_compare import decode_and_compare, prefill
 from test_sparse import MODEL, decode_logits, engine, essay_tokens  # noqa: F401  (fixtures)
 
 
+def pin_plan(n_layers: int, n_kv_heads: int, obs_window: int) -> SparsePlan:
+    """A plan that only sizes PinnedBlocks (the tests store pins directly)."""
+    return SparsePlan(16, 64, [[GroupPlan(False, 16, 0.1)] * n_kv_heads for _ in range(n_layers)], "t",
+                      pin_fraction=0.5, obs_window=obs_window)
+
+
 def reference_mass(q: np.ndarray, keys: np.ndarray, first_pos: int, scale: float) -> np.ndarray:
     """float64: for each KV head, sum over its query heads and the rows of softmax(q k^T) over keys <= the row."""
     w, hq, _ = q.shape
@@ -60,7 +66,7 @@ def test_pick_pins_takes_the_heaviest_eligible_blocks(g: int, n: int, count: int
 
 def test_merge_is_a_sorted_union_without_duplicates() -> None:
     rng = np.random.default_rng(7)
-    pins = PinnedBlocks(n_layers=1, n_kv_heads=2, obs_window=4)
+    pins = PinnedBlocks(pin_plan(n_layers=1, n_kv_heads=2, obs_window=4))
     pinned = {(0, 0): [3, 9, 20], (0, 1): [], (2, 0): [1], (2, 1): [5, 6, 7, 8]}
     for slot in (0, 2):
         pins._store(0, slot, [np.array(pinned[(slot, h)], np.int32) for h in range(2)])
@@ -87,7 +93,7 @@ def test_merge_is_a_sorted_union_without_duplicates() -> None:
 
 
 def test_observe_keeps_the_last_rows_across_a_short_last_chunk() -> None:
-    pins = PinnedBlocks(n_layers=2, n_kv_heads=1, obs_window=8)
+    pins = PinnedBlocks(pin_plan(n_layers=2, n_kv_heads=1, obs_window=8))
     q = torch.arange(20 * 2 * 4, dtype=torch.float32).view(20, 2, 4)
     pins.observe(1, seq_id=5, start=0, q=q[:17])
     pins.observe(1, seq_id=5, start=17, q=q[17:])
@@ -104,10 +110,10 @@ def test_a_needle_block_the_summed_bound_misses_is_pinned() -> None:
     needle = torch.randn(d, generator=gen)
     keys[0, 300:316] = needle * 0.8  # ...block 18 holds the needle
     q = needle.repeat(4, hq, 1)  # [W, Hq, D]
-    pins = PinnedBlocks(1, hkv, obs_window=4)
+    plan = SparsePlan(16, 64, [[GroupPlan(False, g, 0.1)]], "t", pin_fraction=0.5, obs_window=4)
+    pins = PinnedBlocks(plan)
     pins.observe(0, seq_id=1, start=n - 4, q=q)
-    pins.pin(0, seq_id=1, slot=0, keys=keys, n=n + 1, scale=d**-0.5, plan_row=[(True, g, 0.1)], sink=16, window=64,
-             pin_fraction=0.5)
+    pins.pin(0, seq_id=1, slot=0, keys=keys, n=n + 1, scale=d**-0.5)
     assert 300 // g in pins._ids[0][0, 0, : pins._counts[0][0, 0]].tolist()
 
 
