@@ -110,6 +110,23 @@ def get_threads() -> int:
     return int(lib.fx_get_threads())
 
 
+DEFAULT_SPIN_US = 200.0  # fx_pool.c's FX_SPIN_NS
+
+
+def set_spin_us(us: float | None) -> float:
+    """How long idle pool workers spin before sleeping (None: the default, 200 us). A GPU decode step raises it for
+    its duration: its host calls come a device layer apart (0.2-1 ms), and a call that finds the workers asleep runs
+    mostly on its caller. Returns the value in effect."""
+    if us is not None and (isinstance(us, bool) or not isinstance(us, (int, float)) or not us >= 0):
+        raise ValueError(f"spin must be None or a non-negative number of microseconds, got {us!r}")
+    return float(lib.fx_set_spin_ns(-1 if us is None else int(us * 1000))) / 1000
+
+
+def wake_threads() -> None:
+    """Sleeping pool workers wake and spin, so that a call a few microseconds later finds them running."""
+    lib.fx_wake_threads()
+
+
 def simd_supported() -> list[str]:
     return [name for i, name in enumerate(SIMD_PATHS) if lib.fx_simd_supported(i)]
 

@@ -45,6 +45,9 @@ if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
 
 LOG = logging.getLogger("fluxion_lite.sparse_graph")
+# Idle spin of the native pool's workers during a GPU step: longer than a device layer (0.2-1 ms) between two host
+# calls, so that no call finds them asleep (bench/pool_wake.py); restored to the default at the step's end.
+GPU_STEP_SPIN_US = 2000.0
 
 
 def step_tasks(a: SparseAttention, st: DecodeStep) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
@@ -200,6 +203,9 @@ class GraphedDecode:
         if len(self.tasks):
             self.sel = native.PreparedSelection(self.views[0], ss.q32, self.tasks, a.scale, rows=self.bh,
                                                 out=ss.o_np, lse=ss.lse_np)
+        if a.device.type == "cuda":  # the host calls come a device layer apart: keep the pool's workers spinning
+            native.set_spin_us(GPU_STEP_SPIN_US)
+            native.wake_threads()
         self._wait0 = a._st.gpu_wait_s
         self._t0 = time.perf_counter()
 
@@ -210,6 +216,7 @@ class GraphedDecode:
             a._len[c.seq_id] = c.start + c.length
         if a.device.type == "cuda":
             torch.cuda.current_stream(a.device).synchronize()  # the step's end on the device (logits are read next)
+            native.set_spin_us(None)  # idle workers sleep soon again between steps and requests
         a._st.steps += 1
         step = time.perf_counter() - self._t0
         a._st.step_s += step
@@ -256,6 +263,7 @@ class GraphedDecode:
         ev = None
         staged = ss.stage_host[layer % 2]
         if cuda:
+            native.wake_threads()  # a no-op while they spin; else they wake during the D2H wait, not in the call
             staged.copy_(ss.stage, non_blocking=True)  # q, k, v of this layer (the replay just queued)
             ev = torch.cuda.Event()
             ev.record()

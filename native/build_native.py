@@ -35,6 +35,8 @@ typedef struct fx_kv_view {
 int fx_version(void);
 int fx_set_threads(int n);
 int fx_get_threads(void);
+int64_t fx_set_spin_ns(int64_t ns);
+void fx_wake_threads(void);
 int fx_set_simd(int path);
 int fx_get_simd(void);
 int fx_simd_supported(int path);

@@ -90,6 +90,12 @@ typedef struct fx_kv_view {
 int fx_version(void);
 int fx_set_threads(int n);          /* size of the pool, >= 1 (the caller thread counts as one) */
 int fx_get_threads(void);
+/* Idle workers spin this long (ns) before sleeping on a condition variable (< 0: the default, 200 us; at most 1 s);
+ * returns the value in effect.  Waking a sleeping worker costs tens to hundreds of us, so a caller that calls once
+ * per GPU layer raises it while it decodes.  fx_wake_threads makes sleeping workers spin again now (a no-op while a
+ * call runs): give it a few us ahead of a call that follows an idle gap.  Both are safe from any thread. */
+int64_t fx_set_spin_ns(int64_t ns);
+void fx_wake_threads(void);
 int fx_set_simd(int path);          /* FX_SIMD_*; returns the path now used, or -FX_E_SIMD if unsupported */
 int fx_get_simd(void);
 int fx_simd_supported(int path);    /* 1 if this CPU (and build) can run the path */

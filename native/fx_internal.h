@@ -57,6 +57,9 @@ typedef void (*fx_job_fn)(void *ctx, int tid, int nthreads);
 void fx_pool_run(fx_job_fn fn, void *ctx);
 int fx_pool_set_threads(int n);
 int fx_pool_threads(void);
+int64_t fx_pool_set_spin_ns(int64_t ns); /* idle spin before sleeping; < 0: the default; returns the value set */
+int64_t fx_pool_spin_ns(void);
+void fx_pool_wake(void);                 /* sleeping workers wake and spin: call ahead of a call after an idle gap */
 
 /* Scalar 16-bit -> fp32, shared by all paths for tails and the portable kernels. */
 static inline float fx_bf16_to_f32(uint16_t h) {

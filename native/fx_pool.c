@@ -23,6 +23,13 @@
  * costs tens of us, while a spinning worker starts within ~1 us. */
 #define FX_SPIN_NS 200000
 
+/* The spin is a setting: between the layers of a GPU decode step the host is idle for the device's share of a layer
+ * (0.2-1 ms), longer than FX_SPIN_NS, so without a longer spin every layer's first call woke sleeping workers and ran
+ * largely on its caller alone (VM: a 32K top-k took 215 us back to back, 400-440 us after a 1 ms pause). The GPU
+ * step raises it for its duration (fx_pool_set_spin_ns) and wakes the pool ahead of its calls (fx_pool_wake); CPU
+ * decoding keeps the short spin so idle workers do not take cores from torch's own threads. */
+static _Atomic int64_t g_spin_ns = FX_SPIN_NS;
+
 static struct {
     pthread_mutex_t run_lock; /* held by the thread whose job owns the pool */
     pthread_mutex_t mu;       /* guards sleeping on cv */
@@ -61,11 +68,11 @@ static void *worker_main(void *arg) {
     int tid = (int)(intptr_t)arg;
     uint64_t seen = P.start_generation; /* not a fresh load: the first job may already have been posted */
     for (;;) {
-        int64_t t0 = now_ns();
+        int64_t t0 = now_ns(), spin_ns = atomic_load(&g_spin_ns);
         int spins = 0;
         while (atomic_load(&P.generation) == seen && !atomic_load(&P.stop)) {
             cpu_relax();
-            if (++spins % 256 == 0 && now_ns() - t0 > FX_SPIN_NS) {
+            if (++spins % 256 == 0 && now_ns() - t0 > spin_ns) {
                 pthread_mutex_lock(&P.mu);
                 /* announce first, then re-check (both seq_cst): a poster that reads sleepers == 0 has bumped the
                  * generation before this load, so the check below sees it and no wake-up is lost */
@@ -171,3 +178,27 @@ int fx_pool_set_threads(int n) {
 }
 
 int fx_pool_threads(void) { return P.nthreads; }
+
+int64_t fx_pool_set_spin_ns(int64_t ns) {
+    if (ns < 0) ns = FX_SPIN_NS; /* negative: back to the default */
+    if (ns > 1000000000) ns = 1000000000;
+    atomic_store(&g_spin_ns, ns);
+    return ns;
+}
+
+int64_t fx_pool_spin_ns(void) { return atomic_load(&g_spin_ns); }
+
+/* A new generation with no tickets: sleeping workers wake, find nothing to take and spin again (for the current spin
+ * time), so the next call finds them running. Skipped while a job or a resize holds the pool (its workers are
+ * awake) and before the workers exist. */
+void fx_pool_wake(void) {
+    if (!P.started || atomic_load(&P.sleepers) == 0) return;
+    if (pthread_mutex_trylock(&P.run_lock) != 0) return;
+    if (P.started) {
+        atomic_fetch_add(&P.generation, 1);
+        pthread_mutex_lock(&P.mu);
+        pthread_cond_broadcast(&P.cv);
+        pthread_mutex_unlock(&P.mu);
+    }
+    pthread_mutex_unlock(&P.run_lock);
+}

@@ -6,8 +6,10 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
+import pytest
 import torch
 
 import native_reference as ref
@@ -80,6 +82,52 @@ def test_coexists_with_torch_openmp_and_concurrent_callers() -> None:
     tok = ref.block_tokens(ids[1, :counts[1]], 32, 2048)
     exp_out, _ = ref.attention(q[0, 4:8], k.float().numpy()[tok, 1], v.float().numpy()[tok, 1], 0.088)
     np.testing.assert_allclose(want[1], exp_out, rtol=1e-4, atol=2e-5)
+
+
+def test_pool_wake_and_spin_under_concurrent_calls() -> None:
+    """wake_threads() from another thread while calls run, with the spin long, short and back at the default: every
+    top-k and attention result stays equal to the float64 reference and to the first call's, sleeping workers
+    (after an idle gap longer than the spin) still join, and bad spins are refused."""
+    store, slot, k, v = _filled_store()
+    view = store.view(0)
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 8, 128), dtype=np.float32)
+    tasks = native.make_tasks(slot, 0, [0, 1], 32, 16)
+    ids0, _, counts0 = native.group_topk(view, q, tasks)
+    out0, lse0 = native.sparse_attention(view, q, tasks, ids0, counts0, 0.088)
+    tok = ref.block_tokens(ids0[1, :counts0[1]], 32, 2048)
+    exp_out, _ = ref.attention(q[0, 4:8], k.float().numpy()[tok, 1], v.float().numpy()[tok, 1], 0.088)
+    np.testing.assert_allclose(out0[1], exp_out, rtol=1e-4, atol=2e-5)
+    stop = threading.Event()
+
+    def waker() -> None:
+        while not stop.is_set():
+            native.wake_threads()
+
+    native.set_threads(4)  # more participants than cores: wake-ups race with jobs and with each other
+    thread = threading.Thread(target=waker)
+    thread.start()
+    try:
+        for spin in (5000.0, 0.0, None):
+            assert native.set_spin_us(spin) == (native.DEFAULT_SPIN_US if spin is None else spin)
+            for i in range(20):
+                if i % 5 == 0:
+                    time.sleep(0.002)  # longer than the spin: the workers may sleep before the next call
+                ids, _, counts = native.group_topk(view, q, tasks)
+                out, lse = native.sparse_attention(view, q, tasks, ids, counts, 0.088)
+                np.testing.assert_array_equal(counts, counts0)
+                for t in range(len(tasks)):
+                    np.testing.assert_array_equal(ids[t, :counts[t]], ids0[t, :counts0[t]])
+                np.testing.assert_array_equal(out, out0)
+                np.testing.assert_array_equal(lse, lse0)
+    finally:
+        stop.set()
+        thread.join()
+        native.set_spin_us(None)
+        native.set_threads(native.physical_cores())
+    for bad in (-1, float("nan"), "2", True):
+        with pytest.raises(ValueError, match="spin must be"):
+            native.set_spin_us(bad)  # type: ignore[arg-type]
 
 
 def test_settings_from_environment() -> None:
