@@ -282,17 +282,15 @@ class GraphedDecode:
             ex = a.executor
             per_token = a.cfg.head_dim * 2 * ex.elem  # K+V bytes of one selected token (scheduler.task_bytes)
             placement: Placement = a.placement if ex.feeder is not None else "cpu"
-            pinned = a.pins is not None and a.pins.any(layer)
-            # the one-call path: group scoring (what fx_select_attend selects by), no pins (they change the selection)
-            if a.topk_scoring == "group" and not pinned and self._all_cpu(placement, *self.expect[layer], per_token):
-                self._select_attend(layer, view, lo, hi, per_token)
+            # pins take part of each task's k: the native top-k adds them to its selection (fluxion.h, PINNED BLOCKS)
+            pins = a.pins.table(layer, self.tasks[lo:hi]) if a.pins is not None and a.pins.any(layer) else (None, None)
+            if self._all_cpu(placement, *self.expect[layer], per_token):  # the one-call path
+                self._select_attend(layer, view, lo, hi, per_token, *pins)
             else:
                 tasks = self.tasks[lo:hi]
                 t0 = time.perf_counter()
-                ids, scores, counts = native.group_topk(view, ss.q32, tasks, scoring=a.topk_scoring)
-                if pinned:  # pins take part of each task's k
-                    assert a.pins is not None
-                    ids, counts = a.pins.merge(layer, tasks, ids, scores, counts)
+                ids, _, counts = native.group_topk(view, ss.q32, tasks, scoring=a.topk_scoring, pins=pins[0],
+                                                   pin_counts=pins[1])
                 a._st.cpu_topk_s += time.perf_counter() - t0
                 self._run_tasks(layer, view, lo, hi, ids, counts, placement)
         else:
@@ -312,12 +310,13 @@ class GraphedDecode:
         else:
             ss.appenders[layer % 2].run(self.views[layer])
 
-    def _select_attend(self, layer: int, view: native.KVView, lo: int, hi: int, per_token: int) -> None:
-        """Every task of the layer on the CPU: top-k and attention in one native call, the results written straight
-        into the pinned result buffer (lse -inf for rows without a task)."""
+    def _select_attend(self, layer: int, view: native.KVView, lo: int, hi: int, per_token: int,
+                       pins: np.ndarray | None, pin_counts: np.ndarray | None) -> None:
+        """Every task of the layer on the CPU: top-k (with the layer's pins, if any) and attention in one native call,
+        the results written straight into the pinned result buffer (lse -inf for rows without a task)."""
         a, sel = self.a, self.sel
         assert sel is not None
-        tokens, t_select, t_attend = sel.select_attend(view, lo, hi)
+        tokens, t_select, t_attend = sel.select_attend(view, lo, hi, a.topk_scoring, pins, pin_counts)
         if a.placement == "auto" and tokens != self.expect[layer][0]:  # never seen; the results are right, only
             # the split was decided before the selection
             if not self.mispredicted:
