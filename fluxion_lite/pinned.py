@@ -63,15 +63,16 @@ class PinnedBlocks:
         self.plan = plan  # its groups' g and budget, sink, window, pin_fraction and obs_window
         n_layers, n_kv_heads = len(plan.groups), len(plan.groups[0])
         self.obs_window = plan.obs_window
-        self.n_kv_heads = n_kv_heads
+        self.n_layers, self.n_kv_heads = n_layers, n_kv_heads
         self._q: dict[int, list[tuple[int, torch.Tensor] | None]] = {}  # seq -> per layer (first position, q rows)
-        # per layer: int32 [slots, Hkv, P] pinned ids padded with _NONE, and int32 [slots, Hkv] counts
-        self._ids = [np.full((0, n_kv_heads, 0), _NONE, np.int32) for _ in range(n_layers)]
-        self._counts = [np.zeros((0, n_kv_heads), np.int32) for _ in range(n_layers)]
+        # int32 [L, slots, Hkv, P] pinned ids padded with _NONE (P: the most pins of any group), int32 [L, slots, Hkv]
+        # counts: one array for all layers, so a step's pins for every layer's tasks are one gather (table())
+        self._ids = np.full((n_layers, 0, n_kv_heads, 0), _NONE, np.int32)
+        self._counts = np.zeros((n_layers, 0, n_kv_heads), np.int32)
 
     def observe(self, layer: int, seq_id: int, start: int, q: torch.Tensor) -> None:
         """Keep the last obs_window rows of a prefill chunk's q ([n, Hq, D] at positions start..)."""
-        per_layer = self._q.setdefault(seq_id, [None] * len(self._ids))
+        per_layer = self._q.setdefault(seq_id, [None] * self.n_layers)
         prev = per_layer[layer]
         if prev is not None and prev[0] + len(prev[1]) == start:  # a short last chunk: keep the tail of the one before
             q = torch.cat([prev[1], q])
@@ -101,45 +102,45 @@ class PinnedBlocks:
         self._store(layer, slot, pins)
 
     def _store(self, layer: int, slot: int, pins: list[np.ndarray]) -> None:
-        ids, counts = self._ids[layer], self._counts[layer]
-        width = max(ids.shape[2], max(len(p) for p in pins))
-        if slot >= ids.shape[0] or width > ids.shape[2]:
-            rows = max(slot + 1, ids.shape[0])
-            grown = np.full((rows, self.n_kv_heads, width), _NONE, np.int32)
-            grown[: ids.shape[0], :, : ids.shape[2]] = ids
-            grown_counts = np.zeros((rows, self.n_kv_heads), np.int32)
-            grown_counts[: counts.shape[0]] = counts
-            self._ids[layer], self._counts[layer] = grown, grown_counts
-            ids, counts = grown, grown_counts
-        ids[slot] = _NONE
+        ids, counts = self._ids, self._counts
+        width = max(ids.shape[3], max(len(p) for p in pins))
+        if slot >= ids.shape[1] or width > ids.shape[3]:
+            rows = max(slot + 1, ids.shape[1])
+            grown = np.full((self.n_layers, rows, self.n_kv_heads, width), _NONE, np.int32)
+            grown[:, : ids.shape[1], :, : ids.shape[3]] = ids
+            grown_counts = np.zeros((self.n_layers, rows, self.n_kv_heads), np.int32)
+            grown_counts[:, : counts.shape[1]] = counts
+            self._ids, self._counts = ids, counts = grown, grown_counts
+        ids[layer, slot] = _NONE
         for h, p in enumerate(pins):
-            ids[slot, h, : len(p)] = p
-            counts[slot, h] = len(p)
+            ids[layer, slot, h, : len(p)] = p
+            counts[layer, slot, h] = len(p)
 
     def forget(self, seq_id: int, slot: int | None) -> None:
         """A sequence ended: its observation rows and its slot's pins go."""
         self._q.pop(seq_id, None)
         if slot is None:
             return
-        for ids, counts in zip(self._ids, self._counts):
-            if slot < ids.shape[0]:
-                ids[slot] = _NONE
-                counts[slot] = 0
+        if slot < self._ids.shape[1]:
+            self._ids[:, slot] = _NONE
+            self._counts[:, slot] = 0
 
     def any(self, layer: int) -> bool:
         return bool(self._counts[layer].any())
 
-    def table(self, layer: int, tasks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The pins of a layer's tasks in the native top-k's form (native.group_topk's pins / pin_counts): ids int32
-        [T, P] (row i: the pins of task i's slot tasks[i, 0] and KV head tasks[i, 2], ascending; entries past its
-        count are padding, never read) and counts int32 [T]; a slot never pinned has count 0. Two gathers."""
-        ids, counts = self._ids[layer], self._counts[layer]
+    def table(self, layer: int | np.ndarray, tasks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The pins of tasks in the native top-k's form (native.group_topk's pins / pin_counts): ids int32 [T, P]
+        (row i: the pins of task i's layer, slot tasks[i, 0] and KV head tasks[i, 2], ascending; entries past its
+        count are padding, never read) and counts int32 [T]; a slot never pinned has count 0. layer: one layer for
+        all tasks, or each task's layer (int [T]: a whole step's table in the same two gathers)."""
+        ids, counts = self._ids, self._counts
         slot, h = tasks[:, 0], tasks[:, 2]
-        if len(slot) and int(np.maximum.reduce(slot)) < ids.shape[0]:  # every slot has rows: the usual case
-            return ids[slot, h], counts[slot, h]
-        inside = slot < ids.shape[0]
-        table = np.full((len(slot), ids.shape[2]), _NONE, np.int32)  # [T, P]
+        if len(slot) and int(np.maximum.reduce(slot)) < ids.shape[1]:  # every slot has rows: the usual case
+            return ids[layer, slot, h], counts[layer, slot, h]
+        inside = slot < ids.shape[1]
+        at = layer if np.isscalar(layer) else np.asarray(layer)[inside]
+        table = np.full((len(slot), ids.shape[3]), _NONE, np.int32)  # [T, P]
         table_counts = np.zeros(len(slot), np.int32)
-        table[inside] = ids[slot[inside], h[inside]]
-        table_counts[inside] = counts[slot[inside], h[inside]]
+        table[inside] = ids[at, slot[inside], h[inside]]
+        table_counts[inside] = counts[at, slot[inside], h[inside]]
         return table, table_counts

@@ -70,10 +70,11 @@ def test_table_gathers_each_tasks_pins_for_the_native_top_k() -> None:
     from fluxion_lite import native
     from fluxion_lite.host_kv import HostKVStore
 
-    pins = PinnedBlocks(pin_plan(n_layers=1, n_kv_heads=2, obs_window=4))
+    pins = PinnedBlocks(pin_plan(n_layers=2, n_kv_heads=2, obs_window=4))
     pinned = {(0, 0): [3, 9, 20], (0, 1): [], (2, 0): [1], (2, 1): [5, 6, 7, 8]}
     for slot in (0, 2):
         pins._store(0, slot, [np.array(pinned[(slot, h)], np.int32) for h in range(2)])
+    pins._store(1, 2, [np.array([11], np.int32), np.array([], np.int32)])  # layer 1: other pins, slot 2 only
     tasks = np.zeros((6, 9), np.int32)
     tasks[:, 0] = [0, 0, 2, 2, 1, 5]  # slot 1: a row without pins; slot 5: past the stored rows
     tasks[:, 2] = [0, 1, 0, 1, 0, 1]
@@ -84,6 +85,11 @@ def test_table_gathers_each_tasks_pins_for_the_native_top_k() -> None:
         for i in range(first):
             want = pinned.get((int(tasks[i, 0]), int(tasks[i, 2])), [])
             assert ids[i, : counts[i]].tolist() == want, i
+        # a step's table: each row its own layer (layer-major rows of two layers)
+        rows = [0, 1, 2, 2, 3, first - 1]  # layer 1's last row: slot 5 (past the stored rows) or slot 1
+        step_ids, step_counts = pins.table(np.array([0, 0, 0, 1, 1, 1]), tasks[rows])
+        assert step_counts.tolist() == [3, 0, 1, 1, 0, 0]
+        assert step_ids[2, :1].tolist() == [1] and step_ids[3, :1].tolist() == [11]
     store = HostKVStore(1, 2, 32, dtype=torch.bfloat16, max_seqs=6)
     for _ in range(6):
         slot = store.allocate()
