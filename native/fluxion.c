@@ -558,9 +558,9 @@ static void topk_select(topk_job *J, int64_t ti) {
     int64_t ex_lo[2], ex_hi[2];
     excluded_blocks(t, n_tok, ex_lo, ex_hi);
     if (J->scoring == FX_SCORE_PER_HEAD) per_head_scores(J, ti, nb, ex_lo, ex_hi);
-    /* Pinned blocks leave the candidates; their scores go to the front of the task's id row (the same floats of
-     * workspace, never read as ids), the candidates' ids after them: the compaction below writes all_s only at or
-     * below the block it reads, so nothing unread is overwritten. */
+    /* Pinned blocks leave the candidates: the task's id row of the workspace holds the pins' scores in [0, P)
+     * (floats, never read as ids) and the candidates' ids after them, two disjoint parts (P + candidates <= nb);
+     * the compaction writes all_s only at or below the block it reads, so no unread score is overwritten. */
     int64_t n_pin = J->pin_counts ? J->pin_counts[ti] : 0;
     const int32_t *pin = n_pin ? J->pins + ti * J->pin_stride : NULL;
     float *pin_s = J->ws + J->n_tasks * J->max_blocks + ti * J->max_blocks;
