@@ -255,3 +255,32 @@ def test_bad_pins_are_rejected_with_the_entry_named(settings: None) -> None:
         native.group_topk(view, q, tasks, pins=good, pin_counts=good_counts[:1])
     with pytest.raises(ValueError, match="scoring must be one of"):
         native.PreparedSelection(view, q, tasks, 0.5).topk(view, 0, N_KV, "exact")
+
+
+def test_c_rejects_a_negative_stride_and_missing_pins() -> None:
+    """What the wrapper cannot pass: pin_stride < 0 (FX_E_PIN, no task named) and pins NULL while a count is > 0
+    (FX_E_PIN naming the task); pins NULL with every count 0 is no pins. Outputs untouched on rejection."""
+    rng = np.random.default_rng(4)
+    store, slots, _, _ = _store(32, torch.float16, rng)
+    q = rng.standard_normal((len(slots), N_KV, 32), dtype=np.float32)
+    tasks = native.make_tasks(slots[0], 0, np.arange(N_KV), 16, 3)
+    ffi, lib = native.ffi, native.lib
+    err = ffi.new("int64_t[1]")
+    ids, sc, cnt = np.zeros((2, 3), np.int32), np.zeros((2, 3), np.float32), np.full(2, -7, np.int32)
+    ws = np.zeros(1 << 14, np.float32)
+    pins, counts = np.array([[1, 2], [3, 4]], np.int32), np.array([0, 2], np.int32)
+
+    def call(pins_ptr: object, counts_ptr: object, stride: int) -> int:
+        return lib.fx_group_topk_pinned(store.view(0).struct, ffi.from_buffer("float[]", q), len(slots), N_KV,
+                                        ffi.from_buffer("int32_t[]", tasks), 2, 3, 0, pins_ptr, counts_ptr, stride,
+                                        ffi.from_buffer("int32_t[]", ids), ffi.from_buffer("float[]", sc),
+                                        ffi.from_buffer("int32_t[]", cnt), ffi.from_buffer("float[]", ws), len(ws),
+                                        err)
+
+    assert call(ffi.from_buffer("int32_t[]", pins), ffi.from_buffer("int32_t[]", counts), -1) == 14 and err[0] == -1
+    assert call(ffi.NULL, ffi.from_buffer("int32_t[]", counts), 2) == 14 and err[0] == 1
+    assert (cnt == -7).all()
+    assert call(ffi.NULL, ffi.from_buffer("int32_t[]", np.zeros(2, np.int32)), 0) == 0 and (cnt == 3).all()
+    assert call(ffi.from_buffer("int32_t[]", pins), ffi.from_buffer("int32_t[]", counts), 2) == 0
+    assert ids[1].tolist()[:3] == sorted(set(ids[1].tolist())) and {3, 4} <= set(ids[1].tolist())
+    assert lib.fx_version() == 5
