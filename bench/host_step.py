@@ -17,6 +17,10 @@ feeder), so every layer asks the scheduler to split with placement auto; its fix
 all-CPU, as measured on the H200 at batch 1-8 (docs/hybrid.md, GPU% 0). `cpu`: no GPU side at all (placement cpu).
 The fixed mode is placement cpu either way, as on the H200.
 
+Pins: the fluxion plan keeps its pin_fraction (the shipped plan pins 0.5 of each retrieval budget; the imported
+context gets synthetic pins, bench/tpot.py), so its layers run the pinned selection; --pin-fraction overrides it
+(0: no pins) to compare pinned and unpinned plans. The row records the fraction used.
+
 Two passes per case: the timed pass (headline medians), then a pass with every native C call wrapped by a timer
 (native.lib replaced by a proxy), which splits host(layer) into native time and Python glue.
 
@@ -91,11 +95,14 @@ class NativeTimer:
         return out
 
 
-def make_backend(mode: str, cfg: ModelConfig, batch: int, side: str, plan_source: Path) -> SparseAttention:
+def make_backend(mode: str, cfg: ModelConfig, batch: int, side: str, plan_source: Path,
+                 pin_fraction: float | None = None) -> SparseAttention:
     dtype, dev = torch.bfloat16, torch.device("cpu")  # bf16: the H200 runs the model in bf16 (same host glue)
     if mode == "fixed":
         return SparseAttention(cfg, fixed_plan(cfg), dtype, dev, max_seqs=batch + 1, placement="cpu")
     plan = borrowed_plan(cfg, plan_source)
+    if pin_fraction is not None:
+        plan.pin_fraction = pin_fraction
     if side == "cpu":
         return SparseAttention(cfg, plan, dtype, dev, max_seqs=batch + 1, placement="auto", zero_copy=False)
     base = measure_costs("cpu")
@@ -257,6 +264,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--side", choices=["h200", "cpu"], default="h200", help="see the module docstring")
     ap.add_argument("--plan-source", default="models/qwen2.5-coder-0.5b.plan.json")
+    ap.add_argument("--pin-fraction", type=float, default=None,
+                    help="fluxion: override the plan's pin_fraction (0: no pins; default: the plan's)")
     ap.add_argument("--label", default="", help="stored with the results (e.g. 'before', 'after')")
     ap.add_argument("--out", default="bench/results/host_step-vm.json")
     args = ap.parse_args()
@@ -278,7 +287,7 @@ def main() -> None:
     for context in sorted(args.contexts):
         for batch in sorted(args.batches):
             for mode in args.modes:
-                attn = make_backend(mode, cfg, batch, args.side, Path(args.plan_source))
+                attn = make_backend(mode, cfg, batch, args.side, Path(args.plan_source), args.pin_fraction)
                 fill_context(attn, cfg, batch, context, torch.device("cpu"), seed=context + batch)
                 runner = Runner(attn, cfg, batch, context)
                 for threads in args.threads:
@@ -287,6 +296,7 @@ def main() -> None:
                     r = measure(runner, args.steps, args.warmup)
                     tasks = tasks_per_layer(attn, cfg.n_layers)
                     row = {"mode": mode, "context": context, "batch": batch, "threads": threads,
+                           "pin_fraction": attn.plan.pin_fraction, "pinned": attn.pins is not None,
                            "tasks_per_layer": tasks, "load_avg": (load0 + load_avg()) / 2,
                            "kv_read_fraction": attn.stats()["kv_read_fraction"], **r}
                     rows.append(row)

@@ -121,7 +121,7 @@ def fill_context(attn: object, cfg: ModelConfig, batch: int, context: int, dev: 
 def synthetic_pins(attn: SparseAttention, seq: int, context: int, seed: int) -> None:
     """Pinned blocks as a prefill would leave them (a plan with pin_fraction), from random attention mass: the
     context here is imported, not prefilled, so no observed queries exist. Same counts and eligibility as serving, so
-    decode takes the same path (top-k, then the pins' merge)."""
+    decode takes the same path (the native top-k with the pins)."""
     assert attn.pins is not None
     rng = np.random.default_rng(seed)
     for layer in range(attn.cfg.n_layers):

@@ -65,6 +65,7 @@ _ERRORS = {
     11: "SIMD path not supported on this CPU",
     12: "append past the page table's capacity",
     13: "unknown block-scoring mode",
+    14: "bad pinned blocks",
 }
 
 
@@ -490,6 +491,7 @@ def _native_error(rc: int, err_index: Any, what: str, view: KVView, t: np.ndarra
 # ------------------------------------------------------------------------------------------------------ kernels --
 
 _E_OUTPUT = 9  # FX_E_OUTPUT
+_E_PIN = 14  # FX_E_PIN
 _INF = float("inf")
 
 
@@ -536,8 +538,59 @@ def summaries_update(view: KVView, slots: Any, from_token: Any) -> None:
     _raise_for(rc, err, "summaries_update")
 
 
+def _scoring_code(scoring: str) -> int:
+    if scoring == "group":  # compared by value first: the usual argument costs no list search
+        return 0
+    if scoring in SCORINGS:
+        return SCORINGS.index(scoring)
+    raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+
+
+_NO_PINS = (ffi.NULL, ffi.NULL, 0)
+
+
+def _pin_args(n: int, pins: Any, pin_counts: Any) -> tuple[Any, Any, int]:
+    """(pins pointer, pin_counts pointer, pin_stride) for n tasks: pins int32 [n, W] and pin_counts int32 [n], both
+    or neither (then NULLs: no pins). The values (counts, ascending ids, ranges) are checked in C on every call."""
+    if pins is None and pin_counts is None:
+        return _NO_PINS
+    if pins is None or pin_counts is None:
+        raise ValueError("pins and pin_counts go together (both or neither)")
+    ids_ptr, (_, width) = _buf(pins, "pins", _I32, 2, (n, None))
+    counts_ptr, _ = _buf(pin_counts, "pin_counts", _I32, 1, (n,))
+    return ids_ptr, counts_ptr, width
+
+
+def _pin_error(what: str, view: KVView, t: np.ndarray, i: int, pins: Any, pin_counts: Any) -> ValueError:
+    """Which pinned-blocks rule task i broke (fluxion.h, PINNED BLOCKS), worded; only runs after C rejected it."""
+    if i < 0:
+        return ValueError(f"{what}: pins: negative row stride")
+    p_ids, p_counts = _np_view(pins, "pins"), _np_view(pin_counts, "pin_counts")
+    count, width, k = int(p_counts[i]), p_ids.shape[1], int(t[i, 4])
+    if not 0 <= count <= width:
+        return ValueError(f"{what}: pin_counts[{i}]={count} out of range [0, {width}] (pins has {width} columns)")
+    if count > k:
+        return ValueError(f"{what}: pin_counts[{i}]={count} exceeds the task's k={k} (pins take part of k)")
+    slot, g = int(t[i, 0]), int(t[i, 3])
+    n_tok = int(view.n_tokens[slot])
+    n_blocks = -(-n_tok // g)
+    row = p_ids[i, :count].astype(np.int64)
+    for j, b in enumerate(row.tolist()):
+        if not 0 <= b < n_blocks:
+            return ValueError(f"{what}: pins[{i}, {j}]={b} out of range [0, {n_blocks}) (slot {slot}, g={g})")
+        if j and b <= row[j - 1]:
+            return ValueError(f"{what}: pins[{i}]: ids must be strictly ascending, got {row[j - 1]} then {b}")
+        for x in range(2):
+            lo, hi = int(t[i, 5 + 2 * x]), int(t[i, 6 + 2 * x])
+            if max(lo, b * g) < min(hi, (b + 1) * g, n_tok):
+                return ValueError(f"{what}: pins[{i}, {j}]={b} (tokens [{b * g}, {(b + 1) * g})) intersects the "
+                                  f"task's excluded range [{lo}, {hi})")
+    return ValueError(f"{what}: {_ERRORS[_E_PIN]} (task {i})")
+
+
 def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
-               out: tuple[Any, Any, Any] | None = None, scoring: str = "group") -> tuple[Any, Any, Any]:
+               out: tuple[Any, Any, Any] | None = None, scoring: str = "group", pins: Any | None = None,
+               pin_counts: Any | None = None) -> tuple[Any, Any, Any]:
     """Per task, the k highest-scoring eligible blocks by the Quest bound of the group's query heads.
 
     q: fp32 [q_rows, Hq, D]; tasks: int32 [T, TASK_FIELDS] (make_tasks).  Returns ids int32 [T, k_cap] (ascending
@@ -545,16 +598,16 @@ def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
     out: optional preallocated (ids, scores, counts), numpy arrays or CPU tensors, filled and returned as given.
     scoring: "group" scores a block by the bound of the summed query heads; "per-head" by max over the heads j of
     bound_j(block) - max over eligible blocks of bound_j (each head's gap to its own best block; scores <= 0).
+    pins int32 [T, W], pin_counts int32 [T] (both or neither): task i's P = pin_counts[i] pinned block ids,
+    ascending, in pins[i, :P]; the selection is those P blocks plus the k - P best eligible blocks that are not
+    pinned, ids ascending (fluxion.h, PINNED BLOCKS). P <= k, and pins must be blocks of the slot outside the
+    task's excluded ranges: else ValueError naming the entry.
     """
-    if scoring == "group":  # compared by value first: the usual argument costs no list search
-        code = 0
-    elif scoring in SCORINGS:
-        code = SCORINGS.index(scoring)
-    else:
-        raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
+    code = _scoring_code(scoring)
     q_ptr, q_rows, n_q_heads, r = _check_q(view, q)
     t = _tasks_array(tasks)
     n = len(t)
+    pin_ptr, pin_counts_ptr, pin_stride = _pin_args(n, pins, pin_counts)
     if k_cap is None:
         k_cap = max(0, int(np.maximum.reduce(t[:, 4]))) if n else 0  # the ufunc itself: .max() adds a wrapper
     if out is None:
@@ -569,8 +622,9 @@ def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
     err = scratch.err
 
     def call() -> int:
-        return lib.fx_group_topk_scoring(view.struct, q_ptr, q_rows, n_q_heads, t_ptr, n, k_cap, code, ids_ptr,
-                                         scores_ptr, counts_ptr, scratch.ws_ptr, scratch.ws_floats, err)
+        return lib.fx_group_topk_pinned(view.struct, q_ptr, q_rows, n_q_heads, t_ptr, n, k_cap, code, pin_ptr,
+                                        pin_counts_ptr, pin_stride, ids_ptr, scores_ptr, counts_ptr, scratch.ws_ptr,
+                                        scratch.ws_floats, err)
 
     # Try the thread's workspace as it is: C computes the exact need (from every task's block count) and returns
     # FX_E_OUTPUT before touching any memory when it is short.  Only then size it, for the longest slot at the
@@ -581,6 +635,8 @@ def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
         max_blocks = -(-int(view.n_tokens.max()) // GRANULARITIES[0])
         scratch.grow(int(lib.fx_topk_scoring_workspace_floats(n, max(1, max_blocks), r, code)))
         rc = call()
+    if rc == _E_PIN:
+        raise _pin_error("group_topk", view, t, int(err[0]), pins, pin_counts)
     if rc:
         raise _native_error(rc, err, "group_topk", view, t, q_rows=q_rows, k_cap=k_cap, kept_only=True)
     return ids, scores, counts
@@ -728,40 +784,57 @@ class PreparedSelection:
         if not 0 <= lo <= hi <= len(self.tasks):
             raise ValueError(f"rows [{lo}, {hi}) outside the task table's {len(self.tasks)} rows")
 
-    def topk(self, view: KVView, lo: int, hi: int) -> None:
-        """group_topk of rows [lo, hi) into ids/scores/counts rows [lo, hi)."""
+    def _topk_floats(self, view: KVView, n: int, code: int) -> int:
+        """Top-k workspace for n tasks of this view (the longest slot at the finest granularity bounds every task's
+        block count)."""
+        max_blocks = -(-int(view.n_tokens.max()) // GRANULARITIES[0])
+        return int(lib.fx_topk_scoring_workspace_floats(n, max(1, max_blocks), self.r, code))
+
+    def topk(self, view: KVView, lo: int, hi: int, scoring: str = "group", pins: Any | None = None,
+             pin_counts: Any | None = None) -> None:
+        """group_topk of rows [lo, hi) into ids/scores/counts rows [lo, hi); scoring, pins [hi - lo, W] and
+        pin_counts [hi - lo] as for group_topk (the pins of these rows only)."""
         self._check(view, lo, hi)
+        code = _scoring_code(scoring)
+        pin_args = _pin_args(hi - lo, pins, pin_counts)
         scratch, k_cap = _scratch, self.k_cap
         err = scratch.err
         args = (view.struct, self._q_ptr, self.q_rows, self.n_q_heads, self._t + lo * TASK_FIELDS, hi - lo, k_cap,
-                self._ids + lo * k_cap, self._scores + lo * k_cap, self._counts + lo)
-        rc = lib.fx_group_topk(*args, scratch.ws_ptr, scratch.ws_floats, err)
+                code, *pin_args, self._ids + lo * k_cap, self._scores + lo * k_cap, self._counts + lo)
+        rc = lib.fx_group_topk_pinned(*args, scratch.ws_ptr, scratch.ws_floats, err)
         if rc == _E_OUTPUT:  # as in group_topk: size the workspace only when C says it is short
-            max_blocks = -(-int(view.n_tokens.max()) // GRANULARITIES[0])
-            scratch.grow(int(lib.fx_topk_workspace_floats(hi - lo, max(1, max_blocks))))
-            rc = lib.fx_group_topk(*args, scratch.ws_ptr, scratch.ws_floats, err)
+            scratch.grow(self._topk_floats(view, hi - lo, code))
+            rc = lib.fx_group_topk_pinned(*args, scratch.ws_ptr, scratch.ws_floats, err)
+        if rc == _E_PIN:
+            raise _pin_error("group_topk", view, self.tasks[lo:hi], int(err[0]), pins, pin_counts)
         if rc:
             raise _native_error(rc, err, "group_topk", view, self.tasks[lo:hi], q_rows=self.q_rows, k_cap=k_cap,
                                 kept_only=True)
 
-    def select_attend(self, view: KVView, lo: int, hi: int) -> tuple[int, float, float]:
+    def select_attend(self, view: KVView, lo: int, hi: int, scoring: str = "group", pins: Any | None = None,
+                      pin_counts: Any | None = None) -> tuple[int, float, float]:
         """topk then attention of rows [lo, hi) in one C call, the results going straight to rows[lo:hi] of out/lse
         (given to the constructor; rows strictly ascending within [lo, hi)); every other row's lse becomes -inf.
-        Returns (selected tokens: sum of counts * g, seconds selecting, seconds attending)."""
+        scoring, pins, pin_counts as for topk. Returns (selected tokens: sum of counts * g, seconds selecting,
+        seconds attending)."""
         if self.rows is None:
             raise ValueError("select_attend needs rows, out and lse given to the constructor")
         self._check(view, lo, hi)
+        code = _scoring_code(scoring)
         n, scratch, k_cap = hi - lo, _scratch, self.k_cap
+        pin_args = _pin_args(n, pins, pin_counts)
         err = scratch.err
-        args = (view.struct, self._q_ptr, self.q_rows, self.n_q_heads, self._t + lo * TASK_FIELDS, n, k_cap,
-                self._ids + lo * k_cap, self._scores + lo * k_cap, self._counts + lo, self.scale, self._rows_ptr + lo,
-                self.n_rows, self._out_ptr, self._lse_ptr)
-        rc = lib.fx_select_attend(*args, scratch.ws_ptr, scratch.ws_floats, self._tokens, self._seconds, err)
+        args = (view.struct, self._q_ptr, self.q_rows, self.n_q_heads, self._t + lo * TASK_FIELDS, n, k_cap, code,
+                *pin_args, self._ids + lo * k_cap, self._scores + lo * k_cap, self._counts + lo, self.scale,
+                self._rows_ptr + lo, self.n_rows, self._out_ptr, self._lse_ptr)
+        rc = lib.fx_select_attend_pinned(*args, scratch.ws_ptr, scratch.ws_floats, self._tokens, self._seconds, err)
         if rc == _E_OUTPUT and int(err[0]) < 0:  # the workspace, for both kernels
-            max_blocks = -(-int(view.n_tokens.max()) // GRANULARITIES[0])
-            scratch.grow(max(int(lib.fx_topk_workspace_floats(n, max(1, max_blocks))),
+            scratch.grow(max(self._topk_floats(view, n, code),
                              int(lib.fx_attention_workspace_floats(n, self.r, self.head_dim))))
-            rc = lib.fx_select_attend(*args, scratch.ws_ptr, scratch.ws_floats, self._tokens, self._seconds, err)
+            rc = lib.fx_select_attend_pinned(*args, scratch.ws_ptr, scratch.ws_floats, self._tokens, self._seconds,
+                                             err)
+        if rc == _E_PIN:
+            raise _pin_error("select_attend", view, self.tasks[lo:hi], int(err[0]), pins, pin_counts)
         if rc == _E_OUTPUT:
             i = int(err[0])
             if i < 0:

@@ -7,7 +7,7 @@ attend over the dense prompt KV that prefill kept on the compute device. So, per
 with the most attention mass from the last `obs_window` prompt positions (summed over the group's query heads and
 those positions) are kept for the whole decode: pinned. They take `pin_fraction` of the group's block budget; the
 per-step top-k fills the rest with its best blocks that are not pinned, so a step reads as many blocks as without
-pins.
+pins. That union is made by the native top-k itself (fluxion.h, PINNED BLOCKS), from the table() of a layer's tasks.
 
 Eligible blocks lie wholly between the sink and the recent window of the first decode step, block-aligned to the
 group's g, as the top-k's own exclusion ranges are: the window only moves forward, so a pinned block never overlaps
@@ -63,17 +63,16 @@ class PinnedBlocks:
         self.plan = plan  # its groups' g and budget, sink, window, pin_fraction and obs_window
         n_layers, n_kv_heads = len(plan.groups), len(plan.groups[0])
         self.obs_window = plan.obs_window
-        self.n_kv_heads = n_kv_heads
+        self.n_layers, self.n_kv_heads = n_layers, n_kv_heads
         self._q: dict[int, list[tuple[int, torch.Tensor] | None]] = {}  # seq -> per layer (first position, q rows)
-        # per layer: int32 [slots, Hkv, P] pinned ids padded with _NONE, and int32 [slots, Hkv] counts
-        self._ids = [np.full((0, n_kv_heads, 0), _NONE, np.int32) for _ in range(n_layers)]
-        self._counts = [np.zeros((0, n_kv_heads), np.int32) for _ in range(n_layers)]
-        # per layer: bool [slots, Hkv, blocks], True where a block is pinned (a lookup instead of a set search)
-        self._member = [np.zeros((0, n_kv_heads, 0), bool) for _ in range(n_layers)]
+        # int32 [L, slots, Hkv, P] pinned ids padded with _NONE (P: the most pins of any group), int32 [L, slots, Hkv]
+        # counts: one array for all layers, so a step's pins for every layer's tasks are one gather (table())
+        self._ids = np.full((n_layers, 0, n_kv_heads, 0), _NONE, np.int32)
+        self._counts = np.zeros((n_layers, 0, n_kv_heads), np.int32)
 
     def observe(self, layer: int, seq_id: int, start: int, q: torch.Tensor) -> None:
         """Keep the last obs_window rows of a prefill chunk's q ([n, Hq, D] at positions start..)."""
-        per_layer = self._q.setdefault(seq_id, [None] * len(self._ids))
+        per_layer = self._q.setdefault(seq_id, [None] * self.n_layers)
         prev = per_layer[layer]
         if prev is not None and prev[0] + len(prev[1]) == start:  # a short last chunk: keep the tail of the one before
             q = torch.cat([prev[1], q])
@@ -103,67 +102,45 @@ class PinnedBlocks:
         self._store(layer, slot, pins)
 
     def _store(self, layer: int, slot: int, pins: list[np.ndarray]) -> None:
-        ids, counts, member = self._ids[layer], self._counts[layer], self._member[layer]
-        width = max(ids.shape[2], max(len(p) for p in pins))
-        n_blocks = max(member.shape[2], max((int(p[-1]) + 1 for p in pins if len(p)), default=0))
-        if slot >= ids.shape[0] or width > ids.shape[2] or n_blocks > member.shape[2]:
-            rows = max(slot + 1, ids.shape[0])
-            grown = np.full((rows, self.n_kv_heads, width), _NONE, np.int32)
-            grown[: ids.shape[0], :, : ids.shape[2]] = ids
-            grown_counts = np.zeros((rows, self.n_kv_heads), np.int32)
-            grown_counts[: counts.shape[0]] = counts
-            grown_member = np.zeros((rows, self.n_kv_heads, n_blocks), bool)
-            grown_member[: member.shape[0], :, : member.shape[2]] = member
-            self._ids[layer], self._counts[layer], self._member[layer] = grown, grown_counts, grown_member
-            ids, counts, member = grown, grown_counts, grown_member
-        ids[slot] = _NONE
-        member[slot] = False
+        ids, counts = self._ids, self._counts
+        width = max(ids.shape[3], max(len(p) for p in pins))
+        if slot >= ids.shape[1] or width > ids.shape[3]:
+            rows = max(slot + 1, ids.shape[1])
+            grown = np.full((self.n_layers, rows, self.n_kv_heads, width), _NONE, np.int32)
+            grown[:, : ids.shape[1], :, : ids.shape[3]] = ids
+            grown_counts = np.zeros((self.n_layers, rows, self.n_kv_heads), np.int32)
+            grown_counts[:, : counts.shape[1]] = counts
+            self._ids, self._counts = ids, counts = grown, grown_counts
+        ids[layer, slot] = _NONE
         for h, p in enumerate(pins):
-            ids[slot, h, : len(p)] = p
-            counts[slot, h] = len(p)
-            member[slot, h, p] = True
+            ids[layer, slot, h, : len(p)] = p
+            counts[layer, slot, h] = len(p)
 
     def forget(self, seq_id: int, slot: int | None) -> None:
         """A sequence ended: its observation rows and its slot's pins go."""
         self._q.pop(seq_id, None)
         if slot is None:
             return
-        for ids, counts, member in zip(self._ids, self._counts, self._member):
-            if slot < ids.shape[0]:
-                ids[slot] = _NONE
-                counts[slot] = 0
-                member[slot] = False
+        if slot < self._ids.shape[1]:
+            self._ids[:, slot] = _NONE
+            self._counts[:, slot] = 0
 
     def any(self, layer: int) -> bool:
         return bool(self._counts[layer].any())
 
-    def merge(self, layer: int, tasks: np.ndarray, ids: np.ndarray, scores: np.ndarray, counts: np.ndarray
-              ) -> tuple[np.ndarray, np.ndarray]:
-        """A task's blocks with pins: its slot's P pinned blocks plus the k - P best-scoring top-k blocks that are
-        not pinned, so a step reads k blocks as without pins (k = tasks[:, 4]; the top-k was asked for all k).
-        ids, scores: [T, k_cap] from native.group_topk (ids ascending, only [:counts[i]] valid) ->
-        (ids int32 [T, width] ascending, counts int32 [T])."""
-        table, table_counts = self._ids[layer], self._counts[layer]
-        n_tasks, k_cap = ids.shape
+    def table(self, layer: int | np.ndarray, tasks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The pins of tasks in the native top-k's form (native.group_topk's pins / pin_counts): ids int32 [T, P]
+        (row i: the pins of task i's layer, slot tasks[i, 0] and KV head tasks[i, 2], ascending; entries past its
+        count are padding, never read) and counts int32 [T]; a slot never pinned has count 0. layer: one layer for
+        all tasks, or each task's layer (int [T]: a whole step's table in the same two gathers)."""
+        ids, counts = self._ids, self._counts
         slot, h = tasks[:, 0], tasks[:, 2]
-        inside = slot < table.shape[0]
-        pinned = np.full((n_tasks, table.shape[2]), _NONE, np.int32)  # [T, P]
-        pinned[inside] = table[slot[inside], h[inside]]
-        n_pinned = np.zeros(n_tasks, np.int64)
-        n_pinned[inside] = table_counts[slot[inside], h[inside]]
-        valid = np.arange(k_cap)[None, :] < counts[:, None]  # [T, k_cap]
-        member = self._member[layer]
-        already = np.zeros_like(valid)  # top-k ids that are pinned
-        if member.shape[2]:
-            rows = np.flatnonzero(inside)
-            look = np.clip(ids[rows], 0, member.shape[2] - 1)  # entries past counts are uninitialised
-            already[rows] = valid[rows] & (ids[rows] == look) & member[slot[rows, None], h[rows, None], look]
-        free = valid & ~already
-        order = np.argsort(np.where(free, -scores, np.inf), axis=1, kind="stable")  # best free block first
-        rank = np.empty_like(order)
-        np.put_along_axis(rank, order, np.arange(k_cap)[None, :].repeat(n_tasks, 0), axis=1)
-        keep = free & (rank < np.maximum(tasks[:, 4] - n_pinned, 0)[:, None])
-        both = np.sort(np.concatenate([np.where(keep, ids, _NONE), pinned], axis=1), axis=1)  # [T, k_cap + P]
-        merged_counts = (both != _NONE).sum(1).astype(np.int32)
-        width = max(1, int(merged_counts.max())) if n_tasks else 1
-        return np.ascontiguousarray(np.where(both[:, :width] == _NONE, 0, both[:, :width])), merged_counts
+        if len(slot) and int(np.maximum.reduce(slot)) < ids.shape[1]:  # every slot has rows: the usual case
+            return ids[layer, slot, h], counts[layer, slot, h]
+        inside = slot < ids.shape[1]
+        at = layer if np.isscalar(layer) else np.asarray(layer)[inside]
+        table = np.full((len(slot), ids.shape[3]), _NONE, np.int32)  # [T, P]
+        table_counts = np.zeros(len(slot), np.int32)
+        table[inside] = ids[at, slot[inside], h[inside]]
+        table_counts[inside] = counts[at, slot[inside], h[inside]]
+        return table, table_counts

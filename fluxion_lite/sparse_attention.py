@@ -429,9 +429,10 @@ class SparseAttention(AttentionBackend):
                 if ev_q is not None:
                     ev_q.synchronize()
                 q_host = self._q_out[:B] if cuda else q.float().contiguous()  # [B, Hq, D] fp32
-                ids, scores, counts = native.group_topk(view, q_host, tasks, scoring=self.topk_scoring)
-                if pinned:  # pins take part of each task's k
-                    ids, counts = self.pins.merge(layer, tasks, ids, scores, counts)
+                # pins take part of each task's k: the native top-k adds them to its selection
+                pin_ids, pin_counts = self.pins.table(layer, tasks) if pinned else (None, None)
+                ids, _, counts = native.group_topk(view, q_host, tasks, scoring=self.topk_scoring, pins=pin_ids,
+                                                   pin_counts=pin_counts)
             else:
                 q_host = q
                 ids, counts = self._select_on_device(layer, st, qg, bi, h, k_blocks, lo, hi)

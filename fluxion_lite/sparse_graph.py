@@ -172,6 +172,9 @@ class GraphedDecode:
         self.mispredicted = 0  # layers whose top-k selected other than expected (tests check this stays 0)
         self.views: list[native.KVView] = []
         self._t0 = self._wait0 = 0.0
+        # the step's pin table (PinnedBlocks.table of self.tasks) and the task table it was gathered for
+        self._pin_table: tuple[np.ndarray, np.ndarray] | None = None
+        self._pin_src: np.ndarray | None = None
 
     # ---- per step ------------------------------------------------------------------------------------------------
     def owner_id(self) -> int:
@@ -282,17 +285,14 @@ class GraphedDecode:
             ex = a.executor
             per_token = a.cfg.head_dim * 2 * ex.elem  # K+V bytes of one selected token (scheduler.task_bytes)
             placement: Placement = a.placement if ex.feeder is not None else "cpu"
-            pinned = a.pins is not None and a.pins.any(layer)
-            # the one-call path: group scoring (what fx_select_attend selects by), no pins (they change the selection)
-            if a.topk_scoring == "group" and not pinned and self._all_cpu(placement, *self.expect[layer], per_token):
-                self._select_attend(layer, view, lo, hi, per_token)
+            pins = self._pins(lo, hi)  # they take part of each task's k: the native top-k adds them to its selection
+            if self._all_cpu(placement, *self.expect[layer], per_token):  # the one-call path
+                self._select_attend(layer, view, lo, hi, per_token, *pins)
             else:
                 tasks = self.tasks[lo:hi]
                 t0 = time.perf_counter()
-                ids, scores, counts = native.group_topk(view, ss.q32, tasks, scoring=a.topk_scoring)
-                if pinned:  # pins take part of each task's k
-                    assert a.pins is not None
-                    ids, counts = a.pins.merge(layer, tasks, ids, scores, counts)
+                ids, _, counts = native.group_topk(view, ss.q32, tasks, scoring=a.topk_scoring, pins=pins[0],
+                                                   pin_counts=pins[1])
                 a._st.cpu_topk_s += time.perf_counter() - t0
                 self._run_tasks(layer, view, lo, hi, ids, counts, placement)
         else:
@@ -300,6 +300,19 @@ class GraphedDecode:
         if ss.res_dev is not ss.res_host:
             ss.res_dev.copy_(ss.res_host, non_blocking=True)  # read by the next replay's epilogue
         a._st.gpu_wait_s += time.perf_counter() - t_idle
+
+    def _pins(self, lo: int, hi: int) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """Pins of the step's task rows lo .. hi (int32 [hi - lo, P], counts [hi - lo]; (None, None) without pins).
+        Gathered for every layer's tasks in one go at the step's first use (begin() makes a new task table per
+        step), then sliced per layer: the per-layer cost is two views."""
+        pins = self.a.pins
+        if pins is None:
+            return None, None
+        if self._pin_src is not self.tasks or self._pin_table is None:
+            layers = np.repeat(np.arange(len(self.ends) - 1), np.diff(self.ends))  # each row's layer [T]
+            self._pin_table, self._pin_src = pins.table(layers, self.tasks), self.tasks
+        ids, counts = self._pin_table
+        return ids[lo:hi], counts[lo:hi]
 
     def _append(self, layer: int) -> None:
         """The layer's new K/V into the host store (one layer late: top-k never selects a block touching the
@@ -312,12 +325,13 @@ class GraphedDecode:
         else:
             ss.appenders[layer % 2].run(self.views[layer])
 
-    def _select_attend(self, layer: int, view: native.KVView, lo: int, hi: int, per_token: int) -> None:
-        """Every task of the layer on the CPU: top-k and attention in one native call, the results written straight
-        into the pinned result buffer (lse -inf for rows without a task)."""
+    def _select_attend(self, layer: int, view: native.KVView, lo: int, hi: int, per_token: int,
+                       pins: np.ndarray | None, pin_counts: np.ndarray | None) -> None:
+        """Every task of the layer on the CPU: top-k (with the layer's pins, if any) and attention in one native call,
+        the results written straight into the pinned result buffer (lse -inf for rows without a task)."""
         a, sel = self.a, self.sel
         assert sel is not None
-        tokens, t_select, t_attend = sel.select_attend(view, lo, hi)
+        tokens, t_select, t_attend = sel.select_attend(view, lo, hi, a.topk_scoring, pins, pin_counts)
         if a.placement == "auto" and tokens != self.expect[layer][0]:  # never seen; the results are right, only
             # the split was decided before the selection
             if not self.mispredicted:

@@ -56,6 +56,10 @@ int fx_group_topk_scoring(const fx_kv_view *kv, const float *q, int64_t q_rows, 
                           const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring, int32_t *out_ids,
                           float *out_scores, int32_t *out_counts, float *workspace, int64_t workspace_floats,
                           int64_t *err_index);
+int fx_group_topk_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                         const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring, const int32_t *pins,
+                         const int32_t *pin_counts, int32_t pin_stride, int32_t *out_ids, float *out_scores,
+                         int32_t *out_counts, float *workspace, int64_t workspace_floats, int64_t *err_index);
 int64_t fx_attention_workspace_floats(int64_t n_tasks, int32_t group, int32_t head_dim);
 int fx_sparse_attention(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
                         const int32_t *tasks, int64_t n_tasks, const int32_t *ids, const int32_t *counts,
@@ -65,6 +69,12 @@ int fx_select_attend(const fx_kv_view *kv, const float *q, int64_t q_rows, int32
                      int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
                      float scale, const int64_t *rows, int64_t n_rows, float *out, float *lse, float *workspace,
                      int64_t workspace_floats, int64_t *selected_tokens, double *seconds, int64_t *err_index);
+int fx_select_attend_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                            const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring,
+                            const int32_t *pins, const int32_t *pin_counts, int32_t pin_stride, int32_t *out_ids,
+                            float *out_scores, int32_t *out_counts, float scale, const int64_t *rows, int64_t n_rows,
+                            float *out, float *lse, float *workspace, int64_t workspace_floats,
+                            int64_t *selected_tokens, double *seconds, int64_t *err_index);
 int fx_gather(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const int32_t *ids,
               const int32_t *counts, int32_t k_cap, const int64_t *out_offset, int64_t cap_tokens, void *k_out,
               void *v_out, int32_t *out_tokens, int64_t *err_index);

@@ -5,7 +5,7 @@
 #include <time.h>
 #include "fx_internal.h"
 
-int fx_version(void) { return 4; } /* 4: block summaries in the KV dtype (3: per-head scoring, fp32 summaries) */
+int fx_version(void) { return 5; } /* 5: pinned blocks (4: block summaries in the KV dtype, 3: per-head scoring) */
 
 /* ------------------------------------------------------------------------------------------------ settings -- */
 
@@ -351,6 +351,9 @@ typedef struct {
     const fx_kernels *kern;
     int32_t scoring;      /* FX_SCORE_* */
     float *heads;         /* per-head scoring: every head's bounds [n_tasks][r][max_blocks] */
+    const int32_t *pins;        /* [n_tasks][pin_stride] pinned ids (ascending, checked), or NULL */
+    const int32_t *pin_counts;  /* [n_tasks], or NULL: no pins */
+    int32_t pin_stride;
 } topk_job;
 
 /* Selection by radix select on the scores' bit patterns.  The order is: higher score first, equal scores ->
@@ -468,6 +471,41 @@ static uint32_t kth_key_direct(const float *s, int64_t n, int64_t k, int64_t *ne
     return kth;
 }
 
+/* A task's excluded token ranges as block ranges [ex_lo[x], ex_hi[x]) (a block is excluded when it intersects a
+ * range; an empty range becomes [0, 0)). */
+static void excluded_blocks(const int32_t *t, int64_t n_tok, int64_t ex_lo[2], int64_t ex_hi[2]) {
+    int g = t[3];
+    for (int x = 0; x < 2; x++) {
+        int64_t lo = t[5 + 2 * x], hi = t[6 + 2 * x];
+        if (lo < 0) lo = 0;
+        if (hi > n_tok) hi = n_tok;
+        if (lo >= hi) {
+            ex_lo[x] = ex_hi[x] = 0;
+            continue;
+        }
+        ex_lo[x] = lo / g;
+        ex_hi[x] = (hi - 1) / g + 1;
+    }
+}
+
+static inline int block_excluded(int64_t b, const int64_t ex_lo[2], const int64_t ex_hi[2]) {
+    return (b >= ex_lo[0] && b < ex_hi[0]) || (b >= ex_lo[1] && b < ex_hi[1]);
+}
+
+/* Task t's pinned ids (fluxion.h, PINNED BLOCKS): 0 <= count <= min(k, stride), strictly ascending, blocks of the
+ * slot outside the excluded ranges.  t passed check_task. */
+static int check_pins(const fx_kv_view *kv, const int32_t *t, const int32_t *pin, int32_t count, int32_t stride) {
+    if (count < 0 || count > stride || count > t[4]) return FX_E_PIN;
+    if (count > 0 && !pin) return FX_E_PIN;
+    int64_t n_tok = kv->n_tokens[t[0]], nb = (n_tok + t[3] - 1) / t[3], ex_lo[2], ex_hi[2];
+    excluded_blocks(t, n_tok, ex_lo, ex_hi);
+    for (int32_t i = 0; i < count; i++) {
+        int64_t b = pin[i];
+        if (b < 0 || b >= nb || (i > 0 && b <= pin[i - 1]) || block_excluded(b, ex_lo, ex_hi)) return FX_E_PIN;
+    }
+    return FX_OK;
+}
+
 /* Per-head scoring, once all of a task's blocks have their r bounds: each head's best bound over the eligible
  * blocks (at most three runs of block ids around the two excluded ranges), then score(b) = max_j (bound_j(b) -
  * best_j) for the eligible blocks.  Excluded blocks keep whatever their score slot held; the compaction drops them. */
@@ -513,48 +551,66 @@ static void per_head_scores(topk_job *J, int64_t ti, int64_t nb, const int64_t e
  * best and writes them in ascending id order. */
 static void topk_select(topk_job *J, int64_t ti) {
     const int32_t *t = J->tasks + ti * FX_TASK_FIELDS;
-    int g = t[3], k = t[4];
+    int k = t[4];
     int64_t n_tok = J->kv->n_tokens[t[0]], nb = J->nb[ti];
     float *all_s = J->ws + ti * J->max_blocks;
     int32_t *all_id = (int32_t *)(J->ws + J->n_tasks * J->max_blocks) + ti * J->max_blocks;
     int64_t ex_lo[2], ex_hi[2];
-    for (int x = 0; x < 2; x++) {
-        int64_t lo = t[5 + 2 * x], hi = t[6 + 2 * x];
-        if (lo < 0) lo = 0;
-        if (hi > n_tok) hi = n_tok;
-        if (lo >= hi) { ex_lo[x] = ex_hi[x] = 0; continue; }
-        ex_lo[x] = lo / g;
-        ex_hi[x] = (hi - 1) / g + 1;
-    }
+    excluded_blocks(t, n_tok, ex_lo, ex_hi);
     if (J->scoring == FX_SCORE_PER_HEAD) per_head_scores(J, ti, nb, ex_lo, ex_hi);
-    int64_t n = 0;
+    /* Pinned blocks leave the candidates: the task's id row of the workspace holds the pins' scores in [0, P)
+     * (floats, never read as ids) and the candidates' ids after them, two disjoint parts (P + candidates <= nb);
+     * the compaction writes all_s only at or below the block it reads, so no unread score is overwritten. */
+    int64_t n_pin = J->pin_counts ? J->pin_counts[ti] : 0;
+    const int32_t *pin = n_pin ? J->pins + ti * J->pin_stride : NULL;
+    float *pin_s = J->ws + J->n_tasks * J->max_blocks + ti * J->max_blocks;
+    int32_t *cand_id = all_id + n_pin;
+    int64_t n = 0, p = 0;
     for (int64_t b = 0; b < nb; b++) {
-        if ((b >= ex_lo[0] && b < ex_hi[0]) || (b >= ex_lo[1] && b < ex_hi[1])) continue;
+        if (block_excluded(b, ex_lo, ex_hi)) continue;
+        if (p < n_pin && pin[p] == b) { /* pins are checked ascending and outside the excluded ranges */
+            pin_s[p++] = all_s[b];
+            continue;
+        }
         all_s[n] = all_s[b]; /* compact in place (n <= b), ids ascending */
-        all_id[n] = (int32_t)b;
+        cand_id[n] = (int32_t)b;
         n++;
     }
     int32_t *ids = J->ids + ti * J->k_cap;
     float *sc = J->scores + ti * J->k_cap;
-    if (n <= k) {
-        memcpy(ids, all_id, sizeof(int32_t) * (size_t)n);
+    int64_t want = k - n_pin, m = 0; /* want >= 0: checked */
+    if (n <= want) {
+        memcpy(ids, cand_id, sizeof(int32_t) * (size_t)n);
         memcpy(sc, all_s, sizeof(float) * (size_t)n);
-        J->counts[ti] = (int32_t)n;
-        return;
-    }
-    int64_t need_equal;
-    uint32_t kth = topk_use_direct(n, k) ? kth_key_direct(all_s, n, k, &need_equal)
-                                         : kth_key(all_s, n, k, &need_equal);
-    int64_t m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t key = score_key(all_s[i]);
-        if (key > kth || (key == kth && need_equal-- > 0)) {
-            ids[m] = all_id[i];
-            sc[m] = all_s[i];
-            m++;
+        m = n;
+    } else if (want > 0) {
+        int64_t need_equal;
+        uint32_t kth = topk_use_direct(n, want) ? kth_key_direct(all_s, n, want, &need_equal)
+                                                : kth_key(all_s, n, want, &need_equal);
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t key = score_key(all_s[i]);
+            if (key > kth || (key == kth && need_equal-- > 0)) {
+                ids[m] = cand_id[i];
+                sc[m] = all_s[i];
+                m++;
+            }
         }
     }
-    J->counts[ti] = (int32_t)m; /* == k */
+    /* the selection (ascending, at the front) and the pins (ascending) merged from the back, in place: the write
+     * position i + j - 1 is never below the selection's next unread entry j - 1 */
+    for (int64_t i = n_pin, j = m; i > 0;) {
+        int64_t o = i + j - 1;
+        if (j > 0 && ids[j - 1] > pin[i - 1]) {
+            ids[o] = ids[j - 1];
+            sc[o] = sc[j - 1];
+            j--;
+        } else {
+            ids[o] = pin[i - 1];
+            sc[o] = pin_s[i - 1];
+            i--;
+        }
+    }
+    J->counts[ti] = (int32_t)(m + n_pin); /* == min(k, eligible blocks) */
 }
 
 /* pos[e] = max(x[e], 0) and neg[e] = min(x[e], 0) (+0.0 for the other part) by the sign bit.  A branch on random
@@ -645,12 +701,21 @@ int fx_group_topk_scoring(const fx_kv_view *kv, const float *q, int64_t q_rows, 
                           const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring, int32_t *out_ids,
                           float *out_scores, int32_t *out_counts, float *workspace, int64_t workspace_floats,
                           int64_t *err_index) {
+    return fx_group_topk_pinned(kv, q, q_rows, n_q_heads, tasks, n_tasks, k_cap, scoring, NULL, NULL, 0, out_ids,
+                                out_scores, out_counts, workspace, workspace_floats, err_index);
+}
+
+int fx_group_topk_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                         const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring, const int32_t *pins,
+                         const int32_t *pin_counts, int32_t pin_stride, int32_t *out_ids, float *out_scores,
+                         int32_t *out_counts, float *workspace, int64_t workspace_floats, int64_t *err_index) {
     *err_index = -1;
     if (scoring != FX_SCORE_GROUP && scoring != FX_SCORE_PER_HEAD) return FX_E_SCORING;
     int rc = check_view(kv);
     if (!rc) rc = check_group(kv, n_q_heads);
     if (rc) return rc;
     if (k_cap < 0) return FX_E_K;
+    if (pin_counts && pin_stride < 0) return FX_E_PIN;
     int64_t max_blocks = 1, total = 0;
     for (int64_t i = 0; i < n_tasks; i++) {
         const int32_t *t = tasks + i * FX_TASK_FIELDS;
@@ -658,6 +723,10 @@ int fx_group_topk_scoring(const fx_kv_view *kv, const float *q, int64_t q_rows, 
         rc = check_task(kv, t, q_rows, 1); /* O(tasks + pages): always on */
         if (rc) return rc;
         if (t[4] < 0 || t[4] > k_cap) return FX_E_K;
+        if (pin_counts) { /* always checked: a bad pin would break the selection's invariants, not just a read */
+            rc = check_pins(kv, t, pins ? pins + i * (int64_t)pin_stride : NULL, pin_counts[i], pin_stride);
+            if (rc) return rc;
+        }
         int64_t nb = (kv->n_tokens[t[0]] + t[3] - 1) / t[3];
         max_blocks = nb > max_blocks ? nb : max_blocks;
         total += nb;
@@ -677,7 +746,7 @@ int fx_group_topk_scoring(const fx_kv_view *kv, const float *q, int64_t q_rows, 
     if (cb < 32) cb = 32;
     topk_job J = {kv, q, n_q_heads, k_cap, tasks, n_tasks, out_ids, out_scores, out_counts, workspace, max_blocks,
                   nb, done, (int32_t)cb, 0, kern(), scoring,
-                  workspace + fx_topk_workspace_floats(n_tasks, max_blocks)};
+                  workspace + fx_topk_workspace_floats(n_tasks, max_blocks), pins, pin_counts, pin_stride};
     fx_pool_run(topk_worker, &J);
     return FX_OK;
 }
@@ -891,6 +960,17 @@ int fx_select_attend(const fx_kv_view *kv, const float *q, int64_t q_rows, int32
                      int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
                      float scale, const int64_t *rows, int64_t n_rows, float *out, float *lse, float *workspace,
                      int64_t workspace_floats, int64_t *selected_tokens, double *seconds, int64_t *err_index) {
+    return fx_select_attend_pinned(kv, q, q_rows, n_q_heads, tasks, n_tasks, k_cap, FX_SCORE_GROUP, NULL, NULL, 0,
+                                   out_ids, out_scores, out_counts, scale, rows, n_rows, out, lse, workspace,
+                                   workspace_floats, selected_tokens, seconds, err_index);
+}
+
+int fx_select_attend_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                            const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring,
+                            const int32_t *pins, const int32_t *pin_counts, int32_t pin_stride, int32_t *out_ids,
+                            float *out_scores, int32_t *out_counts, float scale, const int64_t *rows, int64_t n_rows,
+                            float *out, float *lse, float *workspace, int64_t workspace_floats,
+                            int64_t *selected_tokens, double *seconds, int64_t *err_index) {
     *err_index = -1;
     int rc = check_view(kv);
     if (!rc) rc = check_group(kv, n_q_heads);
@@ -905,8 +985,8 @@ int fx_select_attend(const fx_kv_view *kv, const float *q, int64_t q_rows, int32
     /* the attention's share first, so that a short workspace is reported before any work (top-k checks its own) */
     if (fx_attention_workspace_floats(n_tasks, r, kv->head_dim) > workspace_floats) return FX_E_OUTPUT;
     double t0 = now_seconds();
-    rc = fx_group_topk(kv, q, q_rows, n_q_heads, tasks, n_tasks, k_cap, out_ids, out_scores, out_counts, workspace,
-                       workspace_floats, err_index);
+    rc = fx_group_topk_pinned(kv, q, q_rows, n_q_heads, tasks, n_tasks, k_cap, scoring, pins, pin_counts, pin_stride,
+                              out_ids, out_scores, out_counts, workspace, workspace_floats, err_index);
     if (rc) return rc;
     double t1 = now_seconds();
     int64_t tokens = 0;

@@ -70,6 +70,7 @@ enum {
     FX_E_SIMD = 11,     /* requested SIMD path not supported by this CPU */
     FX_E_APPEND = 12,   /* append past page-table capacity */
     FX_E_SCORING = 13,  /* unknown block-scoring mode */
+    FX_E_PIN = 14,      /* bad pinned blocks (see PINNED BLOCKS below) */
 };
 /* Block scoring of fx_group_topk_scoring. */
 enum { FX_SCORE_GROUP = 0, FX_SCORE_PER_HEAD = 1 };
@@ -137,6 +138,28 @@ int fx_group_topk_scoring(const fx_kv_view *kv, const float *q, int64_t q_rows, 
                           float *out_scores, int32_t *out_counts, float *workspace, int64_t workspace_floats,
                           int64_t *err_index);
 
+/* ---- pinned blocks ----
+ * Some blocks of a task can be pinned: read at every step whatever their score (blocks chosen once, e.g. at the end
+ * of prefill, by attention the summaries cannot see).  They take part of the task's k: the selection is task i's
+ * P = pin_counts[i] pinned blocks plus the k - P best-scoring eligible blocks that are NOT pinned (ties: the lower
+ * block id, as without pins), ids ascending, counts[i] = P + min(k - P, eligible blocks not pinned).  That is
+ * exactly what top-k of all k blocks, then dropping its pinned picks and keeping the k - P best of the rest, gives.
+ * Scores are computed as without pins (per-head scoring: each head's best over all eligible blocks, pinned ones
+ * included); a pinned block's out_scores entry is its own score.
+ *   pins        int32 [n_tasks][pin_stride]: task i's pinned ids in pins[i*pin_stride .. i*pin_stride + P), the rest
+ *               of the row is never read
+ *   pin_counts  int32 [n_tasks]; NULL: no pins at all (pins is then ignored), the plain calls' behaviour
+ * Checked on every call (O(total pins)), else FX_E_PIN with *err_index = the task (-1: pin_stride < 0):
+ * 0 <= P <= min(k, pin_stride), pins not NULL when P > 0; ids strictly ascending, each a block of the slot
+ * (0 <= id < n_blocks) that intersects no excluded range of the task (the sparse part and the caller's streaming
+ * part must stay disjoint, so a pin never reads a token twice).  P > k is an error, not a clamp: the caller sized
+ * k to the budget, and more blocks than k would overrun it (and out_ids' k_cap columns).
+ * Workspace: as without pins.  No allocation. */
+int fx_group_topk_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                         const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring, const int32_t *pins,
+                         const int32_t *pin_counts, int32_t pin_stride, int32_t *out_ids, float *out_scores,
+                         int32_t *out_counts, float *workspace, int64_t workspace_floats, int64_t *err_index);
+
 /* ---- sparse attention ----
  * For each task, each of its r query heads attends over the selected blocks' valid tokens:
  * out[i][j][:] = softmax(scale * q.K^T) V, lse[i][j] = natural-log sum of exp(scale * q.k).
@@ -160,6 +183,15 @@ int fx_select_attend(const fx_kv_view *kv, const float *q, int64_t q_rows, int32
                      int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
                      float scale, const int64_t *rows, int64_t n_rows, float *out, float *lse, float *workspace,
                      int64_t workspace_floats, int64_t *selected_tokens, double *seconds, int64_t *err_index);
+/* fx_select_attend with a block scoring (FX_SCORE_*) and optional pins (pins, pin_counts, pin_stride as for
+ * fx_group_topk_pinned; pin_counts NULL: none): the selection is fx_group_topk_pinned's.  workspace: >= both
+ * fx_topk_scoring_workspace_floats(n_tasks, largest n_blocks, r, scoring) and fx_attention_workspace_floats. */
+int fx_select_attend_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
+                            const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring,
+                            const int32_t *pins, const int32_t *pin_counts, int32_t pin_stride, int32_t *out_ids,
+                            float *out_scores, int32_t *out_counts, float scale, const int64_t *rows, int64_t n_rows,
+                            float *out, float *lse, float *workspace, int64_t workspace_floats,
+                            int64_t *selected_tokens, double *seconds, int64_t *err_index);
 
 /* ---- gather ----
  * Copy each task's selected blocks (valid tokens only, in the order given) into staging buffers

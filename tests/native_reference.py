@@ -63,3 +63,13 @@ def block_tokens(ids: np.ndarray, g: int, n_tokens: int) -> np.ndarray:
     if len(ids) == 0:
         return np.zeros(0, dtype=np.int64)
     return np.concatenate([np.arange(b * g, min((b + 1) * g, n_tokens)) for b in ids])
+
+
+def pinned_selection(eligible: np.ndarray, scores: np.ndarray, pins: np.ndarray, k: int) -> np.ndarray:
+    """A task's selection with pinned blocks, from its definition: the pins plus the k - len(pins) best eligible
+    blocks that are not pinned (higher score first, equal scores: the lower block id), ids ascending.
+    eligible: block ids; scores: their scores (same order); pins: pinned block ids."""
+    pinned = set(int(b) for b in pins)
+    free = sorted((-float(s), int(b)) for b, s in zip(eligible, scores) if int(b) not in pinned)
+    chosen = [b for _, b in free[: max(k - len(pinned), 0)]]
+    return np.array(sorted(chosen + sorted(pinned)), dtype=np.int64)

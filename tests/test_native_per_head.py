@@ -286,7 +286,8 @@ def test_eager_decode_selects_what_the_numpy_per_head_selected(monkeypatch: pyte
     calls = {"n": 0, "differs_from_group": 0}
 
     def checked(view: native.KVView, q: Any, tasks: np.ndarray, k_cap: int | None = None, out: Any = None,
-                scoring: str = "group") -> tuple[Any, Any, Any]:
+                scoring: str = "group", pins: Any = None, pin_counts: Any = None) -> tuple[Any, Any, Any]:
+        assert pins is None  # the plan pins nothing
         ids, scores, counts = real(view, q, tasks, k_cap, out, scoring)
         assert scoring == "per-head"
         layer = next(lay for lay in range(cfg.n_layers) if a.store.view(lay) is view)
@@ -308,16 +309,23 @@ def test_eager_decode_selects_what_the_numpy_per_head_selected(monkeypatch: pyte
 
 def test_graphed_decode_uses_the_backend_scoring(monkeypatch: pytest.MonkeyPatch) -> None:
     """The graphed step (sparse_graph.py host()) scores as the backend says: its logits equal the eager per-head
-    decode's, every top-k call of both runs asks for per-head scoring, and the group scoring's logits differ."""
-    real = native.group_topk
+    decode's, every top-k call of both runs (the graphed step's one-call select_attend included) asks for per-head
+    scoring, and the group scoring's logits differ."""
+    real, real_select_attend = native.group_topk, native.PreparedSelection.select_attend
     seen: list[str] = []
 
     def spy(view: native.KVView, q: Any, tasks: np.ndarray, k_cap: int | None = None, out: Any = None,
-            scoring: str = "group") -> tuple[Any, Any, Any]:
+            scoring: str = "group", **pins: Any) -> tuple[Any, Any, Any]:
         seen.append(scoring)
-        return real(view, q, tasks, k_cap, out, scoring)
+        return real(view, q, tasks, k_cap, out, scoring, **pins)
+
+    def spy_select_attend(self: native.PreparedSelection, view: native.KVView, lo: int, hi: int,
+                          scoring: str = "group", *pins: Any) -> tuple[int, float, float]:
+        seen.append(scoring)
+        return real_select_attend(self, view, lo, hi, scoring, *pins)
 
     monkeypatch.setattr(native, "group_topk", spy)
+    monkeypatch.setattr(native.PreparedSelection, "select_attend", spy_select_attend)
     runs = {}
     for name, scoring, graphed in (("eager", "per-head", False), ("graphed", "per-head", True),
                                    ("graphed-group", "group", True)):

@@ -64,30 +64,51 @@ def test_pick_pins_takes_the_heaviest_eligible_blocks(g: int, n: int, count: int
     assert got.dtype == np.int32
 
 
-def test_merge_is_a_sorted_union_without_duplicates() -> None:
-    rng = np.random.default_rng(7)
-    pins = PinnedBlocks(pin_plan(n_layers=1, n_kv_heads=2, obs_window=4))
+def test_table_gathers_each_tasks_pins_for_the_native_top_k() -> None:
+    """table(): per task the pins of its (slot, KV head), counts alongside; slots never pinned (inside or past the
+    stored rows) count 0; and the native top-k given that table selects the pins plus the best of the rest."""
+    from fluxion_lite import native
+    from fluxion_lite.host_kv import HostKVStore
+
+    pins = PinnedBlocks(pin_plan(n_layers=2, n_kv_heads=2, obs_window=4))
     pinned = {(0, 0): [3, 9, 20], (0, 1): [], (2, 0): [1], (2, 1): [5, 6, 7, 8]}
     for slot in (0, 2):
         pins._store(0, slot, [np.array(pinned[(slot, h)], np.int32) for h in range(2)])
-    tasks = np.zeros((5, 9), np.int32)
-    tasks[:, 0] = [0, 0, 2, 2, 1]  # slot 1 has no pins
-    tasks[:, 2] = [0, 1, 0, 1, 0]
-    tasks[:, 4] = 6
-    ids = np.sort(np.stack([rng.choice(30, size=6, replace=False) for _ in range(5)]), axis=1).astype(np.int32)
-    ids[1, 4:] = [-7, 2**31 - 5]  # past counts[1]: garbage, as the native top-k leaves it
-    scores = rng.standard_normal((5, 6)).astype(np.float32)
-    counts = np.array([6, 4, 0, 6, 3], np.int32)
-    merged, merged_counts = pins.merge(0, tasks, ids, scores, counts)
-    for i in range(5):
+    pins._store(1, 2, [np.array([11], np.int32), np.array([], np.int32)])  # layer 1: other pins, slot 2 only
+    tasks = np.zeros((6, 9), np.int32)
+    tasks[:, 0] = [0, 0, 2, 2, 1, 5]  # slot 1: a row without pins; slot 5: past the stored rows
+    tasks[:, 2] = [0, 1, 0, 1, 0, 1]
+    tasks[:, 3], tasks[:, 4] = 16, 6
+    for first in (6, 5):  # with and without a slot past the stored rows
+        ids, counts = pins.table(0, tasks[:first])
+        assert ids.dtype == counts.dtype == np.int32 and ids.shape == (first, 4)
+        for i in range(first):
+            want = pinned.get((int(tasks[i, 0]), int(tasks[i, 2])), [])
+            assert ids[i, : counts[i]].tolist() == want, i
+        # a step's table: each row its own layer (layer-major rows of two layers)
+        rows = [0, 1, 2, 2, 3, first - 1]  # layer 1's last row: slot 5 (past the stored rows) or slot 1
+        step_ids, step_counts = pins.table(np.array([0, 0, 0, 1, 1, 1]), tasks[rows])
+        assert step_counts.tolist() == [3, 0, 1, 1, 0, 0]
+        assert step_ids[2, :1].tolist() == [1] and step_ids[3, :1].tolist() == [11]
+    store = HostKVStore(1, 2, 32, dtype=torch.bfloat16, max_seqs=6)
+    for _ in range(6):
+        slot = store.allocate()
+        k = torch.randn(30 * 16, 2, 32, generator=torch.Generator().manual_seed(slot)).bfloat16()
+        store.append(0, slot, k, k)
+    q = torch.randn(1, 4, 32, generator=torch.Generator().manual_seed(9))
+    ids, counts = pins.table(0, tasks)
+    plain, _, plain_counts = native.group_topk(store.view(0), q, tasks)
+    got, _, got_counts = native.group_topk(store.view(0), q, tasks, pins=ids, pin_counts=counts)
+    all_blocks = tasks.copy()
+    all_blocks[:, 4] = 30
+    every, every_scores, every_counts = native.group_topk(store.view(0), q, all_blocks)  # each block, its score
+    for i in range(len(tasks)):
         pin = pinned.get((int(tasks[i, 0]), int(tasks[i, 2])), [])
-        free = sorted({(-float(scores[i, j]), j) for j in range(counts[i]) if ids[i, j] not in pin})
-        best: list[int] = []
-        for _, j in free:  # the best-scoring non-pinned ids, each id once, until k - P blocks
-            if len(best) < 6 - len(pin) and int(ids[i, j]) not in best:
-                best.append(int(ids[i, j]))
-        want = sorted(set(best) | set(pin))
-        assert merged[i, : merged_counts[i]].tolist() == want, i
+        order = sorted(range(every_counts[i]), key=lambda j: (-float(every_scores[i, j]), int(every[i, j])))
+        best = [int(every[i, j]) for j in order if int(every[i, j]) not in pin][: 6 - len(pin)]
+        assert got[i, : got_counts[i]].tolist() == sorted(best + pin), i
+        if not pin:
+            assert got[i, : got_counts[i]].tolist() == plain[i, : plain_counts[i]].tolist()
     pins.forget(seq_id=0, slot=2)
     assert not pins._counts[0][2].any() and pins.any(0)
 
@@ -171,13 +192,31 @@ def test_the_plan_names_the_block_scoring(engine: Engine, monkeypatch: pytest.Mo
     assert attn.topk_scoring == "per-head"
 
 
-def test_graphed_step_with_pins_matches_eager(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The graphed step's host() merges pins as the eager path does: same logits, same bytes read, pins in place."""
+@pytest.mark.parametrize("one_call", [True, False], ids=["select_attend", "topk_then_scheduler"])
+def test_graphed_step_with_pins_matches_eager(monkeypatch: pytest.MonkeyPatch, one_call: bool) -> None:
+    """The graphed step's host() adds pins as the eager path does: same logits, same bytes read, pins in place; on
+    the one-call path (all-CPU split: PreparedSelection.select_attend with the layer's pin table) and on the path of
+    a GPU split (group_topk with pins, then the scheduler), forced here by reporting no all-CPU split."""
+    from fluxion_lite import native
     from fluxion_lite.sparse_graph import GraphedDecode
 
-    hosted = []
+    hosted, pinned_calls = [], {"select_attend": 0, "group_topk": 0}
     real_host = GraphedDecode.host
     monkeypatch.setattr(GraphedDecode, "host", lambda self, layer: (hosted.append(layer), real_host(self, layer))[1])
+    if not one_call:
+        monkeypatch.setattr(GraphedDecode, "_all_cpu", lambda self, *args: False)
+    real_select_attend, real_topk = native.PreparedSelection.select_attend, native.group_topk
+
+    def select_attend(self: native.PreparedSelection, *args: object, **kw: object) -> object:
+        pinned_calls["select_attend"] += args[4] is not None  # (view, lo, hi, scoring, pins, pin_counts)
+        return real_select_attend(self, *args, **kw)  # type: ignore[arg-type]
+
+    def group_topk(*args: object, **kw: object) -> object:
+        pinned_calls["group_topk"] += kw.get("pins") is not None
+        return real_topk(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(native.PreparedSelection, "select_attend", select_attend)
+    monkeypatch.setattr(native, "group_topk", group_topk)
     from fluxion_lite.decode_graphs import DecodeGraphs
     from fluxion_lite.gguf_loader import GGUFModel
     from fluxion_lite.model import Transformer
@@ -202,6 +241,9 @@ def test_graphed_step_with_pins_matches_eager(monkeypatch: pytest.MonkeyPatch) -
     decode_and_compare(eager, runner, backends, lengths, 6, g, cfg.vocab_size)
     hooked = backends[1]
     assert len(hosted) == 5 * cfg.n_layers  # every step after the first (eager: it ends the prefill) went through host()
+    # every hosted layer has pins: on the path chosen, with the pin table (eager steps call group_topk with pins too)
+    assert pinned_calls["select_attend"] == (5 * cfg.n_layers if one_call else 0)
+    assert pinned_calls["group_topk"] >= (0 if one_call else 5 * cfg.n_layers)
     assert hooked.pins is not None and all(hooked.pins.any(layer) for layer in range(cfg.n_layers))
     for layer in range(cfg.n_layers):
         np.testing.assert_array_equal(hooked.pins._ids[layer], backends[0].pins._ids[layer])  # type: ignore[union-attr]

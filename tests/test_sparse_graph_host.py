@@ -35,9 +35,10 @@ def test_fast_path_matches_eager_and_predicts_the_selection(monkeypatch: pytest.
     calls = []
     real = native.PreparedSelection.select_attend
 
-    def counted(self: native.PreparedSelection, view: native.KVView, lo: int, hi: int) -> tuple[int, float, float]:
+    def counted(self: native.PreparedSelection, view: native.KVView, lo: int, hi: int,
+                *rest: object) -> tuple[int, float, float]:  # rest: scoring, pins, pin_counts
         calls.append(hi - lo)
-        return real(self, view, lo, hi)
+        return real(self, view, lo, hi, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(native.PreparedSelection, "select_attend", counted)
     cfg = make_cfg("llama", hq=6, hkv=3, d=32)
