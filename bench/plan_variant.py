@@ -5,6 +5,8 @@ scaled budget. Feed the result to `bench/ruler_split.py answer --plan FILE` (run
 
   python bench/plan_variant.py --model qwen2.5-coder-0.5b --g 16 --budget-scale 0.6 --scoring per-head \
       --pin-fraction 0.5 --out /tmp/g16x06.plan.json
+  python bench/plan_variant.py --base models/qwen2.5-coder-0.5b.plan.json --pin-fraction 0.5 --pin-span 2 \
+      --out /tmp/span2.plan.json
 """
 from __future__ import annotations
 
@@ -15,18 +17,18 @@ from dataclasses import replace
 from pathlib import Path
 
 from fluxion_lite.policy import plan_bytes_fraction
-from fluxion_lite.sparse_plan import GRANULARITIES, SparsePlan
+from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, SparsePlan
 
 
 def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str = "group", pin_fraction: float = 0.0,
-            obs_window: int = 32) -> SparsePlan:
+            obs_window: int = 32, pin_span: int = 1) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets x budget_scale (capped at 1), the
-    given block scoring and share of pinned blocks."""
+    given block scoring, share of pinned blocks and pin span."""
     rows = [[gp if gp.streaming else replace(gp, g=g or gp.g, budget=min(1.0, gp.budget * budget_scale))
              for gp in row] for row in plan.groups]
     source = (f"{plan.source}; retrieval g={g or 'kept'}, budgets x{budget_scale:g}, {scoring} scoring, "
-              f"{pin_fraction:g} pinned")
-    return SparsePlan(plan.sink, plan.window, rows, source, pin_fraction, obs_window, scoring)
+              f"{pin_fraction:g} pinned" + (f" in spans of {pin_span}" if pin_span != 1 else ""))
+    return SparsePlan(plan.sink, plan.window, rows, source, pin_fraction, obs_window, scoring, pin_span)
 
 
 def main() -> None:
@@ -39,15 +41,19 @@ def main() -> None:
     ap.add_argument("--pin-fraction", type=float, default=0.0,
                     help="share of each retrieval budget pinned at prefill end by the prompt's last tokens")
     ap.add_argument("--obs-window", type=int, default=32, help="prompt tokens whose attention picks the pins")
+    ap.add_argument("--pin-span", type=int, default=1,
+                    help="each block pinned by mass brings its pin_span - 1 successors, within the same pin count")
     ap.add_argument("--out", required=True, help="where to write the variant plan (.plan.json)")
     args = ap.parse_args()
     if args.budget_scale <= 0:
         sys.exit("error: --budget-scale must be > 0")
     if not 0.0 <= args.pin_fraction <= 1.0 or args.obs_window < 1:
         sys.exit("error: --pin-fraction must be in [0, 1] and --obs-window >= 1")
+    if not 1 <= args.pin_span <= MAX_PIN_SPAN:
+        sys.exit(f"error: --pin-span must be in [1, {MAX_PIN_SPAN}]")
     base_path = Path(args.base) if args.base else Path(str(files("fluxion_lite.models"))) / f"{args.model}.plan.json"
     base = SparsePlan.load(base_path)
-    out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window)
+    out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span)
     out.save(Path(args.out))
     print(out.explain())
     for n in (4096, 8192, 16384, 32768):  # head_dim only scales both numerator and denominator

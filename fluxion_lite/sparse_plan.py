@@ -8,6 +8,7 @@ from pathlib import Path
 from .errors import ModelFileError
 
 GRANULARITIES = (16, 32, 64, 128)
+MAX_PIN_SPAN = 8  # a span of pinned blocks longer than this would be a dense region, not a needle's value
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,9 @@ class SparsePlan:
     pin_fraction: float = 0.0
     obs_window: int = 32
     scoring: str = "group"  # block scoring of the native top-k: "group" or "per-head" (native.SCORINGS)
+    # pins come in spans: each block picked by mass brings its pin_span - 1 successors (the value after a needle's
+    # key), within the same pin count; 1 = the heaviest blocks alone
+    pin_span: int = 1
 
     @classmethod
     def uniform(cls, n_layers: int, n_groups: int, g: int, budget: float, sink: int, window: int) -> "SparsePlan":
@@ -46,6 +50,8 @@ class SparsePlan:
         if not 0.0 <= self.pin_fraction <= 1.0 or self.obs_window < 1:
             raise ModelFileError(f"sparse plan: pin_fraction must be in [0, 1] and obs_window >= 1 "
                                  f"(got {self.pin_fraction}, {self.obs_window})")
+        if not 1 <= self.pin_span <= MAX_PIN_SPAN:
+            raise ModelFileError(f"sparse plan: pin_span must be in [1, {MAX_PIN_SPAN}] (got {self.pin_span})")
 
     def save(self, path: Path) -> None:
         data = {"sink": self.sink, "window": self.window, "source": self.source,
@@ -54,6 +60,8 @@ class SparsePlan:
             data |= {"pin_fraction": self.pin_fraction, "obs_window": self.obs_window}
         if self.scoring != "group":
             data["scoring"] = self.scoring
+        if self.pin_span != 1:
+            data["pin_span"] = self.pin_span
         path.write_text(json.dumps(data, indent=1))
 
     @classmethod
@@ -61,9 +69,12 @@ class SparsePlan:
         try:
             data = json.loads(Path(path).read_text())
             groups = [[GroupPlan(**gp) for gp in row] for row in data["groups"]]
+            pin_span = data.get("pin_span", 1)
+            if type(pin_span) is not int:  # 2.5 or "2" would otherwise be truncated or parsed silently
+                raise ValueError(f"pin_span must be an integer (got {pin_span!r})")
             return cls(int(data["sink"]), int(data["window"]), groups, str(data.get("source", path.name)),
                        float(data.get("pin_fraction", 0.0)), int(data.get("obs_window", 32)),
-                       str(data.get("scoring", "group")))
+                       str(data.get("scoring", "group")), pin_span)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
 
@@ -73,7 +84,8 @@ class SparsePlan:
             lines.append(f"  blocks scored per query head ({self.scoring})")
         if self.pin_fraction:
             lines.append(f"  {self.pin_fraction:.0%} of each retrieval budget pinned at prefill end "
-                         f"(attention of the last {self.obs_window} prompt tokens)")
+                         f"(attention of the last {self.obs_window} prompt tokens"
+                         + (f", spans of {self.pin_span} blocks)" if self.pin_span != 1 else ")"))
         for i, row in enumerate(self.groups):
             ret = [gp for gp in row if not gp.streaming]
             desc = ", ".join(f"g={gp.g} b={gp.budget:.3f}" for gp in ret) or "-"

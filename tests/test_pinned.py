@@ -2,6 +2,9 @@
 float64 reference, the choice of blocks, the union with the per-step top-k, and decode through the sparse backend."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -171,16 +174,92 @@ def test_pinned_plan_reads_the_same_blocks_per_step(engine: Engine, essay_tokens
     assert reads[0.5] == pytest.approx(reads[0.0], rel=1e-9)
 
 
+def reference_span_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: int, span: int) -> list[int]:
+    """float64, one block at a time: visit eligible blocks by mass (ties to the lower id) and add each with its
+    span - 1 successors that are eligible and not yet taken, until count blocks."""
+    sink_hi = -(-sink // g) * g
+    win_lo = max(((n - window) // g) * g, sink_hi)
+    eligible = [b for b in range(n // g + 1) if b * g >= sink_hi and (b + 1) * g <= win_lo]
+    per_block = {b: float(np.sum(mass[b * g : (b + 1) * g], dtype=np.float64)) for b in eligible}
+    taken: list[int] = []
+    for anchor in sorted(eligible, key=lambda b: (-per_block[b], b)):
+        for b in range(anchor, anchor + span):
+            if len(taken) < count and b in per_block and b not in taken:
+                taken.append(b)
+    return sorted(taken)
+
+
+@pytest.mark.parametrize("g,n,count,span", [(16, 700, 5, 2), (16, 700, 9, 3), (128, 700, 2, 2), (32, 300, 100, 2),
+                                            (64, 100, 3, 4), (16, 4000, 31, 2), (16, 200, 1, 3)])
+def test_pick_pins_in_spans_takes_heavy_blocks_and_their_successors(g: int, n: int, count: int, span: int) -> None:
+    sink, window = 20, 70
+    mass = np.random.default_rng(g * n + span).random(n - 1) + 1e-3  # never zero: no ties broken by padding
+    got = pick_pins(mass, g, n, sink, window, count, span)
+    want = reference_span_pins(mass, g, n, sink, window, count, span)
+    assert got.tolist() == want
+    assert got.dtype == np.int32
+    n_eligible = len(reference_span_pins(mass, g, n, sink, window, 10**6, 1))
+    assert len(got) == min(count, n_eligible)  # the same pin count as span 1: a step reads as many blocks
+    sink_hi, win_lo = -(-sink // g) * g, ((n - window) // g) * g
+    assert all(b * g >= sink_hi and (b + 1) * g <= win_lo for b in got.tolist())  # the eligibility range is kept
+    assert got.tolist() == sorted(set(got.tolist()))
+    np.testing.assert_array_equal(pick_pins(mass, g, n, sink, window, count, 1), pick_pins(mass, g, n, sink, window,
+                                                                                            count))
+
+
+def test_a_span_pins_the_block_after_the_heaviest_one() -> None:
+    """The needle's key draws the mass; the value's block after it, light and look-alike, comes with it."""
+    g, n, sink, window = 16, 1000, 16, 64
+    mass = np.full(n - 1, 1e-3)
+    mass[22 * g + 10 : 22 * g + 14] = 5.0  # the key, near the end of block 22
+    mass[40 * g : 40 * g + 3] = 1.0  # a second, lighter peak
+    assert pick_pins(mass, g, n, sink, window, 2, 1).tolist() == [22, 40]
+    assert pick_pins(mass, g, n, sink, window, 2, 2).tolist() == [22, 23]
+    assert pick_pins(mass, g, n, sink, window, 4, 2).tolist() == [22, 23, 40, 41]
+    # a heavy block right before the window: its successor is not eligible, the next span starts elsewhere
+    last = (n - window) // g - 1
+    mass[last * g] = 50.0
+    assert pick_pins(mass, g, n, sink, window, 3, 2).tolist() == [22, 23, last]
+
+
 def test_plan_file_round_trips_the_pin_settings(tmp_path: Path) -> None:
     plan = SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05), GroupPlan(True)]], "t", pin_fraction=0.5, obs_window=48,
-                      scoring="per-head")
+                      scoring="per-head", pin_span=2)
     plan.save(tmp_path / "p.plan.json")
     back = SparsePlan.load(tmp_path / "p.plan.json")
     assert (back.pin_fraction, back.obs_window, back.scoring, back.groups) == (0.5, 48, "per-head", plan.groups)
+    assert back.pin_span == 2 and "spans of 2 blocks" in back.explain()
     assert "50% of each retrieval budget pinned" in back.explain() and "per-head" in back.explain()
+    plan.pin_span = 1  # the default is not written: older plan files load with span 1
+    plan.save(tmp_path / "p1.plan.json")
+    assert "pin_span" not in (tmp_path / "p1.plan.json").read_text()
+    assert SparsePlan.load(tmp_path / "p1.plan.json").pin_span == 1
+    for bad_span in (0, 9):
+        with pytest.raises(ModelFileError, match="pin_span"):
+            SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05)]], "t", pin_fraction=0.5, pin_span=bad_span).validate(1, 1)
+    (tmp_path / "f.plan.json").write_text((tmp_path / "p.plan.json").read_text().replace('"pin_span": 2',
+                                                                                         '"pin_span": 2.5'))
+    with pytest.raises(ModelFileError, match="pin_span"):
+        SparsePlan.load(tmp_path / "f.plan.json")
     bad = SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05)]], "t", scoring="exact")
     with pytest.raises(ModelFileError, match="scoring"):
         bad.validate(1, 1)
+
+
+def test_plan_variant_writes_the_pin_span(tmp_path: Path) -> None:
+    """bench/plan_variant.py carries --pin-span into the plan file and keeps the base plan's split and budgets."""
+    root = Path(__file__).resolve().parents[1]
+    base = root / "models" / "qwen2.5-coder-0.5b.plan.json"
+    out = tmp_path / "span3.plan.json"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(base), "--pin-fraction", "0.5",
+           "--out", str(out)]
+    done = subprocess.run([*cmd, "--pin-span", "3"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plan, shipped = SparsePlan.load(out), SparsePlan.load(base)
+    assert (plan.pin_span, plan.pin_fraction, plan.groups) == (3, 0.5, shipped.groups)
+    refused = subprocess.run([*cmd, "--pin-span", "0"], capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode != 0 and "--pin-span" in refused.stderr
 
 
 def test_the_plan_names_the_block_scoring(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811

@@ -1,0 +1,156 @@
+"""Where a RULER needle's value went under a sparse plan: pinned, selected per step, or lost.
+
+Answers chosen exported samples (bench/ruler_split.py export) one at a time, greedily, and records for every retrieval
+group which blocks were pinned at prefill end and which blocks each decode step read (pins merged with the top-k).
+Then, per sample: the model's output against the expected answer (decoded with the GGUF's tokenizer), the prompt
+blocks that hold the answer's tokens, and per such block how many retrieval groups pinned it and the mean share of
+decode steps that read it. A value whose first block is pinned but whose later blocks are not shows as an output
+that is right up to the block boundary.
+
+  python bench/pin_trace.py --plan models/qwen2.5-coder-0.5b.plan.json --length 4096 \
+      --samples niah_single_3:1 niah_multikey_3:0 --out bench/results/pin_trace.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ruler_split import load_ids, model_tag  # noqa: E402
+
+from fluxion_lite import pinned  # noqa: E402
+from fluxion_lite.engine import Engine, _resolve  # noqa: E402
+from fluxion_lite.gguf_loader import read_metadata  # noqa: E402
+from fluxion_lite.sampling import SamplingParams  # noqa: E402
+from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
+from fluxion_lite.tokenizer import Tokenizer  # noqa: E402
+
+
+class Recorder:
+    """Wraps PinnedBlocks._store and .merge (class-wide) to keep the last sequence's pins and per-step reads."""
+
+    def __init__(self) -> None:
+        self.pins: dict[int, list[set[int]]] = {}  # layer -> per KV group
+        self.steps: list[dict[tuple[int, int], set[int]]] = []  # per decode step: (layer, group) -> blocks read
+        self._last_layer = -1  # layers come in order within a step: a layer not above the last one starts a step
+        store, merge = pinned.PinnedBlocks._store, pinned.PinnedBlocks.merge
+
+        def recording_store(blocks: pinned.PinnedBlocks, layer: int, slot: int, pins: list[np.ndarray]) -> None:
+            self.pins[layer] = [set(p.tolist()) for p in pins]
+            store(blocks, layer, slot, pins)
+
+        def recording_merge(blocks: pinned.PinnedBlocks, layer: int, tasks: np.ndarray, ids: np.ndarray,
+                            scores: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            merged, merged_counts = merge(blocks, layer, tasks, ids, scores, counts)
+            if layer <= self._last_layer or not self.steps:
+                self.steps.append({})
+            self._last_layer = layer
+            for i in range(len(tasks)):
+                self.steps[-1][(layer, int(tasks[i, 2]))] = set(merged[i, : merged_counts[i]].tolist())
+            return merged, merged_counts
+
+        pinned.PinnedBlocks._store = recording_store  # type: ignore[method-assign]
+        pinned.PinnedBlocks.merge = recording_merge  # type: ignore[method-assign]
+
+    def clear(self) -> None:
+        self.pins.clear()
+        self.steps.clear()
+        self._last_layer = -1
+
+
+def token_span(tok: Tokenizer, ids: list[int], text: str) -> tuple[int, int] | None:
+    """Token positions [start, end) of the first occurrence of text in the prompt (by per-token decoding)."""
+    pieces = [tok.decode([t]) for t in ids]
+    starts = np.cumsum([0] + [len(p) for p in pieces])
+    at = "".join(pieces).find(text)
+    if at < 0:
+        return None
+    return int(np.searchsorted(starts, at, side="right") - 1), int(np.searchsorted(starts, at + len(text)))
+
+
+def trace(engine: Engine, tok: Tokenizer, rec: Recorder, plan: SparsePlan, sample: dict[str, Any], ids: list[int],
+          min_budget: float) -> dict[str, Any]:
+    rec.clear()
+    engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=sample["max_new_tokens"]))
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+    kept = [t for t in out if t not in engine.eog_ids]
+    answer = sample["answers"][0]
+    result: dict[str, Any] = {"task": sample["task"], "index": sample["index"], "answer": answer,
+                              "output": tok.decode(kept), "output_tokens": [tok.decode([t]) for t in kept]}
+    span = token_span(tok, ids, answer)
+    if span is None:
+        return result
+    g = {gp.g for row in plan.groups for gp in row if not gp.streaming}
+    if len(g) != 1:
+        raise SystemExit("error: pin_trace needs one block size for every retrieval group")
+    block = g.pop()
+    groups = [(layer, h) for layer, row in enumerate(plan.groups) for h, gp in enumerate(row)
+              if not gp.streaming and gp.budget >= min_budget]
+    blocks = list(range(span[0] // block, (span[1] - 1) // block + 1))
+    per_block = []
+    for b in blocks:
+        pinned_in = sum(b in rec.pins.get(layer, [set()] * (h + 1))[h] for layer, h in groups)
+        read = [np.mean([b in step.get(key, set()) for step in rec.steps]) if rec.steps else 0.0 for key in groups]
+        lo, hi = max(b * block, span[0]), min((b + 1) * block, span[1])
+        per_block.append({"block": b, "answer_tokens": [lo - span[0], hi - span[0]],
+                          "answer_text": tok.decode(ids[lo:hi]), "groups_pinned": int(pinned_in),
+                          "mean_share_of_steps_read": round(float(np.mean(read)), 3)})
+    result |= {"answer_positions": list(span), "groups": len(groups), "blocks": per_block}
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--dir", default=".ruler_ids", help="exported samples (ruler_split.py export)")
+    ap.add_argument("--length", type=int, default=4096)
+    ap.add_argument("--plan", nargs="+", required=True, help="plan files (pin_fraction > 0)")
+    ap.add_argument("--samples", nargs="+", required=True, help="task:index, e.g. niah_single_3:1")
+    ap.add_argument("--min-budget", type=float, default=0.03, help="count only retrieval groups with this budget")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    tag = model_tag(args.gguf)
+    meta, prompts = load_ids(Path(args.dir) / f"{tag}_{args.length}.json", Path(args.dir) / f"{tag}_{args.length}.ids.xz")
+    where = {(s["task"], s["index"]): k for k, s in enumerate(meta["samples"])}
+    picks = []
+    for item in args.samples:
+        task, _, index = item.partition(":")
+        if not index.isdigit() or (task, int(index)) not in where:
+            sys.exit(f"error: --samples {item!r}: no such exported sample at {args.length}")
+        picks.append(where[(task, int(index))])
+    path = _resolve(args.gguf)
+    tok = Tokenizer(path, read_metadata(path)[0])
+    engine = Engine(args.gguf, attention="full", device="cpu", dtype=args.dtype, max_batch=1,
+                    max_context=args.length, prefill_chunk=1024, prefix_cache_entries=0, load_tokenizer=False)
+    engine.eog_ids = frozenset(meta["eog_ids"])
+    rec = Recorder()
+    results: dict[str, Any] = {"length": args.length, "dtype": args.dtype, "plans": {}}
+    for plan_path in args.plan:
+        plan = SparsePlan.load(Path(plan_path))
+        if not plan.pin_fraction:
+            sys.exit(f"error: {plan_path}: pin_fraction is 0, nothing is pinned")
+        engine.set_attention("fluxion", plan)
+        rows = results["plans"][Path(plan_path).name] = []
+        for k in picks:
+            r = trace(engine, tok, rec, plan, meta["samples"][k], prompts[k], args.min_budget)
+            rows.append(r)
+            print(f"[{Path(plan_path).name}] {r['task']}:{r['index']} answer {r['answer']!r} output {r['output']!r}")
+            for b in r.get("blocks", []):
+                print(f"   block {b['block']:>4} {b['answer_text']!r:<24} pinned in {b['groups_pinned']:>2}/{r['groups']} "
+                      f"groups, read on {b['mean_share_of_steps_read']:.0%} of steps (mean)", flush=True)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
