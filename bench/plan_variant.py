@@ -21,14 +21,14 @@ from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, SparsePlan
 
 
 def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str = "group", pin_fraction: float = 0.0,
-            obs_window: int = 32, pin_span: int = 1) -> SparsePlan:
+            obs_window: int = 32, pin_span: int = 1, pin_decay: float = 1.0) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets x budget_scale (capped at 1), the
-    given block scoring, share of pinned blocks and pin span."""
+    given block scoring, share of pinned blocks and pin span (with its decay)."""
     rows = [[gp if gp.streaming else replace(gp, g=g or gp.g, budget=min(1.0, gp.budget * budget_scale))
              for gp in row] for row in plan.groups]
     source = (f"{plan.source}; retrieval g={g or 'kept'}, budgets x{budget_scale:g}, {scoring} scoring, "
-              f"{pin_fraction:g} pinned" + (f" in spans of {pin_span}" if pin_span != 1 else ""))
-    return SparsePlan(plan.sink, plan.window, rows, source, pin_fraction, obs_window, scoring, pin_span)
+              f"{pin_fraction:g} pinned" + (f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else ""))
+    return SparsePlan(plan.sink, plan.window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay)
 
 
 def main() -> None:
@@ -43,6 +43,8 @@ def main() -> None:
     ap.add_argument("--obs-window", type=int, default=32, help="prompt tokens whose attention picks the pins")
     ap.add_argument("--pin-span", type=int, default=1,
                     help="each block pinned by mass brings its pin_span - 1 successors, within the same pin count")
+    ap.add_argument("--pin-decay", type=float, default=1.0,
+                    help="a successor scores this x its predecessor's mass (1: before any lighter block)")
     ap.add_argument("--out", required=True, help="where to write the variant plan (.plan.json)")
     args = ap.parse_args()
     if args.budget_scale <= 0:
@@ -51,9 +53,12 @@ def main() -> None:
         sys.exit("error: --pin-fraction must be in [0, 1] and --obs-window >= 1")
     if not 1 <= args.pin_span <= MAX_PIN_SPAN:
         sys.exit(f"error: --pin-span must be in [1, {MAX_PIN_SPAN}]")
+    if not 0.0 < args.pin_decay <= 1.0:
+        sys.exit("error: --pin-decay must be in (0, 1]")
     base_path = Path(args.base) if args.base else Path(str(files("fluxion_lite.models"))) / f"{args.model}.plan.json"
     base = SparsePlan.load(base_path)
-    out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span)
+    out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
+                  args.pin_decay)
     out.save(Path(args.out))
     print(out.explain())
     for n in (4096, 8192, 16384, 32768):  # head_dim only scales both numerator and denominator

@@ -8,7 +8,8 @@ with the most attention mass from the last `obs_window` prompt positions (summed
 those positions) are kept for the whole decode: pinned. They take `pin_fraction` of the group's block budget; the
 per-step top-k fills the rest with its best blocks that are not pinned, so a step reads as many blocks as without
 pins. That union is made by the native top-k itself (fluxion.h, PINNED BLOCKS), from the table() of a layer's tasks.
-With the plan's pin_span s > 1, each pinned block brings its s - 1 successors (pick_pins), within the same count.
+With the plan's pin_span s > 1, a block also scores by its predecessors' mass (x pin_decay per block), so a heavy
+block's s - 1 successors are pinned too, within the same count (pick_pins).
 
 Eligible blocks lie wholly between the sink and the recent window of the first decode step, block-aligned to the
 group's g, as the top-k's own exclusion ranges are: the window only moves forward, so a pinned block never overlaps
@@ -41,14 +42,17 @@ def attention_mass(q_obs: torch.Tensor, keys: torch.Tensor, first_pos: int, scal
     return mass
 
 
-def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: int, span: int = 1) -> np.ndarray:
+def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: int, span: int = 1,
+              decay: float = 1.0) -> np.ndarray:
     """`count` blocks of granularity g picked by mass (mass: [n_prompt] per key), among blocks wholly inside
     [sink rounded up to g, (n - window) rounded down to g) for a step with n tokens. int32 ids, ascending.
 
-    span 1: the `count` heaviest blocks. span s > 1: blocks in order of mass, each with its s - 1 successors, until
-    `count` blocks (the last span cut short). The question's attention lands on a needle's key, but the value that
-    answers it follows the key; a long value (a UUID is ~34 tokens) runs on over the next blocks at g=16, which draw
-    little mass of their own and look alike to the per-step bound."""
+    A block's score is the largest of its own mass and decay^j x the mass of its j-th predecessor, j < span (eligible
+    predecessors only); the `count` best scores win. span 1: the heaviest blocks. The question's attention lands on
+    a needle's key, but the value that answers it follows the key; a long value (a UUID is ~34 tokens) runs on over
+    the next blocks at g=16, which draw little mass of their own and look alike to the per-step bound. decay 1: each
+    heavy block comes with its span - 1 successors before any lighter block; decay < 1: a successor competes with
+    the other needles' keys at a discount (a many-needle prompt keeps a pin per key)."""
     sink_hi = min(-(-sink // g) * g, n)
     win_lo = max((max(n - window, 0) // g) * g, sink_hi)
     first, last = sink_hi // g, win_lo // g  # eligible block ids [first, last)
@@ -58,26 +62,18 @@ def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: i
     m = min(len(mass), last * g)
     padded[:m] = mass[:m]
     per_block = padded.reshape(last, g).sum(1)[first:]  # [eligible]
-    order = np.lexsort((np.arange(len(per_block)), -per_block))  # most mass first, ties to the lower id
-    if span <= 1:
-        return np.sort(order[:count] + first).astype(np.int32)
-    chosen = np.zeros(len(per_block), bool)
-    taken = 0
-    for anchor in order:  # an anchor whose span is already taken adds nothing
-        for b in range(anchor, min(anchor + span, len(per_block))):
-            if taken < count and not chosen[b]:
-                chosen[b] = True
-                taken += 1
-        if taken >= count:
-            break
-    return (np.flatnonzero(chosen) + first).astype(np.int32)
+    score = per_block.copy()
+    for j in range(1, min(span, len(per_block))):  # inherited from the j-th predecessor
+        np.maximum(score[j:], decay**j * per_block[:-j], out=score[j:])
+    order = np.lexsort((np.arange(len(score)), -score))[:count]  # best first, ties to the lower id
+    return np.sort(order + first).astype(np.int32)
 
 
 class PinnedBlocks:
     """Per layer, the pinned block ids of each host-store slot's retrieval groups, and their use in decode steps."""
 
     def __init__(self, plan: SparsePlan):
-        self.plan = plan  # its groups' g and budget, sink, window, pin_fraction, obs_window and pin_span
+        self.plan = plan  # its groups' g and budget, sink, window, pin_fraction, obs_window, pin_span and pin_decay
         n_layers, n_kv_heads = len(plan.groups), len(plan.groups[0])
         self.obs_window = plan.obs_window
         self.n_layers, self.n_kv_heads = n_layers, n_kv_heads
@@ -115,7 +111,8 @@ class PinnedBlocks:
         pins = []
         for h, gp in enumerate(plan.groups[layer]):
             count = 0 if gp.streaming else int(plan.pin_fraction * np.ceil(gp.budget * n / gp.g))
-            pins.append(pick_pins(mass[h], gp.g, n, plan.sink, plan.window, count, plan.pin_span))
+            pins.append(pick_pins(mass[h], gp.g, n, plan.sink, plan.window, count, plan.pin_span,
+                                  plan.pin_decay))
         self._store(layer, slot, pins)
 
     def _store(self, layer: int, slot: int, pins: list[np.ndarray]) -> None:

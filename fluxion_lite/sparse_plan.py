@@ -29,9 +29,11 @@ class SparsePlan:
     pin_fraction: float = 0.0
     obs_window: int = 32
     scoring: str = "group"  # block scoring of the native top-k: "group" or "per-head" (native.SCORINGS)
-    # pins come in spans: each block picked by mass brings its pin_span - 1 successors (the value after a needle's
-    # key), within the same pin count; 1 = the heaviest blocks alone
+    # pins come in spans: a block also scores by its pin_span - 1 predecessors' mass, x pin_decay per block back, so
+    # a heavy block's successors (the value after a needle's key) are pinned too, within the same pin count;
+    # pin_span 1 = the heaviest blocks alone (pinned.pick_pins)
     pin_span: int = 1
+    pin_decay: float = 1.0
 
     @classmethod
     def uniform(cls, n_layers: int, n_groups: int, g: int, budget: float, sink: int, window: int) -> "SparsePlan":
@@ -52,6 +54,8 @@ class SparsePlan:
                                  f"(got {self.pin_fraction}, {self.obs_window})")
         if not 1 <= self.pin_span <= MAX_PIN_SPAN:
             raise ModelFileError(f"sparse plan: pin_span must be in [1, {MAX_PIN_SPAN}] (got {self.pin_span})")
+        if not 0.0 < self.pin_decay <= 1.0:
+            raise ModelFileError(f"sparse plan: pin_decay must be in (0, 1] (got {self.pin_decay})")
 
     def save(self, path: Path) -> None:
         data = {"sink": self.sink, "window": self.window, "source": self.source,
@@ -62,6 +66,8 @@ class SparsePlan:
             data["scoring"] = self.scoring
         if self.pin_span != 1:
             data["pin_span"] = self.pin_span
+        if self.pin_decay != 1.0:
+            data["pin_decay"] = self.pin_decay
         path.write_text(json.dumps(data, indent=1))
 
     @classmethod
@@ -74,7 +80,8 @@ class SparsePlan:
                 raise ValueError(f"pin_span must be an integer (got {pin_span!r})")
             return cls(int(data["sink"]), int(data["window"]), groups, str(data.get("source", path.name)),
                        float(data.get("pin_fraction", 0.0)), int(data.get("obs_window", 32)),
-                       str(data.get("scoring", "group")), pin_span)
+                       str(data.get("scoring", "group")), pin_span,
+                       float(data.get("pin_decay", 1.0)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
 
@@ -85,7 +92,8 @@ class SparsePlan:
         if self.pin_fraction:
             lines.append(f"  {self.pin_fraction:.0%} of each retrieval budget pinned at prefill end "
                          f"(attention of the last {self.obs_window} prompt tokens"
-                         + (f", spans of {self.pin_span} blocks)" if self.pin_span != 1 else ")"))
+                         + (f", spans of {self.pin_span} blocks, successors x{self.pin_decay:g})"
+                            if self.pin_span != 1 else ")"))
         for i, row in enumerate(self.groups):
             ret = [gp for gp in row if not gp.streaming]
             desc = ", ".join(f"g={gp.g} b={gp.budget:.3f}" for gp in ret) or "-"

@@ -189,12 +189,23 @@ def reference_span_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int
     return sorted(taken)
 
 
+def reference_decayed_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: int, span: int,
+                           decay: float) -> list[int]:
+    """float64: a block scores the largest of its mass and decay^j x its j-th eligible predecessor's (j < span)."""
+    sink_hi = -(-sink // g) * g
+    win_lo = max(((n - window) // g) * g, sink_hi)
+    eligible = [b for b in range(n // g + 1) if b * g >= sink_hi and (b + 1) * g <= win_lo]
+    per_block = {b: float(np.sum(mass[b * g : (b + 1) * g], dtype=np.float64)) for b in eligible}
+    score = {b: max(decay**j * per_block[b - j] for j in range(span) if b - j in per_block) for b in eligible}
+    return sorted(sorted(eligible, key=lambda b: (-score[b], b))[:count])
+
+
 @pytest.mark.parametrize("g,n,count,span", [(16, 700, 5, 2), (16, 700, 9, 3), (128, 700, 2, 2), (32, 300, 100, 2),
                                             (64, 100, 3, 4), (16, 4000, 31, 2), (16, 200, 1, 3)])
 def test_pick_pins_in_spans_takes_heavy_blocks_and_their_successors(g: int, n: int, count: int, span: int) -> None:
     sink, window = 20, 70
     mass = np.random.default_rng(g * n + span).random(n - 1) + 1e-3  # never zero: no ties broken by padding
-    got = pick_pins(mass, g, n, sink, window, count, span)
+    got = pick_pins(mass, g, n, sink, window, count, span)  # decay 1: whole spans, heaviest block first
     want = reference_span_pins(mass, g, n, sink, window, count, span)
     assert got.tolist() == want
     assert got.dtype == np.int32
@@ -205,6 +216,11 @@ def test_pick_pins_in_spans_takes_heavy_blocks_and_their_successors(g: int, n: i
     assert got.tolist() == sorted(set(got.tolist()))
     np.testing.assert_array_equal(pick_pins(mass, g, n, sink, window, count, 1), pick_pins(mass, g, n, sink, window,
                                                                                             count))
+    for decay in (0.3, 0.5, 0.9):
+        got = pick_pins(mass, g, n, sink, window, count, span, decay)
+        assert got.tolist() == reference_decayed_pins(mass, g, n, sink, window, count, span, decay)
+        assert len(got) == min(count, n_eligible)
+        assert all(b * g >= sink_hi and (b + 1) * g <= win_lo for b in got.tolist())
 
 
 def test_a_span_pins_the_block_after_the_heaviest_one() -> None:
@@ -216,6 +232,9 @@ def test_a_span_pins_the_block_after_the_heaviest_one() -> None:
     assert pick_pins(mass, g, n, sink, window, 2, 1).tolist() == [22, 40]
     assert pick_pins(mass, g, n, sink, window, 2, 2).tolist() == [22, 23]
     assert pick_pins(mass, g, n, sink, window, 4, 2).tolist() == [22, 23, 40, 41]
+    # decayed: the successor (20 x 0.5) still beats the lighter peak (3); at x0.1 (2) it does not
+    assert pick_pins(mass, g, n, sink, window, 2, 2, 0.5).tolist() == [22, 23]
+    assert pick_pins(mass, g, n, sink, window, 2, 2, 0.1).tolist() == [22, 40]
     # a heavy block right before the window: its successor is not eligible, the next span starts elsewhere
     last = (n - window) // g - 1
     mass[last * g] = 50.0
@@ -224,19 +243,25 @@ def test_a_span_pins_the_block_after_the_heaviest_one() -> None:
 
 def test_plan_file_round_trips_the_pin_settings(tmp_path: Path) -> None:
     plan = SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05), GroupPlan(True)]], "t", pin_fraction=0.5, obs_window=48,
-                      scoring="per-head", pin_span=2)
+                      scoring="per-head", pin_span=2, pin_decay=0.5)
     plan.save(tmp_path / "p.plan.json")
     back = SparsePlan.load(tmp_path / "p.plan.json")
     assert (back.pin_fraction, back.obs_window, back.scoring, back.groups) == (0.5, 48, "per-head", plan.groups)
-    assert back.pin_span == 2 and "spans of 2 blocks" in back.explain()
+    assert (back.pin_span, back.pin_decay) == (2, 0.5) and "spans of 2 blocks, successors x0.5" in back.explain()
     assert "50% of each retrieval budget pinned" in back.explain() and "per-head" in back.explain()
-    plan.pin_span = 1  # the default is not written: older plan files load with span 1
+    plan.pin_span, plan.pin_decay = 1, 1.0  # the defaults are not written: older plan files load with span 1
     plan.save(tmp_path / "p1.plan.json")
     assert "pin_span" not in (tmp_path / "p1.plan.json").read_text()
-    assert SparsePlan.load(tmp_path / "p1.plan.json").pin_span == 1
+    assert "pin_decay" not in (tmp_path / "p1.plan.json").read_text()
+    assert (SparsePlan.load(tmp_path / "p1.plan.json").pin_span, SparsePlan.load(tmp_path / "p1.plan.json").pin_decay
+            ) == (1, 1.0)
     for bad_span in (0, 9):
         with pytest.raises(ModelFileError, match="pin_span"):
             SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05)]], "t", pin_fraction=0.5, pin_span=bad_span).validate(1, 1)
+    for bad_decay in (0.0, 1.5):
+        with pytest.raises(ModelFileError, match="pin_decay"):
+            SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05)]], "t", pin_fraction=0.5, pin_span=2,
+                       pin_decay=bad_decay).validate(1, 1)
     (tmp_path / "f.plan.json").write_text((tmp_path / "p.plan.json").read_text().replace('"pin_span": 2',
                                                                                          '"pin_span": 2.5'))
     with pytest.raises(ModelFileError, match="pin_span"):
@@ -254,10 +279,11 @@ def test_plan_variant_writes_the_pin_span(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(root)}
     cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(base), "--pin-fraction", "0.5",
            "--out", str(out)]
-    done = subprocess.run([*cmd, "--pin-span", "3"], capture_output=True, text=True, env=env, timeout=120)
+    done = subprocess.run([*cmd, "--pin-span", "3", "--pin-decay", "0.5"], capture_output=True, text=True, env=env,
+                          timeout=120)
     assert done.returncode == 0, done.stderr
     plan, shipped = SparsePlan.load(out), SparsePlan.load(base)
-    assert (plan.pin_span, plan.pin_fraction, plan.groups) == (3, 0.5, shipped.groups)
+    assert (plan.pin_span, plan.pin_decay, plan.pin_fraction, plan.groups) == (3, 0.5, 0.5, shipped.groups)
     refused = subprocess.run([*cmd, "--pin-span", "0"], capture_output=True, text=True, env=env, timeout=120)
     assert refused.returncode != 0 and "--pin-span" in refused.stderr
 
