@@ -49,15 +49,26 @@ def test_native_calls_release_the_gil() -> None:
     assert ticks > 1000, ticks
 
 
-def test_coexists_with_torch_openmp_and_concurrent_callers() -> None:
-    """Two Python threads call the library while torch's OpenMP pool runs matmuls: all results stay correct."""
+def _checked_call(seed: int) -> tuple[HostKVStore, native.KVView, np.ndarray, np.ndarray, np.ndarray, np.ndarray,
+                                      np.ndarray, np.ndarray]:
+    """A top-k + attention call on a filled store, its KV head 1 checked against the float64 reference: the results
+    that the concurrency tests then expect from every repeat. -> store (keeps the view's pages alive), view, q,
+    tasks, ids, counts, out, lse."""
     store, slot, k, v = _filled_store()
     view = store.view(0)
-    rng = np.random.default_rng(0)
-    q = rng.standard_normal((1, 8, 128), dtype=np.float32)
+    q = np.random.default_rng(seed).standard_normal((1, 8, 128), dtype=np.float32)
     tasks = native.make_tasks(slot, 0, [0, 1], 32, 16)
     ids, _, counts = native.group_topk(view, q, tasks)
-    want, want_lse = native.sparse_attention(view, q, tasks, ids, counts, 0.088)
+    out, lse = native.sparse_attention(view, q, tasks, ids, counts, 0.088)
+    tok = ref.block_tokens(ids[1, :counts[1]], 32, 2048)
+    exp_out, _ = ref.attention(q[0, 4:8], k.float().numpy()[tok, 1], v.float().numpy()[tok, 1], 0.088)
+    np.testing.assert_allclose(out[1], exp_out, rtol=1e-4, atol=2e-5)
+    return store, view, q, tasks, ids, counts, out, lse
+
+
+def test_coexists_with_torch_openmp_and_concurrent_callers() -> None:
+    """Two Python threads call the library while torch's OpenMP pool runs matmuls: all results stay correct."""
+    store, view, q, tasks, ids, counts, want, want_lse = _checked_call(seed=0)
     a = torch.randn(256, 256)
     torch_ref = a @ a
     errors: list[str] = []
@@ -79,25 +90,13 @@ def test_coexists_with_torch_openmp_and_concurrent_callers() -> None:
     for t in threads:
         t.join()
     assert not errors
-    tok = ref.block_tokens(ids[1, :counts[1]], 32, 2048)
-    exp_out, _ = ref.attention(q[0, 4:8], k.float().numpy()[tok, 1], v.float().numpy()[tok, 1], 0.088)
-    np.testing.assert_allclose(want[1], exp_out, rtol=1e-4, atol=2e-5)
 
 
 def test_pool_wake_and_spin_under_concurrent_calls() -> None:
     """wake_threads() from another thread while calls run, with the spin long, short and back at the default: every
     top-k and attention result stays equal to the float64 reference and to the first call's, sleeping workers
     (after an idle gap longer than the spin) still join, and bad spins are refused."""
-    store, slot, k, v = _filled_store()
-    view = store.view(0)
-    rng = np.random.default_rng(3)
-    q = rng.standard_normal((1, 8, 128), dtype=np.float32)
-    tasks = native.make_tasks(slot, 0, [0, 1], 32, 16)
-    ids0, _, counts0 = native.group_topk(view, q, tasks)
-    out0, lse0 = native.sparse_attention(view, q, tasks, ids0, counts0, 0.088)
-    tok = ref.block_tokens(ids0[1, :counts0[1]], 32, 2048)
-    exp_out, _ = ref.attention(q[0, 4:8], k.float().numpy()[tok, 1], v.float().numpy()[tok, 1], 0.088)
-    np.testing.assert_allclose(out0[1], exp_out, rtol=1e-4, atol=2e-5)
+    store, view, q, tasks, ids0, counts0, out0, lse0 = _checked_call(seed=3)
     stop = threading.Event()
 
     def waker() -> None:
