@@ -44,28 +44,29 @@ def _load_extension() -> Any:
 _ext = _load_extension()
 ffi, lib = _ext.ffi, _ext.lib
 
-TASK_FIELDS = 9  # slot, q_row, kv_head, g, k, ex0_lo, ex0_hi, ex1_lo, ex1_hi
+# the header's constants (build_native.py binds fluxion.h itself, so these cannot drift from the C side)
+TASK_FIELDS = int(lib.FX_TASK_FIELDS)  # slot, q_row, kv_head, g, k, ex0_lo, ex0_hi, ex1_lo, ex1_hi
 GRANULARITIES = (16, 32, 64, 128)
-MAX_GROUP, MAX_DIM, MAX_BLOCK = 16, 256, 128
+MAX_GROUP, MAX_DIM, MAX_BLOCK = int(lib.FX_MAX_GROUP), int(lib.FX_MAX_DIM), int(lib.FX_MAX_BLOCK)
 SIMD_PATHS = ("portable", "avx2", "avx512")
 DTYPES = ("float16", "bfloat16")
 SCORINGS = ("group", "per-head")  # group_topk's block scoring, in the order of fluxion.h's FX_SCORE_* codes
 
 _ERRORS = {
-    1: "invalid KV view",
-    2: "slot out of range",
-    3: "q_row out of range",
-    4: "kv_head out of range",
-    5: "granularity not kept in this KV store",
-    6: "k / count negative or above k_cap",
-    7: "selected block id outside the sequence's blocks",
-    8: "a page holding the sequence's tokens is missing",
-    9: "output buffer too small",
-    10: "query heads not a multiple of KV heads, or group too large",
-    11: "SIMD path not supported on this CPU",
-    12: "append past the page table's capacity",
-    13: "unknown block-scoring mode",
-    14: "bad pinned blocks",
+    lib.FX_E_VIEW: "invalid KV view",
+    lib.FX_E_SLOT: "slot out of range",
+    lib.FX_E_QROW: "q_row out of range",
+    lib.FX_E_HEAD: "kv_head out of range",
+    lib.FX_E_GRAN: "granularity not kept in this KV store",
+    lib.FX_E_K: "k / count negative or above k_cap",
+    lib.FX_E_BLOCK: "selected block id outside the sequence's blocks",
+    lib.FX_E_PAGE: "a page holding the sequence's tokens is missing",
+    lib.FX_E_OUTPUT: "output buffer too small",
+    lib.FX_E_GROUP: "query heads not a multiple of KV heads, or group too large",
+    lib.FX_E_SIMD: "SIMD path not supported on this CPU",
+    lib.FX_E_APPEND: "append past the page table's capacity",
+    lib.FX_E_SCORING: "unknown block-scoring mode",
+    lib.FX_E_PIN: "bad pinned blocks",
 }
 
 
@@ -490,8 +491,7 @@ def _native_error(rc: int, err_index: Any, what: str, view: KVView, t: np.ndarra
 
 # ------------------------------------------------------------------------------------------------------ kernels --
 
-_E_OUTPUT = 9  # FX_E_OUTPUT
-_E_PIN = 14  # FX_E_PIN
+_E_OUTPUT, _E_PIN = lib.FX_E_OUTPUT, lib.FX_E_PIN
 _INF = float("inf")
 
 

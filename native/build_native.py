@@ -14,6 +14,7 @@ Environment: FLUXION_NATIVE_ARCH=1 adds -march=native (opt-in; the default build
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 from cffi import FFI
@@ -22,64 +23,20 @@ NATIVE_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(NATIVE_DIR)
 SOURCES = ["fluxion.c", "fx_pool.c", "fx_simd_portable.c", "fx_simd_avx2.c", "fx_simd_avx512.c"]
 
-# Must match fluxion.h (the API-mode compile checks every declaration against the header).
-CDEF = """
-#define FX_TASK_FIELDS 9
-#define FX_MAX_GROUP 16
-#define FX_MAX_DIM 256
-#define FX_MAX_BLOCK 128
-typedef struct fx_kv_view {
-    int32_t n_slots; int32_t max_pages; int32_t n_kv_heads; int32_t head_dim; int32_t page_tokens;
-    int32_t dtype; int32_t gran_mask; int64_t *n_tokens; uint8_t **pages;
-} fx_kv_view;
-int fx_version(void);
-int fx_set_threads(int n);
-int fx_get_threads(void);
-int64_t fx_set_spin_ns(int64_t ns);
-void fx_wake_threads(void);
-int fx_set_simd(int path);
-int fx_get_simd(void);
-int fx_simd_supported(int path);
-void fx_set_checks(int on);
-void fx_set_stream_stores(int on);
-int64_t fx_page_bytes(int32_t n_kv_heads, int32_t head_dim, int32_t page_tokens, int32_t gran_mask);
-int fx_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *row_start, const int64_t *row_count,
-              int64_t n_items, const void *src_k, const void *src_v, int64_t n_rows, int64_t *err_index);
-int fx_summaries_update(const fx_kv_view *kv, const int32_t *slots, const int64_t *from_token, int64_t n_items,
-                        int64_t *err_index);
-int64_t fx_topk_workspace_floats(int64_t n_tasks, int64_t max_blocks);
-int64_t fx_topk_scoring_workspace_floats(int64_t n_tasks, int64_t max_blocks, int32_t group, int32_t scoring);
-int fx_group_topk(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
-                  int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
-                  float *workspace, int64_t workspace_floats, int64_t *err_index);
-int fx_group_topk_scoring(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
-                          const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring, int32_t *out_ids,
-                          float *out_scores, int32_t *out_counts, float *workspace, int64_t workspace_floats,
-                          int64_t *err_index);
-int fx_group_topk_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
-                         const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring, const int32_t *pins,
-                         const int32_t *pin_counts, int32_t pin_stride, int32_t *out_ids, float *out_scores,
-                         int32_t *out_counts, float *workspace, int64_t workspace_floats, int64_t *err_index);
-int64_t fx_attention_workspace_floats(int64_t n_tasks, int32_t group, int32_t head_dim);
-int fx_sparse_attention(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
-                        const int32_t *tasks, int64_t n_tasks, const int32_t *ids, const int32_t *counts,
-                        int32_t k_cap, float scale, float *out, float *lse, float *workspace,
-                        int64_t workspace_floats, int64_t *err_index);
-int fx_select_attend(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
-                     int64_t n_tasks, int32_t k_cap, int32_t *out_ids, float *out_scores, int32_t *out_counts,
-                     float scale, const int64_t *rows, int64_t n_rows, float *out, float *lse, float *workspace,
-                     int64_t workspace_floats, int64_t *selected_tokens, double *seconds, int64_t *err_index);
-int fx_select_attend_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads,
-                            const int32_t *tasks, int64_t n_tasks, int32_t k_cap, int32_t scoring,
-                            const int32_t *pins, const int32_t *pin_counts, int32_t pin_stride, int32_t *out_ids,
-                            float *out_scores, int32_t *out_counts, float scale, const int64_t *rows, int64_t n_rows,
-                            float *out, float *lse, float *workspace, int64_t workspace_floats,
-                            int64_t *selected_tokens, double *seconds, int64_t *err_index);
-int fx_gather(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const int32_t *ids,
-              const int32_t *counts, int32_t k_cap, const int64_t *out_offset, int64_t cap_tokens, void *k_out,
-              void *v_out, int32_t *out_tokens, int64_t *err_index);
-double fx_read_bandwidth_probe(const void *buf, int64_t n_bytes, int32_t repeats);
-"""
+HEADER = os.path.join(NATIVE_DIR, "fluxion.h")
+_CONSTANT = re.compile(r"#define\s+FX_\w+\s+\d+\s*$")
+
+
+def header_cdef(path: str = HEADER) -> str:
+    """The declarations of fluxion.h as cffi's cdef wants them: comments dropped, and of the preprocessor lines only
+    the integer constants kept (the include guard and #include go). The header is the one statement of the API, so
+    the binding cannot drift from it; the API-mode compile still checks every declaration against the C code."""
+    with open(path, encoding="utf-8") as f:
+        text = re.sub(r"/\*.*?\*/", " ", f.read(), flags=re.S)
+    lines = [ln for ln in text.splitlines() if not ln.lstrip().startswith("#") or _CONSTANT.match(ln.strip())]
+    return "\n".join(lines)
+
+
 
 
 def compile_flags(sanitize: bool = False) -> tuple[list[str], list[str]]:
@@ -100,7 +57,7 @@ def make_builder(sanitize: bool = False, absolute_paths: bool = False) -> FFI:
     base = NATIVE_DIR if absolute_paths else "native"
     args, link = compile_flags(sanitize)
     ffi = FFI()
-    ffi.cdef(CDEF)
+    ffi.cdef(header_cdef())
     ffi.set_source(
         "fluxion_lite._native",
         '#include "fluxion.h"',
