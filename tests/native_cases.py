@@ -1,17 +1,21 @@
 """The test matrix shared by the native kernel tests: SIMD paths the machine has, GQA ratios, thread counts, and one
-case of the matrix (printed as the pytest id)."""
+case of the matrix (printed as the pytest id); and the ragged host store they run on."""
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from fluxion_lite import native
+from fluxion_lite.host_kv import HostKVStore
 
 PATHS = native.simd_supported()
 RATIOS = (1, 3, 4, 7, 8)
 N_THREADS = max(2, native.physical_cores())
+LENGTHS = (1000, 37, 513)  # ragged; every one ends in a partial block for every g
+N_KV = 2
 
 
 @dataclass(frozen=True)
@@ -34,3 +38,30 @@ def rotated_cases() -> list[Case]:
     rot = itertools.cycle(itertools.product((64, 128), (16, 32, 64, 128), (torch.float16, torch.bfloat16),
                                             (1, N_THREADS)))
     return [Case(simd, ratio, *next(rot)) for simd in PATHS for ratio in RATIOS]
+
+
+def ragged_store(head_dim: int, dtype: torch.dtype, rng: np.random.Generator
+                 ) -> tuple[HostKVStore, list[int], list[np.ndarray], list[np.ndarray]]:
+    """Sequences of LENGTHS tokens of random K/V offset from zero, each written as a prefill chunk plus five single
+    decode tokens (partial-block summary updates), in pages allocated one at a time. -> store, slots, and the
+    stored keys and values as float64 [n, Hkv, D] (the exact stored values)."""
+    store = HostKVStore(1, N_KV, head_dim, dtype=dtype, max_seqs=4, page_tokens=256, initial_pages_per_seq=1)
+    slots, keys, values = [], [], []
+    for n in LENGTHS:
+        slot = store.allocate()
+        k = torch.from_numpy(rng.standard_normal((n, N_KV, head_dim), dtype=np.float32) + 0.3).to(dtype)
+        v = torch.from_numpy(rng.standard_normal((n, N_KV, head_dim), dtype=np.float32) - 0.2).to(dtype)
+        split = n - 5
+        store.append(0, slot, k[:split], v[:split])
+        for i in range(split, n):
+            store.append_batch(0, [slot], k[i:i + 1], v[i:i + 1])
+        slots.append(slot)
+        keys.append(k.float().numpy().astype(np.float64))
+        values.append(v.float().numpy().astype(np.float64))
+    return store, slots, keys, values
+
+
+def excluded_ranges(g: int) -> list[list[tuple[int, int]]]:
+    """Per ragged_store sequence, the top-k's excluded token ranges: a block-aligned sink + window; an unaligned
+    range; two overlapping ranges."""
+    return [[(0, g), (LENGTHS[0] - 2 * g, LENGTHS[0])], [(5, 9)], [(40, 200), (100, 300)]]

@@ -73,3 +73,10 @@ def pinned_selection(eligible: np.ndarray, scores: np.ndarray, pins: np.ndarray,
     free = sorted((-float(s), int(b)) for b, s in zip(eligible, scores) if int(b) not in pinned)
     chosen = [b for _, b in free[: max(k - len(pinned), 0)]]
     return np.array(sorted(chosen + sorted(pinned)), dtype=np.int64)
+
+
+def exact_topk(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of (ids, scores) by (score desc, id asc), returned in ascending id order (-0.0 == +0.0)."""
+    order = sorted(range(len(ids)), key=lambda i: (-float(scores[i]), int(ids[i])))
+    keep = np.sort(np.array(order[:k], dtype=np.int64))
+    return ids[keep], scores[keep]

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import native_reference as ref
-from native_cases import N_THREADS, PATHS, Case, rotated_cases
+from native_cases import Case, LENGTHS, N_KV, N_THREADS, PATHS, ragged_store, rotated_cases
 from fluxion_lite import native
 from fluxion_lite.host_kv import HostKVStore
 
@@ -32,8 +32,6 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
-LENGTHS = (1000, 37, 513)  # ragged; every one ends in a partial block for every g
-N_KV = 2
 
 
 @pytest.fixture()
@@ -43,23 +41,6 @@ def settings():
     native.set_threads(native.physical_cores())
 
 
-def _store(case: Case, rng: np.random.Generator) -> tuple[HostKVStore, list[int], list[np.ndarray], list[np.ndarray]]:
-    """A store with three ragged sequences written as a prefill chunk plus single decode tokens."""
-    store = HostKVStore(1, N_KV, case.head_dim, dtype=case.dtype, max_seqs=4, page_tokens=256,
-                        initial_pages_per_seq=1)
-    slots, keys, values = [], [], []
-    for n in LENGTHS:
-        slot = store.allocate()
-        k = torch.from_numpy(rng.standard_normal((n, N_KV, case.head_dim), dtype=np.float32) + 0.3).to(case.dtype)
-        v = torch.from_numpy(rng.standard_normal((n, N_KV, case.head_dim), dtype=np.float32)).to(case.dtype)
-        split = n - 5  # prefill, then five decode steps (partial-block summary updates)
-        store.append(0, slot, k[:split], v[:split])
-        for i in range(split, n):
-            store.append_batch(0, [slot], k[i:i + 1], v[i:i + 1])
-        slots.append(slot)
-        keys.append(k.float().numpy().astype(np.float64))  # [n, Hkv, D]: the exact stored values
-        values.append(v.float().numpy().astype(np.float64))
-    return store, slots, keys, values
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -67,7 +48,7 @@ def test_kernels_match_float64_reference(case: Case, settings: None) -> None:
     native.set_simd(case.simd)
     native.set_threads(case.threads)
     rng = np.random.default_rng(hash(str(case)) % 2**32)
-    store, slots, keys, values = _store(case, rng)
+    store, slots, keys, values = ragged_store(case.head_dim, case.dtype, rng)
     view = store.view(0)
     g, r, d = case.g, case.ratio, case.head_dim
 
@@ -278,11 +259,6 @@ def _topk_path(n: int, k: int) -> str:
     return "direct" if m <= TOPK_DIRECT_MAX_M and n * m <= TOPK_DIRECT_MAX_WORK else "histogram"
 
 
-def _exact_topk(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best of (ids, scores) by (score desc, id asc), returned in ascending id order (-0.0 == +0.0)."""
-    order = sorted(range(len(ids)), key=lambda i: (-float(scores[i]), int(ids[i])))
-    keep = np.sort(np.array(order[:k], dtype=np.int64))
-    return ids[keep], scores[keep]
 
 
 @pytest.mark.parametrize("threads", [1, N_THREADS])
@@ -355,7 +331,7 @@ def test_topk_exact_on_both_selection_paths(threads: int, settings: None) -> Non
             ids, scores, counts = run(ks)
             for ti, ((ids_e, sc_e), k) in enumerate(zip(elig, ks)):
                 seen.add(_topk_path(len(ids_e), k))
-                want_ids, want_sc = _exact_topk(ids_e, sc_e, k)
+                want_ids, want_sc = ref.exact_topk(ids_e, sc_e, k)
                 assert counts[ti] == len(want_ids), (ti, k)
                 assert ids[ti, :counts[ti]].tolist() == want_ids.tolist(), (ti, len(ids_e), k)
                 np.testing.assert_array_equal(scores[ti, :counts[ti]].view(np.int32), want_sc.view(np.int32))
@@ -391,5 +367,5 @@ def test_topk_direct_path_ties_and_small_k(settings: None) -> None:
     sc = all_sc[0, :all_n[0]]
     for k in range(1, 11):
         ids, _, counts = native.group_topk(store.view(0), q, native.make_tasks(mixed, 0, 0, 16, k))
-        want, _ = _exact_topk(np.arange(10), sc, k)
+        want, _ = ref.exact_topk(np.arange(10), sc, k)
         assert ids[0, :counts[0]].tolist() == want.tolist(), k

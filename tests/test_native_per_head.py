@@ -12,13 +12,11 @@ import pytest
 import torch
 
 import native_reference as ref
-from native_cases import N_THREADS, PATHS, Case, rotated_cases
+from native_cases import Case, LENGTHS, N_KV, N_THREADS, PATHS, excluded_ranges, ragged_store, rotated_cases
 from fluxion_lite import native
 from fluxion_lite.host_kv import HostKVStore
 from per_head_numpy import per_head_topk
 
-LENGTHS = (1000, 37, 513)  # ragged; every one ends in a partial block for every g
-N_KV = 2
 
 
 def _cases() -> list[Case]:
@@ -41,28 +39,8 @@ def settings():
     native.set_threads(native.physical_cores())
 
 
-def _store(case: Case, rng: np.random.Generator) -> tuple[HostKVStore, list[int], list[np.ndarray]]:
-    """Three ragged sequences written as a prefill chunk plus single decode tokens; keys offset from zero."""
-    store = HostKVStore(1, N_KV, case.head_dim, dtype=case.dtype, max_seqs=4, page_tokens=256,
-                        initial_pages_per_seq=1)
-    slots, keys = [], []
-    for n in LENGTHS:
-        slot = store.allocate()
-        k = torch.from_numpy(rng.standard_normal((n, N_KV, case.head_dim), dtype=np.float32) + 0.3).to(case.dtype)
-        split = n - 5  # prefill, then five decode steps (partial-block summary updates)
-        store.append(0, slot, k[:split], k[:split])
-        for i in range(split, n):
-            store.append_batch(0, [slot], k[i:i + 1], k[i:i + 1])
-        slots.append(slot)
-        keys.append(k.float().numpy().astype(np.float64))  # [n, Hkv, D]: the exact stored values
-    return store, slots, keys
 
 
-def _exact_topk(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k best of (ids, scores) by (score desc, id asc), returned in ascending id order."""
-    order = sorted(range(len(ids)), key=lambda i: (-float(scores[i]), int(ids[i])))
-    keep = np.sort(np.array(order[:k], dtype=np.int64))
-    return ids[keep], scores[keep]
 
 
 @pytest.mark.parametrize("case", _cases(), ids=str)
@@ -70,13 +48,13 @@ def test_per_head_topk_matches_float64_reference(case: Case, settings: None) -> 
     native.set_simd(case.simd)
     native.set_threads(case.threads)
     rng = np.random.default_rng(hash(str(case)) % 2**32)
-    store, slots, keys = _store(case, rng)
+    store, slots, keys, _ = ragged_store(case.head_dim, case.dtype, rng)
     view = store.view(0)
     g, r, d = case.g, case.ratio, case.head_dim
     q = rng.standard_normal((len(slots), N_KV * r, d), dtype=np.float32)
     # block-aligned sink + window; an unaligned range (the 37-token sequence keeps 0 eligible blocks at g = 128);
     # two overlapping ranges
-    excludes = [[(0, g), (LENGTHS[0] - 2 * g, LENGTHS[0])], [(5, 9)], [(40, 200), (100, 300)]]
+    excludes = excluded_ranges(g)
     rows = [(si, h) for si in range(len(slots)) for h in range(N_KV)]
     n_blocks = [-(-n // g) for n in LENGTHS]
 
@@ -106,7 +84,7 @@ def test_per_head_topk_matches_float64_reference(case: Case, settings: None) -> 
                 assert want[chosen].min() >= want[rest].max() - tol
             # exactly the (score desc, id asc) k best of the kernel's own scores: ties resolved the same every time
             e_ids, e_sc = all_ids[ti, :all_counts[ti]], all_scores[ti, :all_counts[ti]]
-            want_ids, want_sc = _exact_topk(e_ids, e_sc, k)
+            want_ids, want_sc = ref.exact_topk(e_ids, e_sc, k)
             assert chosen.tolist() == want_ids.tolist()
             np.testing.assert_array_equal(scores[ti, :counts[ti]].view(np.int32), want_sc.view(np.int32))
 

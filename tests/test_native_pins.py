@@ -11,12 +11,10 @@ import pytest
 import torch
 
 import native_reference as ref
-from native_cases import PATHS, Case, rotated_cases
+from native_cases import Case, LENGTHS, N_KV, PATHS, excluded_ranges, ragged_store, rotated_cases
 from fluxion_lite import native
 from fluxion_lite.host_kv import HostKVStore
 
-LENGTHS = (1000, 37, 513)  # ragged; every one ends in a partial block for every g
-N_KV = 2
 SCORINGS = ("group", "per-head")
 
 
@@ -27,25 +25,8 @@ def settings():
     native.set_threads(native.physical_cores())
 
 
-def _store(head_dim: int, dtype: torch.dtype, rng: np.random.Generator
-           ) -> tuple[HostKVStore, list[int], list[np.ndarray], list[np.ndarray]]:
-    """Three ragged sequences of random K/V offset from zero; returns the stored keys and values as float64."""
-    store = HostKVStore(1, N_KV, head_dim, dtype=dtype, max_seqs=4, page_tokens=256)
-    slots, keys, values = [], [], []
-    for n in LENGTHS:
-        slot = store.allocate()
-        k = torch.from_numpy(rng.standard_normal((n, N_KV, head_dim), dtype=np.float32) + 0.3).to(dtype)
-        v = torch.from_numpy(rng.standard_normal((n, N_KV, head_dim), dtype=np.float32) - 0.2).to(dtype)
-        store.append(0, slot, k, v)
-        slots.append(slot)
-        keys.append(k.float().numpy().astype(np.float64))  # [n, Hkv, D]: the exact stored values
-        values.append(v.float().numpy().astype(np.float64))
-    return store, slots, keys, values
 
 
-def _excludes(g: int) -> list[list[tuple[int, int]]]:
-    # a block-aligned sink + window; an unaligned range; two overlapping ranges
-    return [[(0, g), (LENGTHS[0] - 2 * g, LENGTHS[0])], [(5, 9)], [(40, 200), (100, 300)]]
 
 
 def _ref_scores(q_group: np.ndarray, keys: np.ndarray, g: int, eligible: np.ndarray, scoring: str) -> np.ndarray:
@@ -75,11 +56,11 @@ def test_pinned_topk_matches_the_definition(case: Case, scoring: str, settings: 
     native.set_simd(case.simd)
     native.set_threads(case.threads)
     rng = np.random.default_rng(hash((str(case), scoring)) % 2**32)
-    store, slots, keys, _ = _store(case.head_dim, case.dtype, rng)
+    store, slots, keys, _ = ragged_store(case.head_dim, case.dtype, rng)
     view = store.view(0)
     g, r, d = case.g, case.ratio, case.head_dim
     q = rng.standard_normal((len(slots), N_KV * r, d), dtype=np.float32)
-    excludes = _excludes(g)
+    excludes = excluded_ranges(g)
     rows = [(si, h) for si in range(len(slots)) for h in range(N_KV)]
     eligible = [ref.eligible_blocks(LENGTHS[si], g, excludes[si]) for si, _ in rows]
     n_blocks = max(-(-n // g) for n in LENGTHS)
@@ -128,7 +109,7 @@ def test_no_pins_and_zero_counts_equal_the_plain_call_bitwise(scoring: str, sett
     """P = 0 everywhere (and a zero-width table) gives the plain top-k's ids, scores and counts bit for bit;
     P = k gives exactly the pins."""
     rng = np.random.default_rng(5)
-    store, slots, _, _ = _store(64, torch.bfloat16, rng)
+    store, slots, _, _ = ragged_store(64, torch.bfloat16, rng)
     q = rng.standard_normal((len(slots), N_KV * 4, 64), dtype=np.float32)
     tasks = np.concatenate([native.make_tasks(s, i, np.arange(N_KV), 16, 7, exclude=[(0, 16)])
                             for i, s in enumerate(slots)])
@@ -176,9 +157,9 @@ def test_select_attend_with_pins_equals_topk_then_attention(scoring: str, settin
     sparse_attention, and within fp32 rounding of the float64 attention over those blocks."""
     rng = np.random.default_rng(9)
     r, d, g = 3, 64, 32
-    store, slots, keys, values = _store(d, torch.float16, rng)
+    store, slots, keys, values = ragged_store(d, torch.float16, rng)
     q = torch.from_numpy(rng.standard_normal((len(slots), N_KV * r, d), dtype=np.float32))
-    excludes = _excludes(g)
+    excludes = excluded_ranges(g)
     rows_sh = [(si, h) for si in range(len(slots)) for h in range(N_KV)]
     tasks = np.concatenate([native.make_tasks(slots[si], si, h, g, 6, exclude=excludes[si]) for si, h in rows_sh])
     eligible = [ref.eligible_blocks(LENGTHS[si], g, excludes[si]) for si, _ in rows_sh]
@@ -214,7 +195,7 @@ def test_select_attend_with_pins_equals_topk_then_attention(scoring: str, settin
 
 def test_bad_pins_are_rejected_with_the_entry_named(settings: None) -> None:
     rng = np.random.default_rng(3)
-    store, slots, _, _ = _store(32, torch.bfloat16, rng)
+    store, slots, _, _ = ragged_store(32, torch.bfloat16, rng)
     view = store.view(0)
     q = rng.standard_normal((len(slots), N_KV, 32), dtype=np.float32)
     # slot 0: 1000 tokens, g = 16 -> 63 blocks, sink block 0 and the window from token 900 (block 56) excluded
@@ -261,7 +242,7 @@ def test_c_rejects_a_negative_stride_and_missing_pins() -> None:
     """What the wrapper cannot pass: pin_stride < 0 (FX_E_PIN, no task named) and pins NULL while a count is > 0
     (FX_E_PIN naming the task); pins NULL with every count 0 is no pins. Outputs untouched on rejection."""
     rng = np.random.default_rng(4)
-    store, slots, _, _ = _store(32, torch.float16, rng)
+    store, slots, _, _ = ragged_store(32, torch.float16, rng)
     q = rng.standard_normal((len(slots), N_KV, 32), dtype=np.float32)
     tasks = native.make_tasks(slots[0], 0, np.arange(N_KV), 16, 3)
     ffi, lib = native.ffi, native.lib
