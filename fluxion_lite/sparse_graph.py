@@ -289,12 +289,11 @@ class GraphedDecode:
             if self._all_cpu(placement, *self.expect[layer], per_token):  # the one-call path
                 self._select_attend(layer, view, lo, hi, per_token, *pins)
             else:
-                tasks = self.tasks[lo:hi]
+                sel = self.sel
                 t0 = time.perf_counter()
-                ids, _, counts = native.group_topk(view, ss.q32, tasks, scoring=a.topk_scoring, pins=pins[0],
-                                                   pin_counts=pins[1])
+                sel.topk(view, lo, hi, a.topk_scoring, *pins)  # prepared: arguments checked once per step
                 a._st.cpu_topk_s += time.perf_counter() - t0
-                self._run_tasks(layer, view, lo, hi, ids, counts, placement)
+                self._run_tasks(layer, view, lo, hi, sel.ids[lo:hi], sel.counts[lo:hi], placement)
         else:
             ss.lse_np.fill(-np.inf)  # no CPU task in this layer
         if ss.res_dev is not ss.res_host:
