@@ -49,7 +49,8 @@ SHAPES = {
     "tiny": dict(arch="llama", n_layers=4, d_model=512, d_ff=1024, n_heads=8, n_kv_heads=2, head_dim=64,
                  vocab_size=1000, rope_theta=10000.0, rope_style="interleaved", qkv_bias=False),
 }
-MODES = ("full-gpu", "fluxion", "fixed", "gpu-sparse", "full-host")
+# fluxion-gpu: fluxion's plan with selection and attention on the GPU (device_graph.py), blocks over PCIe
+MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fixed", "gpu-sparse", "full-host")
 # llama.cpp on the same H200 host, Llama-3.1-8B shape, random F16 GGUF, batch 1, 16 threads (issue 5 / DESIGN.md 7)
 PEER_KV_GPU_MS = {8192: 5.33, 32768: 6.81, 65536: 8.65}
 PEER_KV_HOST_MS = {8192: 68.8, 32768: 230.0, 65536: 508.0}
@@ -79,7 +80,7 @@ def borrowed_plan(cfg: ModelConfig, source: Path, seed: int = 0) -> SparsePlan:
         row = src.groups[layer * len(src.groups) // cfg.n_layers]
         groups.append([rng.choice(row) for _ in range(cfg.n_kv_heads)])
     return SparsePlan(src.sink, src.window, groups, source=f"drawn from {source.name}", pin_fraction=src.pin_fraction,
-                      obs_window=src.obs_window, scoring=src.scoring)
+                      obs_window=src.obs_window, scoring=src.scoring, pin_span=src.pin_span, pin_decay=src.pin_decay)
 
 
 def host_bytes_per_token(cfg: ModelConfig) -> float:
@@ -130,8 +131,12 @@ def synthetic_pins(attn: SparseAttention, seq: int, context: int, seed: int) -> 
 
 
 def new_attention(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan) -> object:
-    attn = make_attention(mode, model.cfg, model.dtype, model.device, batch + 1, "synthetic",
-                          plan=plan if mode == "fluxion" else None)
+    if mode == "fluxion-gpu":
+        attn: object = SparseAttention(model.cfg, plan, model.dtype, model.device, max_seqs=batch + 1, placement="gpu",
+                                       selection="gpu")
+    else:
+        attn = make_attention(mode, model.cfg, model.dtype, model.device, batch + 1, "synthetic",
+                              plan=plan if mode == "fluxion" else None)
     fill_context(attn, model.cfg, batch, context, model.device, seed=context + batch)
     return attn
 
@@ -240,9 +245,9 @@ def summary_lines(rows: list[dict]) -> list[str]:
     out = []
     by = {(r["mode"], r["context"], r["batch"]): r["tpot_ms"] for r in rows}
     for (mode, ctx, batch), ms in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-        if mode != "fluxion":
+        if mode not in ("fluxion", "fluxion-gpu"):
             continue
-        parts = [f"ctx {ctx:>6} batch {batch:>2}: fluxion {ms:8.2f} ms"]
+        parts = [f"ctx {ctx:>6} batch {batch:>2}: {mode} {ms:8.2f} ms"]
         for other in ("fixed", "full-host", "gpu-sparse", "full-gpu"):
             if (other, ctx, batch) in by:
                 parts.append(f"{by[(other, ctx, batch)] / ms:5.2f}x vs {other}")

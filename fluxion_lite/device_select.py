@@ -3,10 +3,14 @@
 Per layer, K's per-dimension min/max over blocks of g tokens, [slots, Hkv, blocks, 2, D] fp32, kept up to date from
 the new keys as they are produced (no host round trip). The score is the same Quest bound the native top-k computes,
 summed over the group's query heads: sum_d Q+_d max_d + Q-_d min_d with Q+ = sum_j max(q_j, 0), Q- = sum_j min(q_j, 0).
+Pinned blocks (pinned.py) score above every other eligible block, so top-k takes them and fills the rest of its k
+with the best unpinned blocks: the union the native pinned top-k makes.
 """
 from __future__ import annotations
 
 import torch
+
+PINNED_SCORE = 3.0e38  # above any bound of real keys, finite: -inf still marks blocks that must not be chosen
 
 
 class DeviceSummaries:
@@ -15,6 +19,7 @@ class DeviceSummaries:
         # per layer: [slot_cap, Hkv, block_cap, 2, D] fp32; grown by doubling (slots or blocks), never shrunk
         self._s: list[torch.Tensor] = [torch.empty(0, n_kv_heads, 0, 2, head_dim, device=device)
                                        for _ in range(n_layers)]
+        self.version = 0  # bumped when a layer's tensor is reallocated (captured graphs address them)
 
     def bytes_used(self) -> int:
         return sum(t.numel() * 4 for t in self._s)
@@ -28,7 +33,13 @@ class DeviceSummaries:
         grown = torch.zeros(slots, self.hkv, blocks, 2, self.d, device=self.device)
         grown[: s.shape[0], :, : s.shape[2]] = s
         self._s[layer] = grown
+        self.version += 1
         return grown
+
+    def reserve(self, n_layers: int, slot: int, n_blocks: int) -> None:
+        """Room for `slot` and `n_blocks` blocks in every layer, ahead of a captured step that must not grow them."""
+        for layer in range(n_layers):
+            self._ensure(layer, slot, n_blocks)
 
     def append_chunk(self, layer: int, slot: int, start: int, k: torch.Tensor) -> None:
         """Keys k [n, Hkv, D] at positions start..start+n-1 of one sequence (a prefill chunk)."""
@@ -59,15 +70,26 @@ class DeviceSummaries:
         maxs = torch.where(first, kk, torch.maximum(cur[:, :, 1], kk))
         s[slots, :, blk] = torch.stack([mins, maxs], dim=2)
 
-    def select(self, layer: int, qg: torch.Tensor, slots: torch.Tensor, lo_blk: torch.Tensor, hi_blk: torch.Tensor,
-               n_blocks: int, k_max: int) -> torch.Tensor:
-        """qg [B, Hkv, r, D]; slots [B]; lo_blk, hi_blk [B, Hkv]: eligible blocks are [lo, hi). Returns int32
-        [B, Hkv, k_max] block ids, highest score first; only the first min(k, hi - lo) of a row are meaningful."""
-        s = self._s[layer][:, :, :n_blocks][slots]  # [B, Hkv, NB, 2, D]
+    def scores(self, layer: int, qg: torch.Tensor, slots: torch.Tensor, lo_blk: torch.Tensor, hi_blk: torch.Tensor,
+               n_blocks: int, pinned: torch.Tensor | None = None) -> torch.Tensor:
+        """qg [B, Hkv, r, D]; slots [B]; lo_blk, hi_blk [B] or [B, Hkv]: eligible blocks are [lo, hi); pinned bool
+        [B, Hkv, >= n_blocks] or None. Returns fp32 [B, Hkv, NB]: the bound, PINNED_SCORE for an eligible pinned
+        block, -inf for an ineligible one. No host sync: usable inside a captured graph."""
+        s = self._s[layer][:, :, :n_blocks].index_select(0, slots)  # [B, Hkv, NB, 2, D]
         q = qg.float()
         q_pos, q_neg = q.clamp(min=0).sum(2), q.clamp(max=0).sum(2)  # [B, Hkv, D]
         scores = torch.einsum("bhd,bhnd->bhn", q_pos, s[..., 1, :]) + torch.einsum("bhd,bhnd->bhn", q_neg, s[..., 0, :])
         blk = torch.arange(n_blocks, device=qg.device)
-        eligible = (blk >= lo_blk[..., None]) & (blk < hi_blk[..., None])  # [B, Hkv, NB]
-        scores = scores.masked_fill(~eligible, float("-inf"))
+        lo = lo_blk.reshape(lo_blk.shape[0], -1, 1)  # [B, 1 or Hkv, 1]
+        hi = hi_blk.reshape(hi_blk.shape[0], -1, 1)
+        eligible = (blk >= lo) & (blk < hi)  # [B, 1 or Hkv, NB]
+        if pinned is not None:
+            scores = torch.where(pinned[..., :n_blocks], torch.full_like(scores, PINNED_SCORE), scores)
+        return scores.masked_fill(~eligible, float("-inf"))
+
+    def select(self, layer: int, qg: torch.Tensor, slots: torch.Tensor, lo_blk: torch.Tensor, hi_blk: torch.Tensor,
+               n_blocks: int, k_max: int, pinned: torch.Tensor | None = None) -> torch.Tensor:
+        """scores() then top-k: int32 [B, Hkv, k_max] block ids, highest score first; only the first
+        min(k, hi - lo) of a row are meaningful."""
+        scores = self.scores(layer, qg, slots, lo_blk, hi_blk, n_blocks, pinned)
         return scores.topk(min(k_max, n_blocks), dim=-1).indices.to(torch.int32)

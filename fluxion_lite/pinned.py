@@ -82,6 +82,7 @@ class PinnedBlocks:
         # counts: one array for all layers, so a step's pins for every layer's tasks are one gather (table())
         self._ids = np.full((n_layers, 0, n_kv_heads, 0), _NONE, np.int32)
         self._counts = np.zeros((n_layers, 0, n_kv_heads), np.int32)
+        self.version = 0  # bumped whenever a slot's pins change (device_graph.py keeps a device copy)
 
     def observe(self, layer: int, seq_id: int, start: int, q: torch.Tensor) -> None:
         """Keep the last obs_window rows of a prefill chunk's q ([n, Hq, D] at positions start..)."""
@@ -126,6 +127,7 @@ class PinnedBlocks:
             grown_counts[:, : counts.shape[1]] = counts
             self._ids, self._counts = ids, counts = grown, grown_counts
         ids[layer, slot] = _NONE
+        self.version += 1
         for h, p in enumerate(pins):
             ids[layer, slot, h, : len(p)] = p
             counts[layer, slot, h] = len(p)
@@ -138,6 +140,15 @@ class PinnedBlocks:
         if slot < self._ids.shape[1]:
             self._ids[:, slot] = _NONE
             self._counts[:, slot] = 0
+            self.version += 1
+
+    def rows(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
+        """One slot's pins in every layer: ids int32 [L, Hkv, P] (entries past the count are padding), counts
+        int32 [L, Hkv] (0 for a slot never pinned)."""
+        if slot >= self._ids.shape[1]:
+            return np.zeros((self.n_layers, self.n_kv_heads, 0), np.int32), np.zeros((self.n_layers, self.n_kv_heads),
+                                                                                    np.int32)
+        return self._ids[:, slot], self._counts[:, slot]
 
     def any(self, layer: int) -> bool:
         return bool(self._counts[layer].any())

@@ -37,6 +37,7 @@ from .pinned import PinnedBlocks
 from .request_plan import RequestPlanner, RowPlan
 from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan
+from .device_graph import DeviceGraphedDecode
 from .sparse_graph import GraphedDecode
 from .sparse_step import GVALS, DecodeStep, build_step, retrieval_tasks
 from . import zero_copy as zc
@@ -82,8 +83,8 @@ class SparseAttention(AttentionBackend):
         self._dsum: DeviceSummaries | None = None
         # per-request plans from the head-property predictor (request_plan.py); None: the static plan for all
         self.planner: RequestPlanner | None = None
-        # blocks pinned at prefill end by the prompt's own attention (pinned.py); CPU selection, static plan only
-        self.pins = PinnedBlocks(plan) if plan.pin_fraction > 0 and selection == "cpu" else None
+        # blocks pinned at prefill end by the prompt's own attention (pinned.py); static plan only
+        self.pins = PinnedBlocks(plan) if plan.pin_fraction > 0 else None
         if selection == "gpu":
             gs = set(self._g[self._retrieval].tolist())
             if len(gs) > 1:
@@ -125,6 +126,7 @@ class SparseAttention(AttentionBackend):
         self._stream_groups = self._all_groups = 0.0
         self.serial = next(_serials)
         self._graphed = GraphedDecode(self)
+        self._device_graphed: DeviceGraphedDecode | None = None  # made at the first graphable device-selection step
         # block scoring of the native top-k (native.SCORINGS), for the eager and the graphed decode paths alike:
         # the argument, else FLUXION_TOPK, else the plan's (plan files can name it: policy variants)
         env = os.environ.get("FLUXION_TOPK")
@@ -149,15 +151,22 @@ class SparseAttention(AttentionBackend):
                              f"blocks by the group bound)")
         self._topk_scoring = value
 
-    def decode_hooks(self, chunks: list[SeqChunk]) -> GraphedDecode | None:
-        """The captured form of this decode step (sparse_graph.py), or None where it must run eagerly: prefill
-        chunks or a sequence's first decode step, a token still landing in the sink, per-request plans, device-side
-        selection."""
-        if self.selection != "cpu" or self.planner is not None:
+    def decode_hooks(self, chunks: list[SeqChunk]) -> GraphedDecode | DeviceGraphedDecode | None:
+        """The captured form of this decode step (sparse_graph.py; device_graph.py for device-side selection with
+        the zero-copy feeder), or None where it must run eagerly: prefill chunks or a sequence's first decode step,
+        a token still landing in the sink, per-request plans, device selection without the zero-copy feeder."""
+        if self.planner is not None:
             return None
         if any(c.length != 1 or c.seq_id in self._prefilling or c.start < self.sink_cap for c in chunks):
             return None
-        return self._graphed
+        if self.selection == "cpu":
+            return self._graphed
+        if self.executor.feeder is None:
+            return None
+        if self._device_graphed is None:
+            self._device_graphed = DeviceGraphedDecode(self)
+        self._device_graphed.prepare(chunks)
+        return self._device_graphed
 
     def ensure_decode_buffers(self, batch: int) -> None:
         """Pinned q and new-K/V buffers of the eager decode path with room for `batch` rows (grown by doubling)."""
@@ -435,7 +444,7 @@ class SparseAttention(AttentionBackend):
                                                    pin_counts=pin_counts)
             else:
                 q_host = q
-                ids, counts = self._select_on_device(layer, st, qg, bi, h, k_blocks, lo, hi)
+                ids, counts = self._select_on_device(layer, st, qg, bi, h, k_blocks, lo, hi, pinned)
             self._st.cpu_topk_s += time.perf_counter() - t0
             o_r, lse_r = self.executor.run(view, q_host, qg.reshape(B * hkv, r, d), tasks, ids, counts, bi * hkv + h,
                                            B * hkv, self.scale,
@@ -470,8 +479,10 @@ class SparseAttention(AttentionBackend):
         return tasks, (bi, h, k_blocks, lo, hi)
 
     def _select_on_device(self, layer: int, st: DecodeStep, qg: torch.Tensor, bi: np.ndarray, h: np.ndarray,
-                          k_blocks: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k on the device over mirrored summaries; only the chosen block ids come back to the host."""
+                          k_blocks: np.ndarray, lo: np.ndarray, hi: np.ndarray, pinned: bool = False
+                          ) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k on the device over mirrored summaries (pins first, if the layer has any); only the chosen block
+        ids come back to the host."""
         assert self._dsum is not None
         B, hkv, g = st.batch, self.cfg.n_kv_heads, self._dsum.g
         lo_blk, hi_blk = -(-lo // g), hi // g  # eligible blocks lie wholly inside [lo, hi)
@@ -480,7 +491,17 @@ class SparseAttention(AttentionBackend):
         b_dev = torch.from_numpy(bounds).to(self.device, non_blocking=True)
         k_max = max(1, int(k_blocks.max()))
         n_blocks = int(-(-st.n.max() // g))
-        ids = self._dsum.select(layer, qg, st.slots_dev, b_dev[0], b_dev[1], n_blocks, k_max).cpu().numpy()
+        mask = None
+        if pinned:
+            assert self.pins is not None
+            m = np.zeros((B, hkv, n_blocks), bool)
+            for b, slot in enumerate(st.slots.tolist()):
+                ids_p, counts_p = self.pins.rows(slot)
+                for hh in range(hkv):
+                    p = ids_p[layer, hh, : counts_p[layer, hh]]
+                    m[b, hh, p[p < n_blocks]] = True
+            mask = torch.from_numpy(m).to(self.device)
+        ids = self._dsum.select(layer, qg, st.slots_dev, b_dev[0], b_dev[1], n_blocks, k_max, mask).cpu().numpy()
         self._st.pcie_bytes += ids.nbytes
         ids_t = np.ascontiguousarray(ids[bi, h])  # [T, k]
         counts = np.minimum(k_blocks, np.maximum(hi_blk - lo_blk, 0)).astype(np.int32)

@@ -1,0 +1,295 @@
+"""The sparse decode step with selection on the device, captured whole: no host round trip inside a step.
+
+sparse_graph.py keeps top-k and (usually) attention on the CPU, so every layer's device work waits for a D2H of q, the
+native calls and an H2D of the results: at batch 1 on the H200 host that round trip, not bandwidth, sets the step
+time (bench/tpot.py: ~60% of the step is the GPU waiting). Here the retrieval part runs on the device too:
+
+  prologue(layer)  (captured) write the new K/V into the device sink/ring slab and into a staging row for the host
+                   store; update the device block summaries (device_select.DeviceSummaries) with the new key;
+                   streaming attention over sink + window; Quest scores of every block from the summaries, pinned
+                   blocks first, top-k per retrieval group; the selected 16-token chunks read straight from the
+                   pinned host store through the zero-copy alias (zero_copy.py), attention over them -> (o, lse)
+  host(layer)      (eager) one non-blocking D2H of the layer's new K/V into a pinned row; nothing waits
+  epilogue(layer)  (captured) LSE merge of streaming and retrieval parts -> o [B, Hq, D]
+  end()            one sync (the logits are read next anyway), then every layer's new K/V go into the host store
+
+The newest tokens are in the device window, which top-k never selects, so the host store may lag by a step.
+
+Static shapes for capture: a layer's retrieval groups are grouped by their block count k_cap, computed from the
+longest sequence's length rounded up to BUCKET_TOKENS, so the graphs are captured again only when that bucket (or a
+buffer address) changes; each (row, group) then uses the first k of its k_cap ranked blocks, k from its own length
+as the eager path computes it (the extra <= k_cap - k blocks are read over PCIe but masked: counted in the PCIe
+bytes, not in the KV read fraction). Supports the static plan with one block size for all retrieval groups (what
+DeviceSummaries mirrors); anything else runs eagerly.
+"""
+from __future__ import annotations
+
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from . import native
+from .attention import SeqChunk
+from .host_kv import CHUNK_TOKENS
+from .hybrid import biased_attention
+from .sparse_step import DecodeStep, GVALS, retrieval_tasks
+
+if TYPE_CHECKING:
+    from .sparse_attention import SparseAttention
+
+BUCKET_TOKENS = 1024  # k_cap follows the longest sequence in steps of this many tokens (a capture per bucket)
+
+
+def bucket_tokens(n_max: int) -> int:
+    return -(-n_max // BUCKET_TOKENS) * BUCKET_TOKENS
+
+
+class DeviceStep:
+    """Per step structure (batch, k_cap per (layer, group), blocks scanned): the tensors the graphs address."""
+
+    def __init__(self, owner: SparseAttention, batch: int, k_cap: np.ndarray, n_blocks: int, page_cap: int):
+        cfg, dev, store = owner.cfg, owner.device, owner.store
+        hkv, d, n_layers = cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
+        cuda = dev.type == "cuda"
+        self.batch, self.n_blocks, self.k_cap = batch, n_blocks, k_cap  # k_cap: int64 [L, Hkv], 0 = no task
+        self.slots = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] store slots = rows of the device slab
+        self.pos = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] the new token's position
+        self.ring = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] its slot in the ring
+        self.bias = torch.zeros(len(GVALS), batch, owner.sink_cap + owner.ring_cap, dtype=torch.float32, device=dev)
+        self.bounds = torch.zeros(2, batch, dtype=torch.long, device=dev)  # [2, B] eligible blocks [lo, hi)
+        self.k_row = torch.zeros(n_layers, batch, hkv, dtype=torch.long, device=dev)  # [L, B, Hkv] blocks to use
+        self.pinned = torch.zeros(n_layers, batch, hkv, n_blocks, dtype=torch.bool, device=dev)  # [L, B, Hkv, NB]
+        # per layer: each page's first chunk in the zero-copy span, rows = store slots (static copies of the
+        # feeder's tables, refreshed in place when the store's page tables change)
+        self.tables = torch.zeros(n_layers, store.max_seqs, page_cap, dtype=torch.long, device=dev)
+        self.table_keys: list[tuple[int, int]] = [(-1, -1)] * n_layers
+        # per layer: k_cap -> KV heads of the layer with that k_cap (a top-k call each)
+        self.classes: list[list[tuple[int, torch.Tensor]]] = []
+        for layer in range(n_layers):
+            caps = k_cap[layer]
+            self.classes.append([(int(k), torch.from_numpy(np.flatnonzero(caps == k)).to(dev))
+                                 for k in sorted(set(caps[caps > 0].tolist()))])
+        self.o_ret = torch.zeros(batch, hkv, owner.r, d, dtype=torch.float32, device=dev)  # retrieval part
+        self.lse_ret = torch.full((batch, hkv, owner.r), float("-inf"), dtype=torch.float32, device=dev)
+        self.out_s: list[torch.Tensor | None] = [None] * n_layers
+        self.lse_s: list[torch.Tensor | None] = [None] * n_layers
+        # the layer's new K/V for the host store: staged on the device, one D2H per layer into a pinned row
+        self.stage = torch.zeros(batch, 2, hkv, d, dtype=store.dtype, device=dev)  # [B, 2 (k, v), Hkv, D]
+        self.kv_host = torch.zeros(n_layers, batch, 2, hkv, d, dtype=store.dtype, pin_memory=cuda)
+        self.slots32 = np.zeros(batch, np.int32)
+        self.appenders = []
+        for layer in range(n_layers):  # viewed as rows of [Hkv, D]: row 2b is batch row b's k, row 2b + 1 its v
+            rows = self.kv_host[layer].view(2 * batch, hkv, d)
+            self.appenders.append(native.PreparedAppend(store.view(0), self.slots32, np.arange(batch) * 2,
+                                                        rows[: 2 * batch - 1], rows[1:]))
+        self.pins_key: tuple[object, ...] = ()
+
+
+class DeviceGraphedDecode:
+    """DecodeHooks (decode_graphs.py) for SparseAttention with selection='gpu' and zero-copy reads."""
+
+    def __init__(self, owner: SparseAttention):
+        self.a = weakref.proxy(owner)  # graph sets hold this object: they must not keep a dropped backend alive
+        self.serial = owner.serial
+        assert owner._dsum is not None and owner.executor.feeder is not None
+        self.dsum, self.feeder = owner._dsum, owner.executor.feeder
+        self.g = self.dsum.g
+        self.static: dict[tuple[object, ...], DeviceStep] = {}
+        self.ds: DeviceStep | None = None
+        self.st: DecodeStep | None = None
+        self.chunks: list[SeqChunk] = []
+        self._shape: tuple[object, ...] = ()
+        self._t0 = 0.0
+
+    # ---- the step's structure (decode_hooks calls prepare before key) -------------------------------------------
+    def prepare(self, chunks: list[SeqChunk]) -> None:
+        """Sizes of this step's static tensors; grows the summaries and the store's pages first, so nothing the
+        graphs address moves during the step."""
+        a = self.a
+        n_max = max(c.start for c in chunks) + 1
+        nb = bucket_tokens(n_max)
+        self.dsum.reserve(a.cfg.n_layers, max(a._slot[c.seq_id] for c in chunks), nb // self.g)
+        k_cap = np.where(a._retrieval, np.ceil(a._budget * nb / self.g), 0).astype(np.int64)  # [L, Hkv]
+        page_cap = -(-nb // a.store.page_tokens)
+        self._shape = (len(chunks), nb, page_cap, k_cap.tobytes())
+        if self._shape not in self.static:
+            if len(self.static) >= 4:  # an old bucket's buffers go with its graphs
+                self.static.pop(next(iter(self.static)))
+            self.static[self._shape] = DeviceStep(a, len(chunks), k_cap, nb // self.g, page_cap)
+
+    def owner_id(self) -> int:
+        return self.serial
+
+    def key(self, batch: int) -> tuple[object, ...]:
+        """Changes whenever a buffer the captured graphs address was reallocated, or the step's structure changed."""
+        a = self.a
+        self.feeder._refresh(0)  # the span alias follows the store's slabs
+        return ("device", a.serial, self._shape, a._near.data_ptr(), self.dsum.version, a.store.slab_version,
+                id(self.static[self._shape]))
+
+    # ---- per step -------------------------------------------------------------------------------------------------
+    def begin(self, chunks: list[SeqChunk]) -> None:
+        a = self.a
+        self.chunks = chunks
+        for layer in range(a.cfg.n_layers):  # K/V queued by an eager step go in first
+            a._flush(layer)
+        self.st = st = a._step_for(chunks)
+        self.ds = ds = self.static[self._shape]
+        a.store.reserve_decode(st.slots)  # pages for this step's appends, before the tables are copied
+        ds.slots.copy_(st.slots_dev)
+        ds.pos.copy_(st.pos_dev)
+        ds.ring.copy_(st.ring_dev)
+        ds.bias.copy_(st.bias)
+        ds.slots32[:] = st.slots
+        gi = GVALS.index(self.g)
+        lo, hi = st.sink_hi[gi] // self.g, st.win_lo[gi] // self.g  # [B] eligible blocks, as the eager path's
+        ds.bounds.copy_(torch.from_numpy(np.stack([lo, hi])))
+        self._load_tables(ds)
+        self._load_tasks(ds, st)
+        self._load_pins(ds, st)
+        self._t0 = time.perf_counter()
+
+    def _load_tables(self, ds: DeviceStep) -> None:
+        a = self.a
+        for layer in range(a.cfg.n_layers):
+            tkey = (a.store.slab_version, int(a.store.layer_version[layer]))
+            if ds.table_keys[layer] != tkey:
+                _, table = self.feeder._refresh(layer)  # [S, max_pages] chunk index of each page in the span
+                w = min(table.shape[1], ds.tables.shape[2])
+                ds.tables[layer].zero_()
+                ds.tables[layer, : table.shape[0], :w] = table[:, :w]
+                ds.table_keys[layer] = tkey
+
+    def _load_tasks(self, ds: DeviceStep, st: DecodeStep) -> None:
+        """Each (layer, row, group)'s k as the eager path computes it (retrieval_tasks), and the step's counters."""
+        a = self.a
+        n_layers, hkv, B = a.cfg.n_layers, a.cfg.n_kv_heads, st.batch
+        gi = a._gidx[:, None, :]
+        _, li, bi, h, k_blocks, lo, hi = retrieval_tasks(st, gi, a._g[:, None, :], a._retrieval[:, None, :],
+                                                           a._budget[:, None, :])
+        k_row = np.zeros((n_layers, B, hkv), np.int64)
+        k_row[li, bi, h] = np.minimum(k_blocks, ds.k_cap[li, h])
+        ds.k_row.copy_(torch.from_numpy(k_row))
+        eligible = np.maximum(hi // self.g - (-(-lo // self.g)), 0)
+        selected = np.minimum(k_row[li, bi, h], eligible)
+        a._read_tokens += float(st.stream_read[gi, np.arange(B)[None, :, None]].sum()) + float(selected.sum() * self.g)
+        a._context_tokens += float(st.n.sum()) * hkv * n_layers
+        a._stream_groups += float(n_layers * B * hkv - B * a._retrieval.sum())
+        a._all_groups += float(n_layers * B * hkv)
+        fetched = sum(k * len(hs) for row in ds.classes for k, hs in row) * B * self.g  # tokens over PCIe
+        nbytes = float(fetched * a.cfg.head_dim * 2 * 2)
+        a._st.gpu_bytes += nbytes
+        a._st.zero_copy_bytes += nbytes
+
+    def _load_pins(self, ds: DeviceStep, st: DecodeStep) -> None:
+        """The rows' pinned blocks as a mask [L, B, Hkv, NB]; rebuilt only when the rows or their pins changed."""
+        pins = self.a.pins
+        key = (tuple(st.slots.tolist()), None if pins is None else pins.version)
+        if key == ds.pins_key:
+            return
+        ds.pins_key = key
+        mask = np.zeros(ds.pinned.shape, bool)
+        if pins is not None:
+            for b, slot in enumerate(st.slots.tolist()):
+                ids, counts = pins.rows(slot)  # [L, Hkv, P], [L, Hkv]
+                li, h, j = np.nonzero(np.arange(ids.shape[2])[None, None, :] < counts[:, :, None])
+                blk = ids[li, h, j]
+                inside = blk < ds.n_blocks
+                mask[li[inside], b, h[inside], blk[inside]] = True
+        ds.pinned.copy_(torch.from_numpy(mask))
+
+    def end(self) -> None:
+        a, ds = self.a, self.ds
+        assert ds is not None
+        if a.device.type == "cuda":
+            torch.cuda.current_stream(a.device).synchronize()  # the step's end (the logits are read next)
+        for layer in range(a.cfg.n_layers):
+            ds.appenders[layer].run(a.store.view(layer))
+        for c in self.chunks:
+            a._len[c.seq_id] = c.start + c.length
+        a._st.steps += 1
+        step = time.perf_counter() - self._t0
+        a._st.step_s += step
+        a._st.gpu_compute_s += step  # nothing inside the step waits for the host
+
+    # ---- captured pieces -----------------------------------------------------------------------------------------
+    def prologue(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """q [B, Hq, D], k, v [B, Hkv, D] (graph buffers)."""
+        a, ds = self.a, self.ds
+        assert ds is not None
+        B, hkv, r, d = ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
+        near = a._near[layer]  # [slots, 2, Hkv, Ltot, D]
+        kv_new = torch.stack([k, v], dim=1)  # [B, 2, Hkv, D]
+        near[ds.slots, :, :, ds.ring] = kv_new.to(a.dtype)
+        ds.stage.copy_(kv_new)
+        self.dsum.append_tokens(layer, ds.slots, ds.pos, 0, 0, k)  # capacity reserved in prepare()
+        kv = near[ds.slots]  # [B, 2, Hkv, Ltot, D]
+        qg = q.view(B, hkv, r, d)
+        bias = ds.bias[a._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [B, Hkv, 1, Ltot]
+        ds.out_s[layer], ds.lse_s[layer] = biased_attention(qg, kv[:, 0], kv[:, 1], bias, a.scale)
+        if ds.classes[layer]:
+            self._retrieve(layer, qg, ds)
+
+    def _retrieve(self, layer: int, qg: torch.Tensor, ds: DeviceStep) -> None:
+        """Top-k over the device summaries and attention over the chosen chunks, read through the alias."""
+        a = self.a
+        B, hkv, d, g = ds.batch, a.cfg.n_kv_heads, a.cfg.head_dim, self.g
+        scores = self.dsum.scores(layer, qg, ds.slots, ds.bounds[0], ds.bounds[1], ds.n_blocks, ds.pinned[layer])
+        span = self.feeder._span
+        assert span is not None
+        P, cph = a.store.page_tokens, a.store.page_tokens // CHUNK_TOKENS
+        cpb = g // CHUNK_TOKENS
+        table = ds.tables[layer][ds.slots]  # [B, pages]
+        for k_cap, heads in ds.classes[layer]:
+            k_use = min(k_cap, ds.n_blocks)
+            vals, ids = scores[:, heads].topk(k_use, dim=-1)  # [B, Hc, k] best first
+            rank = torch.arange(k_use, device=qg.device)
+            valid = (vals > float("-inf")) & (rank < ds.k_row[layer][:, heads, None])  # [B, Hc, k]
+            t0 = ids[..., None] * g + torch.arange(cpb, device=qg.device) * CHUNK_TOKENS  # [B, Hc, k, cpb]
+            page = torch.div(t0, P, rounding_mode="floor").clamp_(max=table.shape[1] - 1)
+            b_idx = torch.arange(B, device=qg.device)[:, None, None, None]
+            k_idx = table[b_idx, page] + heads[None, :, None, None] * cph + (t0 % P) // CHUNK_TOKENS
+            rows = span.index_select(0, torch.cat([k_idx.reshape(-1), k_idx.reshape(-1) + hkv * cph]))  # PCIe
+            kv = rows.view(a.store.dtype).view(2, B, len(heads), k_use * g, d).float()  # [2, B, Hc, T, D]
+            token_ok = valid[..., None].expand(B, len(heads), k_use, g).reshape(B, len(heads), 1, k_use * g)
+            o, lse = masked_block_attention(qg[:, heads].float(), kv[0], kv[1], token_ok, a.scale)
+            ds.o_ret[:, heads] = o
+            ds.lse_ret[:, heads] = lse
+
+    def epilogue(self, layer: int) -> torch.Tensor:
+        """Merge the streaming and retrieval parts by LSE -> o [B, Hq, D] in the model dtype."""
+        a, ds = self.a, self.ds
+        assert ds is not None
+        B, hkv, r, d = ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
+        out_s, lse_s = ds.out_s[layer], ds.lse_s[layer]
+        assert out_s is not None and lse_s is not None
+        m = torch.maximum(lse_s, ds.lse_ret)  # finite: the streaming part always has tokens
+        w_s, w_r = torch.exp(lse_s - m), torch.exp(ds.lse_ret - m)
+        out = (out_s * w_s[..., None] + ds.o_ret * w_r[..., None]) / (w_s + w_r)[..., None]
+        ds.lse_ret.fill_(float("-inf"))  # groups without a task in the next layer contribute nothing
+        return out.view(B, hkv * r, d).to(a.dtype)
+
+    def host(self, layer: int) -> None:
+        ds = self.ds
+        assert ds is not None
+        ds.kv_host[layer].copy_(ds.stage, non_blocking=True)  # ordered before the next replay overwrites stage
+
+
+def masked_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor, scale: float
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [B, H, r, D], k, v [B, H, T, D] fp32, ok bool [B, H, 1, T] -> out [B, H, r, D], lse [B, H, r]; a row with
+    no valid token gives out 0 and lse -inf (no NaN), as the native kernel's empty selection does. Masked tokens may
+    hold any bits (a padded top-k entry reads whatever block it names): their values are zeroed, not just weighted
+    by 0, since 0 x NaN is NaN."""
+    v = v.masked_fill(~ok.transpose(-1, -2), 0.0)  # ok as [B, H, T, 1]
+    logits = torch.einsum("bhrd,bhtd->bhrt", q, k) * scale
+    logits = logits.masked_fill(~ok, float("-inf"))
+    m = logits.amax(-1, keepdim=True)
+    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
+    p = torch.exp(logits - m)
+    s = p.sum(-1)  # [B, H, r]
+    out = torch.einsum("bhrt,bhtd->bhrd", p, v) / s.clamp_min(1e-30)[..., None]
+    return out, m.squeeze(-1) + torch.log(s)

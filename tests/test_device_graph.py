@@ -1,0 +1,137 @@
+"""The captured device-selection step (device_graph.DeviceGraphedDecode) against the eager device-selection path:
+same logits step by step, same KV read counters, pins honoured, and the graphs captured again only per length
+bucket. On this CPU-only machine the "device" is torch on the CPU and the zero-copy alias is the host memory itself,
+so the code that runs is the one the H200 captures (decode_graphs' segments run eagerly here)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fluxion_lite import device_graph
+from fluxion_lite.decode_graphs import DecodeGraphs
+from fluxion_lite.device_graph import DeviceGraphedDecode, masked_block_attention
+from fluxion_lite.device_select import PINNED_SCORE
+from fluxion_lite.gguf_loader import GGUFModel
+from fluxion_lite.model import Transformer
+from fluxion_lite.scheduler import Costs
+from fluxion_lite.sparse_attention import SparseAttention
+from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from decode_compare import decode_and_compare, prefill
+from test_decode_fastpath import make_cfg, random_weights
+
+COSTS = Costs(cpu_gbs=10.0, gather_gbs=10.0, h2d_gbs=None, zero_copy=True, pcie_read_gbs=10.0)
+
+
+def _models(seed: int) -> tuple[Transformer, Transformer]:
+    cfg = make_cfg("llama", hq=6, hkv=3, d=32)
+    w = random_weights(cfg, seed=seed)
+    eager = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
+    runner = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
+    runner.graphs = DecodeGraphs(runner, capture=False)
+    return eager, runner
+
+
+def _backends(plan: SparsePlan, cfg: object) -> list[SparseAttention]:
+    return [SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, placement="gpu",  # type: ignore[arg-type]
+                            selection="gpu", costs=COSTS, zero_copy=True) for _ in range(2)]
+
+
+@pytest.mark.parametrize("pin_fraction", [0.0, 0.5])
+def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch,
+                                                           pin_fraction: float) -> None:
+    monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)  # k_cap above the rows' own k: the masking is exercised
+    eager, runner = _models(seed=7)
+    cfg = eager.cfg
+    # one block size (what the device summaries mirror), budgets that differ inside a layer, a streaming group
+    groups = [[GroupPlan(False, 16, 0.07), GroupPlan(False, 16, 0.2), GroupPlan(True)],
+              [GroupPlan(False, 16, 0.02), GroupPlan(False, 16, 0.07), GroupPlan(False, 16, 0.5)]]
+    plan = SparsePlan(sink=20, window=33, groups=groups, source="test", pin_fraction=pin_fraction, obs_window=8,
+                      pin_span=2)
+    backends = _backends(plan, cfg)
+    g = torch.Generator().manual_seed(3)
+    lengths = [250, 700, 180]  # the first crosses a 256-token page boundary while decoding, rows differ in k
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    prefill((eager, runner), backends, prompts)
+    decode_and_compare(eager, runner, backends, lengths, 1, g, cfg.vocab_size)  # the first decode step: eager
+    if pin_fraction:  # pinned there, by the prompts' last queries
+        assert backends[1].pins is not None and backends[1].pins.any(0) and backends[1].pins.any(1)
+    for a in backends:
+        a.reset_stats()
+    decode_and_compare(eager, runner, backends, [n + 1 for n in lengths], 8, g, cfg.vocab_size)
+    hooked = backends[1]._device_graphed
+    assert isinstance(hooked, DeviceGraphedDecode) and hooked.ds is not None
+    assert hooked.ds.k_cap.max() > hooked.ds.k_row.max().item()  # padded top-k, masked to each row's k
+    assert bool(hooked.ds.pinned.any()) == bool(pin_fraction)  # the pins reached the device mask
+    s_eager, s_hooked = backends[0].stats(), backends[1].stats()
+    assert s_hooked["kv_read_fraction"] == pytest.approx(s_eager["kv_read_fraction"])
+    assert s_hooked["cpu_topk_ms"] == 0.0 and s_hooked["cpu_attn_ms"] == 0.0  # nothing ran on the host
+    for a in backends:
+        a.flush()
+    for layer in range(cfg.n_layers):  # the host store got every decoded token's K/V, as the eager path's
+        for slot in range(len(lengths)):
+            assert backends[1].store.n_tokens(layer, slot) == backends[0].store.n_tokens(layer, slot)
+            torch.testing.assert_close(backends[1].store.read(layer, slot)[0], backends[0].store.read(layer, slot)[0])
+    for a in backends:
+        a.executor.close()
+
+
+def test_structure_changes_only_per_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)
+    eager, runner = _models(seed=9)
+    plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * 2, source="test")
+    backends = _backends(plan, eager.cfg)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, eager.cfg.vocab_size, (250,), generator=g)]
+    prefill((eager, runner), backends, prompts)
+    decode_and_compare(eager, runner, backends, [250], 10, g, eager.cfg.vocab_size)  # positions 250 .. 259
+    hooked = backends[1]._device_graphed
+    assert hooked is not None
+    # the first step ran eagerly; positions 251-255 share the 256-token bucket, 256-259 the next one
+    assert sorted(shape[1] for shape in hooked.static) == [256, 512]
+    for a in backends:
+        a.executor.close()
+
+
+def test_masked_block_attention_against_float64() -> None:
+    g = torch.Generator().manual_seed(1)
+    B, H, r, T, D = 2, 3, 4, 40, 16
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (r, T, T))
+    ok = torch.rand(B, H, 1, T, generator=g) > 0.4
+    ok[1, 2] = False  # a group with nothing selected
+    out, lse = masked_block_attention(q, k, v, ok, 0.25)
+    logits = torch.einsum("bhrd,bhtd->bhrt", q.double(), k.double()) * 0.25
+    logits = logits.masked_fill(~ok, float("-inf"))
+    want_lse = torch.logsumexp(logits, -1)
+    want = torch.einsum("bhrt,bhtd->bhrd", torch.softmax(logits, -1).nan_to_num(0.0), v.double())
+    live = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse[live].double(), want_lse[live], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out[live].double(), want[live], rtol=1e-5, atol=1e-5)
+    assert torch.isneginf(lse[1, 2]).all() and (out[1, 2] == 0).all() and not out.isnan().any()
+
+
+def test_pinned_blocks_score_first_but_stay_inside_the_eligible_range() -> None:
+    from fluxion_lite.device_select import DeviceSummaries
+
+    ds = DeviceSummaries(1, 2, 8, 16, torch.device("cpu"))
+    k = torch.randn(160, 2, 8, generator=torch.Generator().manual_seed(2))
+    ds.append_chunk(0, 0, 0, k)  # 10 blocks
+    qg = torch.randn(1, 2, 3, 8)
+    pinned = torch.zeros(1, 2, 10, dtype=torch.bool)
+    pinned[0, 0, [1, 4]] = True  # block 1 is below the eligible range: it must stay out
+    lo, hi = torch.tensor([2]), torch.tensor([9])
+    s = ds.scores(0, qg, torch.tensor([0]), lo, hi, 10, pinned)
+    assert s[0, 0, 4] == PINNED_SCORE and torch.isneginf(s[0, 0, [0, 1, 9]]).all()
+    top = ds.select(0, qg, torch.tensor([0]), lo, hi, 10, 3, pinned)
+    assert top[0, 0, 0] == 4
+    # the bound itself: sum over heads of sum_d max(q_d min_d, q_d max_d), checked in float64
+    blocks = k.double().view(10, 16, 2, 8)
+    mn, mx = blocks.amin(1), blocks.amax(1)  # [10, Hkv, D]
+    q64 = qg.double()[0]  # [Hkv, r, D]
+    want = torch.maximum(q64[:, :, None, :] * mn.transpose(0, 1)[:, None], q64[:, :, None, :] * mx.transpose(0, 1)[:, None])
+    want = want.sum(-1).sum(1)  # [Hkv, 10]
+    free = ~pinned[0] & (torch.arange(10) >= 2) & (torch.arange(10) < 9)
+    torch.testing.assert_close(s[0][free].double(), want[free], rtol=1e-5, atol=1e-5)
+    assert np.isfinite(PINNED_SCORE)
