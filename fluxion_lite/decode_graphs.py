@@ -16,7 +16,9 @@ share one memory pool, which is safe because graphs that share a pool are replay
 The RoPE table is sized to the model's context once, so a captured gather never reads a table that was reallocated.
 
 A backend may offer hooks (DecodeHooks, e.g. sparse_graph.GraphedDecode): then its device work before and after the
-host part of attention is captured into the same graphs, and only its host work runs between replays.
+host part of attention is captured into the same graphs, and only its host work runs between replays. Hooks with
+`whole_step` set (device_graph.DeviceGraphedDecode: no host work inside a step) get the whole step as one graph,
+one replay per step, and `after_replay()` instead of host(i).
 """
 from __future__ import annotations
 
@@ -62,6 +64,10 @@ class DecodeHooks(Protocol):
     def end(self) -> None: ...
 
 
+def _whole_step(hooks: DecodeHooks | None) -> bool:
+    return bool(getattr(hooks, "whole_step", False))
+
+
 class _GraphSet:
     """The graphs of one batch size (and, with hooks, one backend state) and their static input/output tensors.
 
@@ -90,6 +96,13 @@ class _GraphSet:
             for seg in self.segments:
                 seg()
         torch.cuda.current_stream(dev).wait_stream(side)
+        if _whole_step(self.hooks):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool):
+                for seg in self.segments:
+                    seg()
+            self.graphs.append(g)
+            return
         for seg in self.segments:
             g = torch.cuda.CUDAGraph()
             with torch.cuda.graph(g, pool=self.pool):
@@ -136,6 +149,12 @@ class _GraphSet:
             self.hooks.begin(chunks)
         if not self.graphs:
             self._capture()
+        if _whole_step(self.hooks):
+            for g in self.graphs:  # one graph (segments one by one where nothing is captured)
+                g.replay()
+            self.hooks.after_replay()  # type: ignore[union-attr]
+            self.hooks.end()  # type: ignore[union-attr]
+            return self.logits.clone()
         self.graphs[0].replay()
         for i in range(self.model.cfg.n_layers):
             if self.hooks is not None:

@@ -4,22 +4,25 @@ sparse_graph.py keeps top-k and (usually) attention on the CPU, so every layer's
 native calls and an H2D of the results: at batch 1 on the H200 host that round trip, not bandwidth, sets the step
 time (bench/tpot.py: ~60% of the step is the GPU waiting). Here the retrieval part runs on the device too:
 
-  prologue(layer)  (captured) write the new K/V into the device sink/ring slab and into a staging row for the host
+  prologue(layer)  write the new K/V into the device sink/ring slab and into the step's staging rows for the host
                    store; update the device block summaries (device_select.DeviceSummaries) with the new key;
                    streaming attention over sink + window; Quest scores of every block from the summaries, pinned
-                   blocks first, top-k per retrieval group; the selected 16-token chunks read straight from the
-                   pinned host store through the zero-copy alias (zero_copy.py), attention over them -> (o, lse)
-  host(layer)      (eager) one non-blocking D2H of the layer's new K/V into a pinned row; nothing waits
-  epilogue(layer)  (captured) LSE merge of streaming and retrieval parts -> o [B, Hq, D]
-  end()            one sync (the logits are read next anyway), then every layer's new K/V go into the host store
+                   blocks first, one top-k for all groups of the layer; the selected 16-token chunks of every group
+                   read with one gather straight from the pinned host store through the zero-copy alias
+                   (zero_copy.py), and one ragged attention over them (softmax per group by segment reductions)
+  epilogue(layer)  LSE merge of streaming and retrieval parts -> o [B, Hq, D]
+  after_replay()   (eager) one non-blocking D2H of every layer's new K/V
+  end()            one sync (the logits are read next anyway), then those K/V go into the host store
 
-The newest tokens are in the device window, which top-k never selects, so the host store may lag by a step.
+All layers are one graph (decode_graphs' whole_step), replayed once per step. The newest tokens are in the device
+window, which top-k never selects, so the host store may lag by a step.
 
-Static shapes for capture: a layer's retrieval groups are grouped by their block count k_cap, computed from the
-longest sequence's length rounded up to BUCKET_TOKENS, so the graphs are captured again only when that bucket (or a
-buffer address) changes; each (row, group) then uses the first k of its k_cap ranked blocks, k from its own length
-as the eager path computes it (the extra <= k_cap - k blocks are read over PCIe but masked: counted in the PCIe
-bytes, not in the KV read fraction). Supports the static plan with one block size for all retrieval groups (what
+Static shapes for capture: each retrieval group's block count k_cap comes from the longest sequence's length rounded
+up to BUCKET_TOKENS, so the graph is captured again only when that bucket (or a buffer address) changes; each (row,
+group) then uses the first k of its k_cap ranked blocks, k from its own length as the eager path computes it (the
+extra <= k_cap - k blocks are read over PCIe but masked: counted in the PCIe bytes, not in the KV read fraction).
+A layer's kernels do not depend on how many groups or budgets it has: groups differ only in how many entries of
+the flat block list they own. Supports the static plan with one block size for all retrieval groups (what
 DeviceSummaries mirrors); anything else runs eagerly.
 """
 from __future__ import annotations
@@ -66,18 +69,23 @@ class DeviceStep:
         # feeder's tables, refreshed in place when the store's page tables change)
         self.tables = torch.zeros(n_layers, store.max_seqs, page_cap, dtype=torch.long, device=dev)
         self.table_keys: list[tuple[int, int]] = [(-1, -1)] * n_layers
-        # per layer: k_cap -> KV heads of the layer with that k_cap (a top-k call each)
-        self.classes: list[list[tuple[int, torch.Tensor]]] = []
+        # per layer: the flat block list, entry i = rank flat_j[i] of group flat_h[i] (k_cap entries per group)
+        self.flat: list[tuple[int, torch.Tensor, torch.Tensor] | None] = []  # (top-k width, flat_h, flat_j)
         for layer in range(n_layers):
-            caps = k_cap[layer]
-            self.classes.append([(int(k), torch.from_numpy(np.flatnonzero(caps == k)).to(dev))
-                                 for k in sorted(set(caps[caps > 0].tolist()))])
+            caps = np.minimum(k_cap[layer], n_blocks)
+            if not caps.any():
+                self.flat.append(None)
+                continue
+            flat_h = np.repeat(np.arange(hkv), caps)
+            flat_j = np.concatenate([np.arange(c) for c in caps])
+            self.flat.append((int(caps.max()), torch.from_numpy(flat_h).to(dev), torch.from_numpy(flat_j).to(dev)))
+        self.fetched_blocks = int(np.minimum(k_cap, n_blocks).sum()) * batch  # per step, over PCIe
         self.o_ret = torch.zeros(batch, hkv, owner.r, d, dtype=torch.float32, device=dev)  # retrieval part
         self.lse_ret = torch.full((batch, hkv, owner.r), float("-inf"), dtype=torch.float32, device=dev)
         self.out_s: list[torch.Tensor | None] = [None] * n_layers
         self.lse_s: list[torch.Tensor | None] = [None] * n_layers
-        # the layer's new K/V for the host store: staged on the device, one D2H per layer into a pinned row
-        self.stage = torch.zeros(batch, 2, hkv, d, dtype=store.dtype, device=dev)  # [B, 2 (k, v), Hkv, D]
+        # every layer's new K/V for the host store: staged on the device, one D2H per step into pinned rows
+        self.stage = torch.zeros(n_layers, batch, 2, hkv, d, dtype=store.dtype, device=dev)  # [L, B, 2, Hkv, D]
         self.kv_host = torch.zeros(n_layers, batch, 2, hkv, d, dtype=store.dtype, pin_memory=cuda)
         self.slots32 = np.zeros(batch, np.int32)
         self.appenders = []
@@ -90,6 +98,8 @@ class DeviceStep:
 
 class DeviceGraphedDecode:
     """DecodeHooks (decode_graphs.py) for SparseAttention with selection='gpu' and zero-copy reads."""
+
+    whole_step = True  # no host work between layers: decode_graphs captures the step as one graph
 
     def __init__(self, owner: SparseAttention):
         self.a = weakref.proxy(owner)  # graph sets hold this object: they must not keep a dropped backend alive
@@ -179,8 +189,7 @@ class DeviceGraphedDecode:
         a._context_tokens += float(st.n.sum()) * hkv * n_layers
         a._stream_groups += float(n_layers * B * hkv - B * a._retrieval.sum())
         a._all_groups += float(n_layers * B * hkv)
-        fetched = sum(k * len(hs) for row in ds.classes for k, hs in row) * B * self.g  # tokens over PCIe
-        nbytes = float(fetched * a.cfg.head_dim * 2 * 2)
+        nbytes = float(ds.fetched_blocks * self.g * a.cfg.head_dim * 2 * 2)  # K and V of every fetched block
         a._st.gpu_bytes += nbytes
         a._st.zero_copy_bytes += nbytes
 
@@ -224,40 +233,52 @@ class DeviceGraphedDecode:
         near = a._near[layer]  # [slots, 2, Hkv, Ltot, D]
         kv_new = torch.stack([k, v], dim=1)  # [B, 2, Hkv, D]
         near[ds.slots, :, :, ds.ring] = kv_new.to(a.dtype)
-        ds.stage.copy_(kv_new)
+        ds.stage[layer].copy_(kv_new)
         self.dsum.append_tokens(layer, ds.slots, ds.pos, 0, 0, k)  # capacity reserved in prepare()
         kv = near[ds.slots]  # [B, 2, Hkv, Ltot, D]
         qg = q.view(B, hkv, r, d)
         bias = ds.bias[a._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [B, Hkv, 1, Ltot]
         ds.out_s[layer], ds.lse_s[layer] = biased_attention(qg, kv[:, 0], kv[:, 1], bias, a.scale)
-        if ds.classes[layer]:
-            self._retrieve(layer, qg, ds)
+        flat = ds.flat[layer]
+        if flat is not None:
+            self._retrieve(layer, qg, ds, *flat)
 
-    def _retrieve(self, layer: int, qg: torch.Tensor, ds: DeviceStep) -> None:
-        """Top-k over the device summaries and attention over the chosen chunks, read through the alias."""
+    def _retrieve(self, layer: int, qg: torch.Tensor, ds: DeviceStep, width: int, flat_h: torch.Tensor,
+                  flat_j: torch.Tensor) -> None:
+        """Top-k over the device summaries and attention over the chosen chunks, read through the alias, for all
+        retrieval groups of the layer at once -> ds.o_ret [B, Hkv, r, D], ds.lse_ret [B, Hkv, r]."""
         a = self.a
-        B, hkv, d, g = ds.batch, a.cfg.n_kv_heads, a.cfg.head_dim, self.g
+        B, hkv, r, d, g = ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim, self.g
+        dev = qg.device
         scores = self.dsum.scores(layer, qg, ds.slots, ds.bounds[0], ds.bounds[1], ds.n_blocks, ds.pinned[layer])
+        vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
+        ids, vals = ids[:, flat_h, flat_j], vals[:, flat_h, flat_j]  # [B, N]: each group's first k_cap
+        valid = (vals > float("-inf")) & (flat_j < ds.k_row[layer][:, flat_h])  # [B, N]
         span = self.feeder._span
         assert span is not None
-        P, cph = a.store.page_tokens, a.store.page_tokens // CHUNK_TOKENS
-        cpb = g // CHUNK_TOKENS
+        P = a.store.page_tokens
+        cph, cpb = P // CHUNK_TOKENS, g // CHUNK_TOKENS  # chunks per head in a page, per block
+        t0 = ids[..., None] * g + torch.arange(cpb, device=dev) * CHUNK_TOKENS  # [B, N, cpb] first token of a chunk
         table = ds.tables[layer][ds.slots]  # [B, pages]
-        for k_cap, heads in ds.classes[layer]:
-            k_use = min(k_cap, ds.n_blocks)
-            vals, ids = scores[:, heads].topk(k_use, dim=-1)  # [B, Hc, k] best first
-            rank = torch.arange(k_use, device=qg.device)
-            valid = (vals > float("-inf")) & (rank < ds.k_row[layer][:, heads, None])  # [B, Hc, k]
-            t0 = ids[..., None] * g + torch.arange(cpb, device=qg.device) * CHUNK_TOKENS  # [B, Hc, k, cpb]
-            page = torch.div(t0, P, rounding_mode="floor").clamp_(max=table.shape[1] - 1)
-            b_idx = torch.arange(B, device=qg.device)[:, None, None, None]
-            k_idx = table[b_idx, page] + heads[None, :, None, None] * cph + (t0 % P) // CHUNK_TOKENS
-            rows = span.index_select(0, torch.cat([k_idx.reshape(-1), k_idx.reshape(-1) + hkv * cph]))  # PCIe
-            kv = rows.view(a.store.dtype).view(2, B, len(heads), k_use * g, d).float()  # [2, B, Hc, T, D]
-            token_ok = valid[..., None].expand(B, len(heads), k_use, g).reshape(B, len(heads), 1, k_use * g)
-            o, lse = masked_block_attention(qg[:, heads].float(), kv[0], kv[1], token_ok, a.scale)
-            ds.o_ret[:, heads] = o
-            ds.lse_ret[:, heads] = lse
+        page = torch.div(t0, P, rounding_mode="floor").clamp_(max=table.shape[1] - 1)
+        k_idx = (table[torch.arange(B, device=dev)[:, None, None], page] + flat_h[None, :, None] * cph
+                 + (t0 % P) // CHUNK_TOKENS)  # [B, N, cpb] chunk rows of K in the span; V is hkv * cph rows on
+        k_idx = k_idx.reshape(-1)
+        rows = span.index_select(0, torch.cat([k_idx, k_idx + hkv * cph]))  # the PCIe read
+        n = flat_h.shape[0]
+        kv = rows.view(a.store.dtype).view(2, B, n, g, d).float()  # [2, B, N, g, D]
+        q = qg.float()[:, flat_h]  # [B, N, r, D]: each block with its group's queries
+        logits = torch.einsum("bnrd,bntd->bnrt", q, kv[0]) * a.scale  # [B, N, r, g]
+        logits = logits.masked_fill(~valid[:, :, None, None], float("-inf"))
+        values = kv[1].masked_fill(~valid[:, :, None, None], 0.0)  # masked blocks may hold any bits: 0 x NaN = NaN
+        idx = flat_h[None, :, None].expand(B, n, r)
+        m = torch.full((B, hkv, r), float("-inf"), device=dev).scatter_reduce(1, idx, logits.amax(-1), "amax")
+        m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))  # [B, Hkv, r]; 0 for a group with nothing
+        p = torch.exp(logits - m[:, flat_h][..., None])  # [B, N, r, g]
+        s = torch.zeros(B, hkv, r, device=dev).index_add_(1, flat_h, p.sum(-1))
+        o = torch.zeros(B, hkv, r, d, device=dev).index_add_(1, flat_h, torch.einsum("bnrt,bntd->bnrd", p, values))
+        ds.o_ret.copy_(o / s.clamp_min(1e-30)[..., None])
+        ds.lse_ret.copy_(m + torch.log(s))  # -inf for a group with nothing selected
 
     def epilogue(self, layer: int) -> torch.Tensor:
         """Merge the streaming and retrieval parts by LSE -> o [B, Hq, D] in the model dtype."""
@@ -272,24 +293,10 @@ class DeviceGraphedDecode:
         ds.lse_ret.fill_(float("-inf"))  # groups without a task in the next layer contribute nothing
         return out.view(B, hkv * r, d).to(a.dtype)
 
-    def host(self, layer: int) -> None:
+    def host(self, layer: int) -> None:  # never called: whole_step
+        raise AssertionError("a whole-step graph has no host work between layers")
+
+    def after_replay(self) -> None:
         ds = self.ds
         assert ds is not None
-        ds.kv_host[layer].copy_(ds.stage, non_blocking=True)  # ordered before the next replay overwrites stage
-
-
-def masked_block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ok: torch.Tensor, scale: float
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q [B, H, r, D], k, v [B, H, T, D] fp32, ok bool [B, H, 1, T] -> out [B, H, r, D], lse [B, H, r]; a row with
-    no valid token gives out 0 and lse -inf (no NaN), as the native kernel's empty selection does. Masked tokens may
-    hold any bits (a padded top-k entry reads whatever block it names): their values are zeroed, not just weighted
-    by 0, since 0 x NaN is NaN."""
-    v = v.masked_fill(~ok.transpose(-1, -2), 0.0)  # ok as [B, H, T, 1]
-    logits = torch.einsum("bhrd,bhtd->bhrt", q, k) * scale
-    logits = logits.masked_fill(~ok, float("-inf"))
-    m = logits.amax(-1, keepdim=True)
-    m = torch.where(torch.isfinite(m), m, torch.zeros_like(m))
-    p = torch.exp(logits - m)
-    s = p.sum(-1)  # [B, H, r]
-    out = torch.einsum("bhrt,bhtd->bhrd", p, v) / s.clamp_min(1e-30)[..., None]
-    return out, m.squeeze(-1) + torch.log(s)
+        ds.kv_host.copy_(ds.stage, non_blocking=True)  # every layer's new K/V, queued after the step's replay
