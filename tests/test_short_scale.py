@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -140,3 +143,26 @@ def test_predicted_read_grows_below_twice_n0_only() -> None:
         assert plan_bytes_fraction(on, n, 64)[0] > plan_bytes_fraction(off, n, 64)[0]
     for n in (2 * N0, 8 * N0):
         assert plan_bytes_fraction(on, n, 64) == plan_bytes_fraction(off, n, 64)
+
+
+def test_plan_variant_sets_keeps_and_checks_the_short_scale(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    base = tmp_path / "base.plan.json"
+    plan(1.7, 8064).save(base)
+    out = tmp_path / "v.plan.json"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(base), "--out", str(out)]
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env, timeout=120)
+
+    assert run().returncode == 0  # no flags: the base plan's scale
+    assert (SparsePlan.load(out).short_scale, SparsePlan.load(out).short_tokens) == (1.7, 8064)
+    done = run("--short-scale", "2", "--short-tokens", "4096")
+    assert done.returncode == 0, done.stderr
+    assert "x2 up to 4096 tokens" in done.stdout
+    assert (SparsePlan.load(out).short_scale, SparsePlan.load(out).short_tokens) == (2.0, 4096)
+    assert SparsePlan.load(out).groups == plan().groups
+    for flag, value in (("--short-scale", "0.5"), ("--short-tokens", "0")):
+        refused = run(flag, value)
+        assert refused.returncode != 0 and flag in refused.stderr
