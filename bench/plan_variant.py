@@ -7,6 +7,8 @@ scaled budget. Feed the result to `bench/ruler_split.py answer --plan FILE` (run
       --pin-fraction 0.5 --out /tmp/g16x06.plan.json
   python bench/plan_variant.py --base models/qwen2.5-coder-0.5b.plan.json --pin-fraction 0.5 --pin-span 2 \
       --out /tmp/span2.plan.json
+  python bench/plan_variant.py --base models/qwen2.5-coder-0.5b.plan.json --pin-fraction 0.75 --pin-span 3 \
+      --short-scale 1.8 --short-tokens 8192 --out /tmp/short.plan.json
 """
 from __future__ import annotations
 
@@ -17,18 +19,24 @@ from dataclasses import replace
 from pathlib import Path
 
 from fluxion_lite.policy import plan_bytes_fraction
-from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, SparsePlan
+from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, SparsePlan, check_short
 
 
 def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str = "group", pin_fraction: float = 0.0,
-            obs_window: int = 32, pin_span: int = 1, pin_decay: float = 1.0) -> SparsePlan:
+            obs_window: int = 32, pin_span: int = 1, pin_decay: float = 1.0, short_scale: float | None = None,
+            short_tokens: int | None = None) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets x budget_scale (capped at 1), the
-    given block scoring, share of pinned blocks and pin span (with its decay)."""
+    given block scoring, share of pinned blocks and pin span (with its decay), and short-context budget scale
+    (SparsePlan.budget_factor; None: the base plan's)."""
+    short_scale = plan.short_scale if short_scale is None else short_scale
+    short_tokens = plan.short_tokens if short_tokens is None else short_tokens
     rows = [[gp if gp.streaming else replace(gp, g=g or gp.g, budget=min(1.0, gp.budget * budget_scale))
              for gp in row] for row in plan.groups]
     source = (f"{plan.source}; retrieval g={g or 'kept'}, budgets x{budget_scale:g}, {scoring} scoring, "
-              f"{pin_fraction:g} pinned" + (f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else ""))
-    return SparsePlan(plan.sink, plan.window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay)
+              f"{pin_fraction:g} pinned" + (f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else "")
+              + (f", short contexts x{short_scale:g} up to {short_tokens}" if short_scale != 1.0 else ""))
+    return SparsePlan(plan.sink, plan.window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
+                      short_scale, short_tokens)
 
 
 def main() -> None:
@@ -45,6 +53,11 @@ def main() -> None:
                     help="each block pinned by mass brings its pin_span - 1 successors, within the same pin count")
     ap.add_argument("--pin-decay", type=float, default=1.0,
                     help="a successor scores this x its predecessor's mass (1: before any lighter block)")
+    ap.add_argument("--short-scale", type=float, default=None,
+                    help="retrieval budgets x this up to --short-tokens of context, x1 from twice that on, linear in "
+                         "log2(context) between (>= 1; default: the base plan's, 1 = off)")
+    ap.add_argument("--short-tokens", type=int, default=None,
+                    help="context up to which --short-scale applies in full (> 0; default: the base plan's)")
     ap.add_argument("--out", required=True, help="where to write the variant plan (.plan.json)")
     args = ap.parse_args()
     if args.budget_scale <= 0:
@@ -55,10 +68,15 @@ def main() -> None:
         sys.exit(f"error: --pin-span must be in [1, {MAX_PIN_SPAN}]")
     if not 0.0 < args.pin_decay <= 1.0:
         sys.exit("error: --pin-decay must be in (0, 1]")
+    try:
+        check_short(1.0 if args.short_scale is None else args.short_scale,
+                    8192 if args.short_tokens is None else args.short_tokens)
+    except ValueError as exc:
+        sys.exit(f"error: --{str(exc).replace('_', '-')}")
     base_path = Path(args.base) if args.base else Path(str(files("fluxion_lite.models"))) / f"{args.model}.plan.json"
     base = SparsePlan.load(base_path)
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
-                  args.pin_decay)
+                  args.pin_decay, args.short_scale, args.short_tokens)
     out.save(Path(args.out))
     print(out.explain())
     for n in (4096, 8192, 16384, 32768):  # head_dim only scales both numerator and denominator

@@ -111,7 +111,7 @@ class PinnedBlocks:
         plan = self.plan
         pins = []
         for h, gp in enumerate(plan.groups[layer]):
-            count = 0 if gp.streaming else int(plan.pin_fraction * np.ceil(gp.budget * n / gp.g))
+            count = int(plan.pin_fraction * plan.block_count(gp, n))  # 0 for a streaming group
             pins.append(pick_pins(mass[h], gp.g, n, plan.sink, plan.window, count, plan.pin_span,
                                   plan.pin_decay))
         self._store(layer, slot, pins)
@@ -159,13 +159,15 @@ class PinnedBlocks:
         count are padding, never read) and counts int32 [T]; a slot never pinned has count 0. layer: one layer for
         all tasks, or each task's layer (int [T]: a whole step's table in the same two gathers)."""
         ids, counts = self._ids, self._counts
-        slot, h = tasks[:, 0], tasks[:, 2]
+        slot, h, k = tasks[:, 0], tasks[:, 2], tasks[:, 4]
+        # a task never gets more pins than its k: with a short-context budget scale (SparsePlan.budget_factor) the
+        # plan's blocks x n can shrink by a block or so as n grows past short_tokens, after the pins were counted
         if len(slot) and int(np.maximum.reduce(slot)) < ids.shape[1]:  # every slot has rows: the usual case
-            return ids[layer, slot, h], counts[layer, slot, h]
+            return ids[layer, slot, h], np.minimum(counts[layer, slot, h], k)
         inside = slot < ids.shape[1]
         at = layer if np.isscalar(layer) else np.asarray(layer)[inside]
         table = np.full((len(slot), ids.shape[3]), _NONE, np.int32)  # [T, P]
         table_counts = np.zeros(len(slot), np.int32)
         table[inside] = ids[at, slot[inside], h[inside]]
         table_counts[inside] = counts[at, slot[inside], h[inside]]
-        return table, table_counts
+        return table, np.minimum(table_counts, k)

@@ -114,7 +114,9 @@ class RequestPlanner:
         ret, g, bud = self._plans[seq_id]
         groups = [[GroupPlan(not bool(ret[i, h]), int(g[i, h]) if ret[i, h] else 16, float(bud[i, h]) if ret[i, h] else 0.0)
                    for h in range(ret.shape[1])] for i in range(ret.shape[0])]
-        return SparsePlan(self.static.sink, self.static.window, groups, source=f"predictor, sequence {seq_id}")
+        st = self.static  # its short-context scale applies to these budgets too (the step's budget_scale)
+        return SparsePlan(st.sink, st.window, groups, source=f"predictor, sequence {seq_id}",
+                          short_scale=st.short_scale, short_tokens=st.short_tokens)
 
     def describe(self) -> str:
         m = self.pred.meta

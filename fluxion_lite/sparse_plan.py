@@ -2,13 +2,35 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import numpy as np
 
 from .errors import ModelFileError
 
 GRANULARITIES = (16, 32, 64, 128)
 MAX_PIN_SPAN = 8  # a span of pinned blocks longer than this would be a dense region, not a needle's value
+DEFAULT_SHORT_TOKENS = 8192
+
+
+def short_factor(n: np.ndarray | int, scale: float, tokens: int) -> np.ndarray:
+    """The short-context multiplier of every retrieval budget at context n (tokens, any shape): `scale` up to
+    `tokens`, 1 from 2 x `tokens` on, linear in log2(n) in between. A needle's answer takes about as many tokens at
+    4K as at 32K, so a fixed fraction of a short context leaves it fewer blocks than a long one does."""
+    n_f = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
+    toward_long = np.clip(np.log2(n_f / tokens), 0.0, 1.0)  # 0 at n <= tokens, 1 at n >= 2 tokens
+    return 1.0 + (scale - 1.0) * (1.0 - toward_long)
+
+
+def check_short(short_scale: object, short_tokens: object) -> None:
+    """ValueError naming the field unless short_scale is a finite number >= 1 and short_tokens an integer > 0."""
+    if isinstance(short_scale, bool) or not isinstance(short_scale, (int, float)) or not math.isfinite(short_scale) \
+            or short_scale < 1.0:
+        raise ValueError(f"short_scale must be a finite number >= 1 (got {short_scale!r})")
+    if type(short_tokens) is not int or short_tokens <= 0:
+        raise ValueError(f"short_tokens must be an integer > 0 (got {short_tokens!r})")
 
 
 @dataclass(frozen=True)
@@ -34,6 +56,27 @@ class SparsePlan:
     # pin_span 1 = the heaviest blocks alone (pinned.pick_pins)
     pin_span: int = 1
     pin_decay: float = 1.0
+    # short contexts get more blocks: every retrieval budget x short_factor(n, short_scale, short_tokens), i.e.
+    # x short_scale up to short_tokens, x 1 from twice that on (1 = off)
+    short_scale: float = 1.0
+    short_tokens: int = DEFAULT_SHORT_TOKENS
+
+    def __post_init__(self) -> None:
+        check_short(self.short_scale, self.short_tokens)
+
+    def budget_factor(self, n: np.ndarray | int) -> np.ndarray:
+        """What every retrieval budget is multiplied by at context n (tokens incl. the new one; any shape)."""
+        return short_factor(n, self.short_scale, self.short_tokens)
+
+    def block_count(self, gp: GroupPlan, n: int) -> int:
+        """Top-k blocks of a retrieval group at context n: ceil(budget x n x budget_factor(n) / g), in the order
+        sparse_step.retrieval_tasks computes it per step, so both round alike (0 for a streaming group)."""
+        if gp.streaming:
+            return 0
+        tokens = gp.budget * n
+        if self.short_scale != 1.0:
+            tokens *= float(self.budget_factor(n))
+        return int(np.ceil(tokens / gp.g))
 
     @classmethod
     def uniform(cls, n_layers: int, n_groups: int, g: int, budget: float, sink: int, window: int) -> "SparsePlan":
@@ -56,6 +99,10 @@ class SparsePlan:
             raise ModelFileError(f"sparse plan: pin_span must be in [1, {MAX_PIN_SPAN}] (got {self.pin_span})")
         if not 0.0 < self.pin_decay <= 1.0:
             raise ModelFileError(f"sparse plan: pin_decay must be in (0, 1] (got {self.pin_decay})")
+        try:
+            check_short(self.short_scale, self.short_tokens)
+        except ValueError as exc:
+            raise ModelFileError(f"sparse plan: {exc}") from exc
 
     def save(self, path: Path) -> None:
         data = {"sink": self.sink, "window": self.window, "source": self.source,
@@ -68,20 +115,25 @@ class SparsePlan:
             data["pin_span"] = self.pin_span
         if self.pin_decay != 1.0:
             data["pin_decay"] = self.pin_decay
+        if self.short_scale != 1.0:
+            data |= {"short_scale": self.short_scale, "short_tokens": self.short_tokens}
         path.write_text(json.dumps(data, indent=1))
 
     @classmethod
     def load(cls, path: Path) -> "SparsePlan":
+        path = Path(path)  # a str path too: its name is the source of a plan file without one
         try:
-            data = json.loads(Path(path).read_text())
+            data = json.loads(path.read_text())
             groups = [[GroupPlan(**gp) for gp in row] for row in data["groups"]]
             pin_span = data.get("pin_span", 1)
             if type(pin_span) is not int:  # 2.5 or "2" would otherwise be truncated or parsed silently
                 raise ValueError(f"pin_span must be an integer (got {pin_span!r})")
+            # checked as stored (check_short in __post_init__): 8192.5 tokens or "2" must not be coerced silently
+            short_scale, short_tokens = data.get("short_scale", 1.0), data.get("short_tokens", DEFAULT_SHORT_TOKENS)
             return cls(int(data["sink"]), int(data["window"]), groups, str(data.get("source", path.name)),
                        float(data.get("pin_fraction", 0.0)), int(data.get("obs_window", 32)),
                        str(data.get("scoring", "group")), pin_span,
-                       float(data.get("pin_decay", 1.0)))
+                       float(data.get("pin_decay", 1.0)), short_scale, short_tokens)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
 
@@ -94,6 +146,9 @@ class SparsePlan:
                          f"(attention of the last {self.obs_window} prompt tokens"
                          + (f", spans of {self.pin_span} blocks, successors x{self.pin_decay:g})"
                             if self.pin_span != 1 else ")"))
+        if self.short_scale != 1.0:
+            lines.append(f"  short contexts: budgets x{self.short_scale:g} up to {self.short_tokens} tokens, x1 from "
+                         f"{2 * self.short_tokens} on (linear in log2 of the context between)")
         for i, row in enumerate(self.groups):
             ret = [gp for gp in row if not gp.streaming]
             desc = ", ".join(f"g={gp.g} b={gp.budget:.3f}" for gp in ret) or "-"

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from . import native
+from .sparse_plan import DEFAULT_SHORT_TOKENS, short_factor
 
 GVALS = (1, 16, 32, 64, 128)  # 1 = a streaming group (exact sink / window); else the group's block size
 
@@ -30,6 +31,8 @@ class DecodeStep:
     ring_dev: torch.Tensor  # int64 [B] its slot in the ring (sink_cap + pos % ring_cap)
     first_slot: int | None  # slots are first_slot .. first_slot + B - 1: the slab is sliced, not gathered
     sink_rows: list[int]  # rows whose new token also belongs in the sink slots (position < sink_cap)
+    # float64 [B]: each row's retrieval budgets x this at its context n (SparsePlan.budget_factor); None = x1
+    budget_scale: np.ndarray | None = None
 
     @property
     def batch(self) -> int:
@@ -37,7 +40,9 @@ class DecodeStep:
 
 
 def build_step(key: tuple[tuple[int, int], ...], slots: list[int], sink: int, window: int, sink_cap: int,
-               ring_cap: int, device: torch.device) -> DecodeStep:
+               ring_cap: int, device: torch.device, short_scale: float = 1.0,
+               short_tokens: int = DEFAULT_SHORT_TOKENS) -> DecodeStep:
+    """short_scale, short_tokens: the plan's short-context budget scale (SparsePlan.budget_factor); 1 = off."""
     pos = np.array([p for _, p in key], np.int64)  # [B]
     n = pos + 1
     slots_a = np.array(slots, np.int64)
@@ -62,22 +67,27 @@ def build_step(key: tuple[tuple[int, int], ...], slots: list[int], sink: int, wi
     contiguous = len(slots) > 0 and bool((np.diff(slots_a) == 1).all())
     return DecodeStep(key, slots_a, n, sink_hi, win_lo, valid.sum(-1).astype(np.float64), bias_d, idx_d[0],
                       idx_d[1], idx_d[2], int(slots_a[0]) if contiguous else None,
-                      [b for b in range(len(pos)) if pos[b] < sink_cap])
+                      [b for b in range(len(pos)) if pos[b] < sink_cap],
+                      short_factor(n, short_scale, short_tokens) if short_scale != 1.0 else None)
 
 
 def retrieval_tasks(st: DecodeStep, gi: np.ndarray, g: np.ndarray, retrieval: np.ndarray, budget: np.ndarray
                     ) -> tuple[np.ndarray, ...]:
     """The retrieval tasks of a step for plan arrays shaped [L', B or 1, Hkv] (row of GVALS, block size, retrieval
     flag, budget per layer, sequence row and group): one task per retrieval group whose gap between the sink and the
-    window holds at least one block, layer-major. Returns the native task table int32 [T, 9] and, per task, the
-    layer index into the L' layers given, sequence row, group, k (blocks), and the gap [lo, hi)."""
+    window holds at least one block, layer-major; a task's k is ceil(budget x n x st.budget_scale / g). Returns the
+    native task table int32 [T, 9] and, per task, the layer index into the L' layers given, sequence row, group,
+    k (blocks), and the gap [lo, hi)."""
     rows = np.arange(st.batch)[None, :, None]  # [1, B, 1]
     lo, hi = st.sink_hi[gi, rows], st.win_lo[gi, rows]  # [L', B, Hkv]
     g_all = np.broadcast_to(g, lo.shape)
     wanted = retrieval & (hi - lo >= g_all)
     li, bi, h = np.nonzero(wanted)
     gh = g_all[li, bi, h]
-    k_blocks = np.ceil(np.broadcast_to(budget, lo.shape)[li, bi, h] * st.n[bi] / gh).astype(np.int64)
+    tokens = np.broadcast_to(budget, lo.shape)[li, bi, h] * st.n[bi]
+    if st.budget_scale is not None:
+        tokens = tokens * st.budget_scale[bi]
+    k_blocks = np.ceil(tokens / gh).astype(np.int64)
     lo_t, hi_t = lo[li, bi, h], hi[li, bi, h]
     tasks = native.make_tasks(st.slots[bi], bi, h, gh, k_blocks, exclude=[(0, lo_t), (hi_t, st.n[bi])])
     return tasks, li, bi, h, k_blocks, lo_t, hi_t
