@@ -122,7 +122,9 @@ class DeviceGraphedDecode:
         n_max = max(c.start for c in chunks) + 1
         nb = bucket_tokens(n_max)
         self.dsum.reserve(a.cfg.n_layers, max(a._slot[c.seq_id] for c in chunks), nb // self.g)
-        k_cap = np.where(a._retrieval, np.ceil(a._budget * nb / self.g), 0).astype(np.int64)  # [L, Hkv]
+        # an upper bound of every row's k in this bucket: the short-context factor only falls as n grows
+        factor = float(a.plan.budget_factor(max(nb - BUCKET_TOKENS + 1, 1)))
+        k_cap = np.where(a._retrieval, np.ceil(a._budget * nb * factor / self.g), 0).astype(np.int64)  # [L, Hkv]
         page_cap = -(-nb // a.store.page_tokens)
         self._shape = (len(chunks), nb, page_cap, k_cap.tobytes())
         if self._shape not in self.static:

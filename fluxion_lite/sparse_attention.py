@@ -349,7 +349,8 @@ class SparseAttention(AttentionBackend):
         key = tuple((c.seq_id, c.start) for c in chunks)
         if self._step is None or self._step.key != key:
             self._step = build_step(key, [self._slot[c.seq_id] for c in chunks], self.plan.sink, self.plan.window,
-                                    self.sink_cap, self.ring_cap, self.device)
+                                    self.sink_cap, self.ring_cap, self.device, self.plan.short_scale,
+                                    self.plan.short_tokens)
         return self._step
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:

@@ -39,17 +39,18 @@ def _backends(plan: SparsePlan, cfg: object) -> list[SparseAttention]:
                             selection="gpu", costs=COSTS, zero_copy=True) for _ in range(2)]
 
 
-@pytest.mark.parametrize("pin_fraction", [0.0, 0.5])
-def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch,
-                                                           pin_fraction: float) -> None:
+@pytest.mark.parametrize("pin_fraction,short_scale", [(0.0, 1.0), (0.5, 1.0), (0.5, 1.6)])
+def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, pin_fraction: float,
+                                                           short_scale: float) -> None:
     monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)  # k_cap above the rows' own k: the masking is exercised
     eager, runner = _models(seed=7)
     cfg = eager.cfg
     # one block size (what the device summaries mirror), budgets that differ inside a layer, a streaming group
     groups = [[GroupPlan(False, 16, 0.07), GroupPlan(False, 16, 0.2), GroupPlan(True)],
               [GroupPlan(False, 16, 0.02), GroupPlan(False, 16, 0.07), GroupPlan(False, 16, 0.5)]]
+    # short_tokens 300: the rows sit below, across and above the short-context scale's ramp
     plan = SparsePlan(sink=20, window=33, groups=groups, source="test", pin_fraction=pin_fraction, obs_window=8,
-                      pin_span=2)
+                      pin_span=2, short_scale=short_scale, short_tokens=300)
     backends = _backends(plan, cfg)
     g = torch.Generator().manual_seed(3)
     lengths = [250, 700, 180]  # the first crosses a 256-token page boundary while decoding, rows differ in k
