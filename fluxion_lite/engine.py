@@ -379,6 +379,8 @@ def make_attention(
                                selection="gpu")
     if mode == "fluxion":
         plan = plan or load_fluxion_plan(model_name, cfg)
+        if os.environ.get("FLUXION_SELECTION", "cpu") == "gpu":  # device_graph.py: no per-layer host round trip
+            return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="gpu", selection="gpu")
         return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="auto")
     raise RequestError(f"attention={mode!r}: supported modes are {', '.join(ATTENTION_MODES)}")
 

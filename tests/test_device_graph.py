@@ -119,3 +119,15 @@ def test_pinned_blocks_score_first_but_stay_inside_the_eligible_range() -> None:
     free = ~pinned[0] & (torch.arange(10) >= 2) & (torch.arange(10) < 9)
     torch.testing.assert_close(s[0][free].double(), want[free], rtol=1e-5, atol=1e-5)
     assert np.isfinite(PINNED_SCORE)
+
+
+def test_fluxion_selects_on_the_device_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fluxion_lite.engine import make_attention
+
+    cfg = make_cfg("llama", hq=6, hkv=3, d=32)
+    plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * cfg.n_layers, source="test")
+    for env, want in (("gpu", "gpu"), ("cpu", "cpu")):
+        monkeypatch.setenv("FLUXION_SELECTION", env)
+        a = make_attention("fluxion", cfg, torch.float32, torch.device("cpu"), 2, "test", plan=plan)
+        assert isinstance(a, SparseAttention) and a.selection == want
+        a.executor.close()
