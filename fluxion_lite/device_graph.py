@@ -27,6 +27,7 @@ DeviceSummaries mirrors); anything else runs eagerly.
 """
 from __future__ import annotations
 
+import itertools
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -37,13 +38,14 @@ import torch
 from . import native
 from .attention import SeqChunk
 from .host_kv import CHUNK_TOKENS
-from .hybrid import biased_attention
+from .hybrid import biased_attention, lse_merge
 from .sparse_step import DecodeStep, GVALS, retrieval_tasks
 
 if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
 
 BUCKET_TOKENS = 1024  # k_cap follows the longest sequence in steps of this many tokens (a capture per bucket)
+_serials = itertools.count()  # names a DeviceStep in graph keys (an id() could be reused after one is dropped)
 
 
 def bucket_tokens(n_max: int) -> int:
@@ -58,6 +60,7 @@ class DeviceStep:
         hkv, d, n_layers = cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
         cuda = dev.type == "cuda"
         self.batch, self.n_blocks, self.k_cap = batch, n_blocks, k_cap  # k_cap: int64 [L, Hkv], 0 = no task
+        self.serial = next(_serials)
         self.slots = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] store slots = rows of the device slab
         self.pos = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] the new token's position
         self.ring = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] its slot in the ring
@@ -116,8 +119,8 @@ class DeviceGraphedDecode:
 
     # ---- the step's structure (decode_hooks calls prepare before key) -------------------------------------------
     def prepare(self, chunks: list[SeqChunk]) -> None:
-        """Sizes of this step's static tensors; grows the summaries and the store's pages first, so nothing the
-        graphs address moves during the step."""
+        """Sizes of this step's static tensors; grows the device summaries first, so nothing the graphs address
+        moves during the step (begin() reserves the host pages, whose tables are copied into fixed tensors)."""
         a = self.a
         n_max = max(c.start for c in chunks) + 1
         nb = bucket_tokens(n_max)
@@ -140,7 +143,7 @@ class DeviceGraphedDecode:
         a = self.a
         self.feeder._refresh(0)  # the span alias follows the store's slabs
         return ("device", a.serial, self._shape, a._near.data_ptr(), self.dsum.version, a.store.slab_version,
-                id(self.static[self._shape]))
+                self.static[self._shape].serial)
 
     # ---- per step -------------------------------------------------------------------------------------------------
     def begin(self, chunks: list[SeqChunk]) -> None:
@@ -289,9 +292,7 @@ class DeviceGraphedDecode:
         B, hkv, r, d = ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
         out_s, lse_s = ds.out_s[layer], ds.lse_s[layer]
         assert out_s is not None and lse_s is not None
-        m = torch.maximum(lse_s, ds.lse_ret)  # finite: the streaming part always has tokens
-        w_s, w_r = torch.exp(lse_s - m), torch.exp(ds.lse_ret - m)
-        out = (out_s * w_s[..., None] + ds.o_ret * w_r[..., None]) / (w_s + w_r)[..., None]
+        out = lse_merge(out_s, lse_s, ds.o_ret, ds.lse_ret)  # lse_s is finite: the streaming part always has tokens
         ds.lse_ret.fill_(float("-inf"))  # groups without a task in the next layer contribute nothing
         return out.view(B, hkv * r, d).to(a.dtype)
 
