@@ -14,7 +14,8 @@ time (bench/tpot.py: ~60% of the step is the GPU waiting). Here the retrieval pa
   after_replay()   (eager) one non-blocking D2H of every layer's new K/V
   end()            one sync (the logits are read next anyway), then those K/V go into the host store
 
-All layers are one graph (decode_graphs' whole_step), replayed once per step. The newest tokens are in the device
+All layers are one graph (decode_graphs' whole_step), replayed once per step (FLUXION_DEVICE_GRAPHS=layer: one graph
+per layer, launched back to back with nothing in between). The newest tokens are in the device
 window, which top-k never selects, so the host store may lag by a step.
 
 Static shapes for capture: each retrieval group's block count k_cap comes from the longest sequence's length rounded
@@ -28,6 +29,7 @@ DeviceSummaries mirrors); anything else runs eagerly.
 from __future__ import annotations
 
 import itertools
+import os
 import time
 import weakref
 from typing import TYPE_CHECKING
@@ -102,9 +104,11 @@ class DeviceStep:
 class DeviceGraphedDecode:
     """DecodeHooks (decode_graphs.py) for SparseAttention with selection='gpu' and zero-copy reads."""
 
-    whole_step = True  # no host work between layers: decode_graphs captures the step as one graph
-
     def __init__(self, owner: SparseAttention):
+        # No host work between layers, so decode_graphs may capture the step as one graph (measured: one ~7.7 ms
+        # cudaGraphLaunch per step on the H200 host). FLUXION_DEVICE_GRAPHS=layer keeps one graph per layer instead,
+        # so launching layer i + 1 overlaps running layer i (host(i) does nothing); not measured yet.
+        self.whole_step = os.environ.get("FLUXION_DEVICE_GRAPHS", "step") != "layer"
         self.a = weakref.proxy(owner)  # graph sets hold this object: they must not keep a dropped backend alive
         self.serial = owner.serial
         assert owner._dsum is not None and owner.executor.feeder is not None
@@ -218,6 +222,8 @@ class DeviceGraphedDecode:
     def end(self) -> None:
         a, ds = self.a, self.ds
         assert ds is not None
+        if not self.whole_step:  # per-layer graphs: after_replay() was not called
+            self.after_replay()
         if a.device.type == "cuda":
             torch.cuda.current_stream(a.device).synchronize()  # the step's end (the logits are read next)
         for layer in range(a.cfg.n_layers):
@@ -296,8 +302,8 @@ class DeviceGraphedDecode:
         ds.lse_ret.fill_(float("-inf"))  # groups without a task in the next layer contribute nothing
         return out.view(B, hkv * r, d).to(a.dtype)
 
-    def host(self, layer: int) -> None:  # never called: whole_step
-        raise AssertionError("a whole-step graph has no host work between layers")
+    def host(self, layer: int) -> None:
+        """Between per-layer replays (FLUXION_DEVICE_GRAPHS=layer): nothing; the new K/V leave after the step."""
 
     def after_replay(self) -> None:
         ds = self.ds

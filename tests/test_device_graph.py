@@ -39,10 +39,12 @@ def _backends(plan: SparsePlan, cfg: object) -> list[SparseAttention]:
                             selection="gpu", costs=COSTS, zero_copy=True) for _ in range(2)]
 
 
-@pytest.mark.parametrize("pin_fraction,short_scale", [(0.0, 1.0), (0.5, 1.0), (0.5, 1.6)])
+@pytest.mark.parametrize("pin_fraction,short_scale,graphs", [(0.0, 1.0, "step"), (0.5, 1.0, "step"),
+                                                              (0.5, 1.6, "step"), (0.5, 1.0, "layer")])
 def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, pin_fraction: float,
-                                                           short_scale: float) -> None:
+                                                           short_scale: float, graphs: str) -> None:
     monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)  # k_cap above the rows' own k: the masking is exercised
+    monkeypatch.setenv("FLUXION_DEVICE_GRAPHS", graphs)  # one graph per step, or one per layer
     eager, runner = _models(seed=7)
     cfg = eager.cfg
     # one block size (what the device summaries mirror), budgets that differ inside a layer, a streaming group
@@ -64,6 +66,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     decode_and_compare(eager, runner, backends, [n + 1 for n in lengths], 8, g, cfg.vocab_size)
     hooked = backends[1]._device_graphed
     assert isinstance(hooked, DeviceGraphedDecode) and hooked.ds is not None
+    assert hooked.whole_step == (graphs == "step")
     assert hooked.ds.k_cap.max() > hooked.ds.k_row.max().item()  # padded top-k, masked to each row's k
     assert bool(hooked.ds.pinned.any()) == bool(pin_fraction)  # the pins reached the device mask
     s_eager, s_hooked = backends[0].stats(), backends[1].stats()
