@@ -49,8 +49,9 @@ SHAPES = {
     "tiny": dict(arch="llama", n_layers=4, d_model=512, d_ff=1024, n_heads=8, n_kv_heads=2, head_dim=64,
                  vocab_size=1000, rope_theta=10000.0, rope_style="interleaved", qkv_bias=False),
 }
-# fluxion-gpu: fluxion's plan with selection and attention on the GPU (device_graph.py), blocks over PCIe
-MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fixed", "gpu-sparse", "full-host")
+# fluxion-gpu: fluxion's plan with selection and attention on the GPU (device_graph.py), blocks over PCIe, one graph
+# per step; fluxion-gpu-layers: the same with one graph per layer (FLUXION_DEVICE_GRAPHS=layer)
+MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-layers", "fixed", "gpu-sparse", "full-host")
 # llama.cpp on the same H200 host, Llama-3.1-8B shape, random F16 GGUF, batch 1, 16 threads (issue 5 / DESIGN.md 7)
 PEER_KV_GPU_MS = {8192: 5.33, 32768: 6.81, 65536: 8.65}
 PEER_KV_HOST_MS = {8192: 68.8, 32768: 230.0, 65536: 508.0}
@@ -131,7 +132,8 @@ def synthetic_pins(attn: SparseAttention, seq: int, context: int, seed: int) -> 
 
 
 def new_attention(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan) -> object:
-    if mode == "fluxion-gpu":
+    if mode.startswith("fluxion-gpu"):
+        os.environ["FLUXION_DEVICE_GRAPHS"] = "layer" if mode == "fluxion-gpu-layers" else "step"
         attn: object = SparseAttention(model.cfg, plan, model.dtype, model.device, max_seqs=batch + 1, placement="gpu",
                                        selection="gpu")
     else:
@@ -245,7 +247,7 @@ def summary_lines(rows: list[dict]) -> list[str]:
     out = []
     by = {(r["mode"], r["context"], r["batch"]): r["tpot_ms"] for r in rows}
     for (mode, ctx, batch), ms in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
-        if mode not in ("fluxion", "fluxion-gpu"):
+        if not mode.startswith("fluxion"):
             continue
         parts = [f"ctx {ctx:>6} batch {batch:>2}: {mode} {ms:8.2f} ms"]
         for other in ("fixed", "full-host", "gpu-sparse", "full-gpu"):
