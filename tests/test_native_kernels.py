@@ -23,8 +23,9 @@ def _cases() -> list[Case]:
                          (128, torch.float16, 128)):
             cases.append(Case(simd, 4, d, g, dt, N_THREADS))
         # the kernels' other register blockings: GQA 2, 5, 6 and more than 8 heads (two passes), and head_dims that
-        # are not a multiple of 32 (AVX-512's 16-wide fallback, AVX2's leftover strips)
-        for ratio, d, g, dt in ((2, 80, 32, torch.bfloat16), (5, 48, 64, torch.float16), (6, 128, 16, torch.bfloat16),
+        # are not a multiple of 32 (AVX-512's 16-wide fallback, AVX2's leftover strips); AVX-512's pv takes 64-wide
+        # strips when head_dim % 64 == 0 and r <= 4 (one head, d = 64), 32-wide ones otherwise (d = 96)
+        for ratio, d, g, dt in ((1, 64, 32, torch.float16), (4, 96, 64, torch.bfloat16), (2, 80, 32, torch.bfloat16), (5, 48, 64, torch.float16), (6, 128, 16, torch.bfloat16),
                                 (12, 64, 128, torch.float16), (2, 128, 64, torch.float16), (1, 80, 16, torch.bfloat16),
                                 (12, 128, 32, torch.bfloat16), (8, 48, 64, torch.bfloat16), (3, 128, 64, torch.bfloat16)):
             cases.append(Case(simd, ratio, d, g, dt, 1))
