@@ -109,6 +109,15 @@ def test_kernels_match_float64_reference(case: Case, settings: None) -> None:
             np.testing.assert_array_equal(k_out[offs[ti]:offs[ti] + len(tok)].float().numpy(), keys[si][tok, h])
             np.testing.assert_array_equal(v_out[offs[ti]:offs[ti] + len(tok)].float().numpy(), values[si][tok, h])
 
+        # block read probe: reads exactly the selected blocks' valid K and V words (wrapping 64-bit sum)
+        want = 0
+        for ti, (si, h) in enumerate(rows):
+            tok = ref.block_tokens(ids[ti, :counts[ti]], g, LENGTHS[si])
+            for rows_f64 in (keys[si][tok, h], values[si][tok, h]):
+                bits = torch.from_numpy(rows_f64).to(case.dtype).view(torch.int16).numpy()
+                want += int(np.frombuffer(bits.tobytes(), np.uint64).sum(dtype=np.uint64))
+        assert native.read_blocks_probe(view, tasks, ids, counts) == want % 2**64
+
 
 @pytest.mark.parametrize("simd", PATHS)
 def test_random_selection_with_partial_block_in_the_middle(simd: str, settings: None) -> None:
