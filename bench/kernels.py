@@ -7,6 +7,9 @@ One run prints a table per thread count and writes bench/results/kernels-<host>.
     before fx_version 4, so GB/s across that change compare at twice the bytes: compare ms/call),
   * gather GB/s: bytes of K and V copied into the (pinned if CUDA) staging buffer / time (bytes read; a copy
     also writes as many), with non-temporal stores (default) and with plain cached stores,
+  * block read: the same selected K and V blocks read the way sparse attention reads them (same work items, order
+    and next-block prefetch) with no compute -- the ceiling of that scattered access pattern on this machine; the
+    attention row's "of block read" is its rate over this one,
   * torch CPU: the same attention with index_select + matmul in torch, same thread count, for comparison,
   * fixed cost: the same attention call with empty selections (Python wrapper + validation + pool dispatch).
 Every timing is the median of --repeats calls after a warm-up call; the ceiling and the kernels are measured in
@@ -148,10 +151,18 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
         native.sparse_attention(store.view(layer), q, tasks, ids_per_layer[layer][0], no_counts, scale, out=out,
                                 lse=lse)
 
-    rounds: dict[str, list[float]] = {"read": [], "attn": [], "topk": [], "gather": [], "gather_cached": []}
+    # (d) the attention's reads alone: same blocks, same work split and prefetch, no compute
+    def blocks_read() -> None:
+        layer = next_layer()
+        ids, counts = ids_per_layer[layer]
+        native.read_blocks_probe(store.view(layer), tasks, ids, counts)
+
+    rounds: dict[str, list[float]] = {"read": [], "attn": [], "topk": [], "gather": [], "gather_cached": [],
+                                      "blocks_read": []}
     for _ in range(args.rounds):
         rounds["read"].append(timed(lambda: native.read_bandwidth_probe(probe_buf, reps), 3))
         rounds["attn"].append(timed(attend, args.repeats))
+        rounds["blocks_read"].append(timed(blocks_read, args.repeats))
         rounds["topk"].append(timed(topk, args.repeats))
         rounds["gather"].append(timed(gather, args.repeats))
         native.set_stream_stores(False)  # outside the timed calls
@@ -159,6 +170,7 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
         native.set_stream_stores(True)
     t_read, t_attn, t_topk, t_gather, t_gather_c = (
         statistics.median(rounds[k]) for k in ("read", "attn", "topk", "gather", "gather_cached"))
+    t_blocks = statistics.median(rounds["blocks_read"])
     t_empty = timed(attend_empty, 200)
     read_gbs = probe_buf.nbytes * reps / t_read / 1e9
     gbs = lambda nbytes, t: nbytes / t / 1e9  # noqa: E731
@@ -171,7 +183,10 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
         "read_GBps": read_gbs,
         "fixed_call_us": t_empty * 1e6,
         "sparse_attention": {"GBps": gbs(kv_bytes, t_attn), "ms": t_attn * 1e3, "bytes": kv_bytes,
-                             "ratio_to_read": gbs(kv_bytes, t_attn) / read_gbs},
+                             "ratio_to_read": gbs(kv_bytes, t_attn) / read_gbs,
+                             "ratio_to_blocks_read": t_blocks / t_attn},
+        "blocks_read": {"GBps": gbs(kv_bytes, t_blocks), "ms": t_blocks * 1e3, "bytes": kv_bytes,
+                        "ratio_to_read": gbs(kv_bytes, t_blocks) / read_gbs},
         "topk": {"GBps": gbs(summary_bytes, t_topk), "ms": t_topk * 1e3, "bytes": summary_bytes,
                  "ratio_to_read": gbs(summary_bytes, t_topk) / read_gbs},
         # GBps counts bytes read; traffic_GBps adds the as many bytes written into the staging buffer.
@@ -276,9 +291,11 @@ def main() -> None:
             print(f"\n[{name}] batch={case.batch} budget={case.budget:.0%} threads={threads} simd={res['simd']}  "
                   f"measured read bandwidth {res['read_GBps']:.1f} GB/s, fixed cost {res['fixed_call_us']:.0f} us/call")
             print(f"  {'kernel':<22}{'GB/s':>8}{'ms/call':>10}{'of read bw':>12}")
-            for kernel in ("sparse_attention", "topk", "gather", "gather_cached_stores"):
+            for kernel in ("sparse_attention", "blocks_read", "topk", "gather", "gather_cached_stores"):
                 r = res[kernel]
                 extra = f"   (read+write {r['traffic_GBps']:.1f} GB/s)" if "traffic_GBps" in r else ""
+                if "ratio_to_blocks_read" in r:
+                    extra = f"   ({r['ratio_to_blocks_read']:.0%} of block read)"
                 print(f"  {kernel:<22}{r['GBps']:>8.1f}{r['ms']:>10.3f}{r['ratio_to_read']:>11.0%}{extra}")
             if "torch_attention" in res:
                 tr = res["torch_attention"]

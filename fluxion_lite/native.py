@@ -874,9 +874,23 @@ def read_bandwidth_probe(buf: Any, repeats: int = 1) -> float:
     return float(lib.fx_read_bandwidth_probe(_ptr(a, "void *"), a.nbytes, int(repeats)))
 
 
+def read_blocks_probe(view: KVView, tasks: Any, ids: Any, counts: Any) -> int:
+    """Read the K and V of the selected blocks as sparse_attention does (same work split, order and prefetch) without
+    computing: the ceiling of that access pattern. Returns the wrapping sum of the 64-bit words read."""
+    t = _tasks_array(tasks)
+    ids_a, counts_a = _selection_arrays(t, ids, counts)
+    checksum = ffi.new("uint64_t *")
+    err = _scratch.err
+    rc = lib.fx_read_blocks_probe(view.struct, _cptr(t), len(t), _cptr(ids_a), _cptr(counts_a), ids_a.shape[1],
+                                  checksum, err)
+    if rc:
+        raise _native_error(rc, err, "read_blocks_probe", view, t, k_cap=ids_a.shape[1], ids=ids_a, counts=counts_a)
+    return int(checksum[0])
+
+
 __all__ = [
     "TASK_FIELDS", "GRANULARITIES", "SIMD_PATHS", "SCORINGS", "KVView", "make_tasks", "append", "summaries_update",
-    "group_topk", "sparse_attention", "gather", "read_bandwidth_probe", "set_threads", "get_threads",
+    "group_topk", "sparse_attention", "gather", "read_bandwidth_probe", "read_blocks_probe", "set_threads", "get_threads",
     "set_simd", "get_simd", "simd_supported", "set_checks", "set_stream_stores", "physical_cores", "page_bytes",
     "gran_mask", "PreparedAppend", "PreparedSelection",
 ]

@@ -1144,3 +1144,99 @@ double fx_read_bandwidth_probe(const void *buf, int64_t n_bytes, int32_t repeats
     fx_pool_run(probe_worker, &J);
     return (double)atomic_load(&J.sum);
 }
+
+/* ---------------------------------------------------------------------------------------- block read probe -- */
+
+typedef struct {
+    const fx_kv_view *kv;
+    const int32_t *tasks, *ids, *counts;
+    int64_t n_tasks;
+    int32_t k_cap, cb;
+    _Atomic int64_t next;
+    _Atomic uint64_t sum;
+} blocks_probe_job;
+
+/* Wrapping sum of the n bytes at src (n a multiple of 8, as every block's bytes are: D is a multiple of 16), one
+ * 64-byte line per step with the next block's prefetch spread over the steps, as the attention kernels spread it. */
+static uint64_t read_sum(const void *src, int64_t n, const void *pf, int64_t pf_lines) {
+    const uint64_t *p = src;
+    int64_t words = n / 8, lines = (n + 63) / 64;
+    uint64_t a[8] = {0};
+    pf_cursor pc = pfc_init(pf, pf_lines, lines);
+    int64_t i = 0;
+    for (int64_t l = 0; l < lines; l++) {
+        pfc_step(&pc);
+        if (i + 8 <= words) {
+            for (int k = 0; k < 8; k++) a[k] += p[i + k];
+            i += 8;
+        } else {
+            for (; i < words; i++) a[0] += p[i];
+        }
+    }
+    uint64_t s = 0;
+    for (int k = 0; k < 8; k++) s += a[k];
+    return s;
+}
+
+/* attn_worker's loop with read_sum in place of the kernels: claim the next item first, prefetch the next block (or
+ * the next item's first block) while reading this one, K then V. */
+static void blocks_probe_worker(void *ctx, int tid, int nthreads) {
+    (void)tid;
+    (void)nthreads;
+    blocks_probe_job *J = ctx;
+    const fx_kv_view *kv = J->kv;
+    int64_t D = kv->head_dim, voff = v_offset(kv);
+    uint64_t sum = 0;
+    cursor c = {0, 0, 0};
+    if (!cursor_seek(&c, atomic_fetch_add(&J->next, 1), J->counts, J->n_tasks, J->cb)) return;
+    for (;;) {
+        cursor nc = c;
+        int has_next = cursor_seek(&nc, atomic_fetch_add(&J->next, 1), J->counts, J->n_tasks, J->cb);
+        const int32_t *t = J->tasks + c.task * FX_TASK_FIELDS;
+        const int32_t *ids = J->ids + c.task * J->k_cap;
+        int slot = t[0], h = t[2], g = t[3];
+        int32_t b0 = (int32_t)(c.chunk * J->cb);
+        int32_t b1 = b0 + J->cb < J->counts[c.task] ? b0 + J->cb : J->counts[c.task];
+        for (int32_t b = b0; b < b1; b++) {
+            int64_t len = block_len(kv, slot, g, ids[b]);
+            const uint16_t *src = k_row(kv, slot, h, (int64_t)ids[b] * g);
+            const uint16_t *next = NULL;
+            int64_t next_lines = 0;
+            if (b + 1 < b1) {
+                next = k_row(kv, slot, h, (int64_t)ids[b + 1] * g);
+                next_lines = (block_len(kv, slot, g, ids[b + 1]) * D * 2 + 63) / 64;
+            } else if (has_next) {
+                const int32_t *nt = J->tasks + nc.task * FX_TASK_FIELDS;
+                int32_t nid = J->ids[nc.task * J->k_cap + nc.chunk * J->cb];
+                next = k_row(kv, nt[0], nt[2], (int64_t)nid * nt[3]);
+                next_lines = (block_len(kv, nt[0], nt[3], nid) * D * 2 + 63) / 64;
+            }
+            sum += read_sum(src, len * D * 2, next, next_lines);
+            sum += read_sum(src + voff, len * D * 2, next ? next + voff : NULL, next_lines);
+        }
+        if (!has_next) break;
+        c = nc;
+    }
+    atomic_fetch_add(&J->sum, sum);
+}
+
+int fx_read_blocks_probe(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const int32_t *ids,
+                         const int32_t *counts, int32_t k_cap, uint64_t *checksum, int64_t *err_index) {
+    *err_index = -1;
+    int rc = check_view(kv);
+    if (rc) return rc;
+    if (k_cap < 0) return FX_E_K;
+    for (int64_t i = 0; i < n_tasks; i++) {
+        const int32_t *t = tasks + i * FX_TASK_FIELDS;
+        *err_index = i;
+        rc = check_task(kv, t, -1, 0);
+        if (!rc) rc = counts[i] < 0 || counts[i] > k_cap ? FX_E_K : FX_OK;
+        if (!rc && g_checks) rc = check_selection(kv, t, ids + i * k_cap, counts[i], k_cap);
+        if (rc) return rc;
+    }
+    *err_index = -1;
+    blocks_probe_job J = {kv, tasks, ids, counts, n_tasks, k_cap, chunk_blocks(counts, n_tasks), 0, 0};
+    fx_pool_run(blocks_probe_worker, &J);
+    *checksum = atomic_load(&J.sum);
+    return FX_OK;
+}

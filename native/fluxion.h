@@ -203,4 +203,12 @@ int fx_gather(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const
 /* ---- bandwidth probe (for bench/kernels.py): sum of n bytes read by the pool, returns a checksum ---- */
 double fx_read_bandwidth_probe(const void *buf, int64_t n_bytes, int32_t repeats);
 
+/* ---- block read probe (for bench/kernels.py): the memory side of fx_sparse_attention alone ----
+ * Reads the K and V of the selected blocks' valid tokens exactly as fx_sparse_attention does (same work items on
+ * the pool, same order, same next-block prefetch) without computing anything: the rate one call reaches is the
+ * ceiling of that access pattern (scattered runs of g * D * 2 bytes) on this machine.  *checksum = the wrapping
+ * sum of all the 64-bit words read.  Tasks, ids and counts as for fx_sparse_attention, validated the same way. */
+int fx_read_blocks_probe(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const int32_t *ids,
+                         const int32_t *counts, int32_t k_cap, uint64_t *checksum, int64_t *err_index);
+
 #endif

@@ -23,8 +23,9 @@ def _cases() -> list[Case]:
                          (128, torch.float16, 128)):
             cases.append(Case(simd, 4, d, g, dt, N_THREADS))
         # the kernels' other register blockings: GQA 2, 5, 6 and more than 8 heads (two passes), and head_dims that
-        # are not a multiple of 32 (AVX-512's 16-wide fallback, AVX2's leftover strips)
-        for ratio, d, g, dt in ((2, 80, 32, torch.bfloat16), (5, 48, 64, torch.float16), (6, 128, 16, torch.bfloat16),
+        # are not a multiple of 32 (AVX-512's 16-wide fallback, AVX2's leftover strips); AVX-512's pv takes 64-wide
+        # strips when head_dim % 64 == 0 and r <= 4 (one head, d = 64), 32-wide ones otherwise (d = 96)
+        for ratio, d, g, dt in ((1, 64, 32, torch.float16), (4, 96, 64, torch.bfloat16), (2, 80, 32, torch.bfloat16), (5, 48, 64, torch.float16), (6, 128, 16, torch.bfloat16),
                                 (12, 64, 128, torch.float16), (2, 128, 64, torch.float16), (1, 80, 16, torch.bfloat16),
                                 (12, 128, 32, torch.bfloat16), (8, 48, 64, torch.bfloat16), (3, 128, 64, torch.bfloat16)):
             cases.append(Case(simd, ratio, d, g, dt, 1))
@@ -107,6 +108,15 @@ def test_kernels_match_float64_reference(case: Case, settings: None) -> None:
             assert toks[ti] == len(tok)
             np.testing.assert_array_equal(k_out[offs[ti]:offs[ti] + len(tok)].float().numpy(), keys[si][tok, h])
             np.testing.assert_array_equal(v_out[offs[ti]:offs[ti] + len(tok)].float().numpy(), values[si][tok, h])
+
+        # block read probe: reads exactly the selected blocks' valid K and V words (wrapping 64-bit sum)
+        want = 0
+        for ti, (si, h) in enumerate(rows):
+            tok = ref.block_tokens(ids[ti, :counts[ti]], g, LENGTHS[si])
+            for rows_f64 in (keys[si][tok, h], values[si][tok, h]):
+                bits = torch.from_numpy(rows_f64).to(case.dtype).view(torch.int16).numpy()
+                want += int(np.frombuffer(bits.tobytes(), np.uint64).sum(dtype=np.uint64))
+        assert native.read_blocks_probe(view, tasks, ids, counts) == want % 2**64
 
 
 @pytest.mark.parametrize("simd", PATHS)
