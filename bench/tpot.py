@@ -350,7 +350,7 @@ def main() -> None:
     if args.check_graphs and graph_runner is not None:
         for mode in ["full-gpu" if m == "full" else m for m in args.modes]:
             print(check_graphs(model, mode, min(args.contexts), min(args.batches), plan), flush=True)
-    hdr = (f"{'mode':<11}{'G':>2}{'ctx':>7}{'B':>3}{'TPOT ms':>9}{'KV read':>8}{'wait%':>7}{'wait ms':>8}{'gpu ms':>7}"
+    hdr = (f"{'mode':<19}{'G':>2}{'ctx':>7}{'B':>3}{'TPOT ms':>9}{'KV read':>8}{'wait%':>7}{'wait ms':>8}{'gpu ms':>7}"
            f"{'topk':>6}{'cpuatt':>7}{'gather':>7}{'PCIe MB':>8}{'GPU%':>5}{'ZC':>3}{'zcGB/s':>7}")
     print(hdr, flush=True)
     rows: list[dict] = []
@@ -379,7 +379,7 @@ def main() -> None:
                             Path(args.kernel_profile) if args.kernel_profile else None)
                 rows.append({"mode": mode, "context": context, "batch": batch,
                              "cuda_graphs": model.graphs is not None, **r})
-                print(f"{mode:<11}{'y' if model.graphs is not None else '-':>2}{context:>7}{batch:>3}{r['tpot_ms']:>9.2f}{r['kv_read_fraction']:>8.3f}"
+                print(f"{mode:<19}{'y' if model.graphs is not None else '-':>2}{context:>7}{batch:>3}{r['tpot_ms']:>9.2f}{r['kv_read_fraction']:>8.3f}"
                       f"{100 * r.get('gpu_wait_ratio', 0):>7.1f}{r.get('gpu_wait_ms', 0):>8.2f}"
                       f"{r.get('gpu_compute_ms', 0):>7.2f}{r.get('cpu_topk_ms', 0):>6.1f}{r.get('cpu_attn_ms', 0):>7.1f}"
                       f"{r.get('gather_ms', 0):>7.1f}{r.get('pcie_mb', 0):>8.1f}{100 * r.get('gpu_byte_fraction', 0):>5.0f}"
