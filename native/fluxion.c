@@ -858,13 +858,35 @@ static void merge_task(attn_job *J, int64_t ti, int64_t first, int64_t nc) {
     }
 }
 
+static inline int64_t block_len(const fx_kv_view *kv, int slot, int g, int32_t id) {
+    int64_t rest = kv->n_tokens[slot] - (int64_t)id * g;
+    return rest < g ? rest : g;
+}
+
+/* The block to prefetch while block b of an item's blocks [.., b1) is read (attention, gather, block-read probe): block
+ * b + 1 of the same item, else the next item's first block (next: its cursor, NULL when there is none), else none.
+ * Returns its K row (NULL for none) and sets *lines to its cache lines (0 for none). */
+static const uint16_t *block_after(const fx_kv_view *kv, const int32_t *tasks, const int32_t *all_ids, int32_t k_cap,
+                                   int32_t cb, const int32_t *t, const int32_t *ids, int32_t b, int32_t b1,
+                                   const cursor *next, int64_t *lines) {
+    int64_t D = kv->head_dim;
+    if (b + 1 < b1) {
+        *lines = (block_len(kv, t[0], t[3], ids[b + 1]) * D * 2 + 63) / 64;
+        return k_row(kv, t[0], t[2], (int64_t)ids[b + 1] * t[3]);
+    }
+    if (next == NULL) {
+        *lines = 0;
+        return NULL;
+    }
+    const int32_t *nt = tasks + next->task * FX_TASK_FIELDS;
+    int32_t nid = all_ids[next->task * k_cap + next->chunk * cb];
+    *lines = (block_len(kv, nt[0], nt[3], nid) * D * 2 + 63) / 64;
+    return k_row(kv, nt[0], nt[2], (int64_t)nid * nt[3]);
+}
+
 /* K row of a work item's first block and its cache-line count (to prefetch across items). */
 static const uint16_t *item_first_block(attn_job *J, const cursor *c, int64_t *lines) {
-    const int32_t *t = J->tasks + c->task * FX_TASK_FIELDS;
-    int32_t id = J->ids[c->task * J->k_cap + c->chunk * J->cb];
-    int64_t n_tok = J->kv->n_tokens[t[0]], t0 = (int64_t)id * t[3];
-    *lines = ((n_tok - t0 < t[3] ? n_tok - t0 : t[3]) * J->kv->head_dim * 2 + 63) / 64;
-    return k_row(J->kv, t[0], t[2], t0);
+    return block_after(J->kv, J->tasks, J->ids, J->k_cap, J->cb, NULL, NULL, 0, 0, c, lines);
 }
 
 /* Each participant claims its next item before working on the current one, so the current item's last block can
@@ -1014,11 +1036,6 @@ typedef struct {
     const fx_kernels *kern;
 } gather_job;
 
-static inline int64_t block_len(const fx_kv_view *kv, int slot, int g, int32_t id) {
-    int64_t rest = kv->n_tokens[slot] - (int64_t)id * g;
-    return rest < g ? rest : g;
-}
-
 /* Plain stores keep the staging buffer in the last-level cache (good when it fits and the GPU's DMA reads from
  * there); non-temporal stores skip the cache (good when it does not). fx_set_stream_stores picks. */
 static int g_stream_stores = 1;
@@ -1058,17 +1075,9 @@ static void gather_worker(void *ctx, int tid, int nthreads) {
         for (int32_t b = b0; b < b1; b++) {
             int64_t len = block_len(kv, slot, g, ids[b]);
             const uint16_t *src = k_row(kv, slot, h, (int64_t)ids[b] * g);
-            const uint16_t *next = NULL;
-            int64_t next_lines = 0;
-            if (b + 1 < b1) {
-                next = k_row(kv, slot, h, (int64_t)ids[b + 1] * g);
-                next_lines = (block_len(kv, slot, g, ids[b + 1]) * D * 2 + 63) / 64;
-            } else if (has_next) {
-                const int32_t *nt = J->tasks + nc.task * FX_TASK_FIELDS;
-                int32_t nid = J->ids[nc.task * J->k_cap + nc.chunk * J->cb];
-                next = k_row(kv, nt[0], nt[2], (int64_t)nid * nt[3]);
-                next_lines = (block_len(kv, nt[0], nt[3], nid) * D * 2 + 63) / 64;
-            }
+            int64_t next_lines;
+            const uint16_t *next = block_after(kv, J->tasks, J->ids, J->k_cap, J->cb, t, ids, b, b1,
+                                               has_next ? &nc : NULL, &next_lines);
             copy(J->k_out + row * D, src, len * D * 2, next, next_lines);
             copy(J->v_out + row * D, src + voff, len * D * 2, next ? next + voff : NULL, next_lines);
             row += len;
@@ -1200,17 +1209,9 @@ static void blocks_probe_worker(void *ctx, int tid, int nthreads) {
         for (int32_t b = b0; b < b1; b++) {
             int64_t len = block_len(kv, slot, g, ids[b]);
             const uint16_t *src = k_row(kv, slot, h, (int64_t)ids[b] * g);
-            const uint16_t *next = NULL;
-            int64_t next_lines = 0;
-            if (b + 1 < b1) {
-                next = k_row(kv, slot, h, (int64_t)ids[b + 1] * g);
-                next_lines = (block_len(kv, slot, g, ids[b + 1]) * D * 2 + 63) / 64;
-            } else if (has_next) {
-                const int32_t *nt = J->tasks + nc.task * FX_TASK_FIELDS;
-                int32_t nid = J->ids[nc.task * J->k_cap + nc.chunk * J->cb];
-                next = k_row(kv, nt[0], nt[2], (int64_t)nid * nt[3]);
-                next_lines = (block_len(kv, nt[0], nt[3], nid) * D * 2 + 63) / 64;
-            }
+            int64_t next_lines;
+            const uint16_t *next = block_after(kv, J->tasks, J->ids, J->k_cap, J->cb, t, ids, b, b1,
+                                               has_next ? &nc : NULL, &next_lines);
             sum += read_sum(src, len * D * 2, next, next_lines);
             sum += read_sum(src + voff, len * D * 2, next ? next + voff : NULL, next_lines);
         }
