@@ -40,8 +40,9 @@ import torch
 from . import native
 from .attention import SeqChunk
 from .host_kv import CHUNK_TOKENS
-from .hybrid import biased_attention, lse_merge
-from .sparse_step import DecodeStep, GVALS, retrieval_tasks
+from .hybrid import lse_merge
+from .sparse_graph import step_tasks, stream_layer
+from .sparse_step import DecodeStep, GVALS
 
 if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
@@ -183,21 +184,16 @@ class DeviceGraphedDecode:
                 ds.table_keys[layer] = tkey
 
     def _load_tasks(self, ds: DeviceStep, st: DecodeStep) -> None:
-        """Each (layer, row, group)'s k as the eager path computes it (retrieval_tasks), and the step's counters."""
+        """Each (layer, row, group)'s k as the host paths compute it (sparse_graph.step_tasks, which also adds the
+        step's streaming and context counters), the tokens it selects, and the bytes fetched over PCIe."""
         a = self.a
-        n_layers, hkv, B = a.cfg.n_layers, a.cfg.n_kv_heads, st.batch
-        gi = a._gidx[:, None, :]
-        _, li, bi, h, k_blocks, lo, hi = retrieval_tasks(st, gi, a._g[:, None, :], a._retrieval[:, None, :],
-                                                           a._budget[:, None, :])
-        k_row = np.zeros((n_layers, B, hkv), np.int64)
-        k_row[li, bi, h] = np.minimum(k_blocks, ds.k_cap[li, h])
+        tasks, _, ends, selected = step_tasks(a, st)  # tasks: int32 [T, 9] (slot, row, group, g, k, ...)
+        layer_of = np.repeat(np.arange(len(ends) - 1), np.diff(ends))  # [T]
+        rows, heads = tasks[:, 1].astype(np.int64), tasks[:, 2].astype(np.int64)
+        k_row = np.zeros(ds.k_row.shape, np.int64)  # [L, B, Hkv]
+        k_row[layer_of, rows, heads] = np.minimum(tasks[:, 4], ds.k_cap[layer_of, heads])
         ds.k_row.copy_(torch.from_numpy(k_row))
-        eligible = np.maximum(hi // self.g - (-(-lo // self.g)), 0)
-        selected = np.minimum(k_row[li, bi, h], eligible)
-        a._read_tokens += float(st.stream_read[gi, np.arange(B)[None, :, None]].sum()) + float(selected.sum() * self.g)
-        a._context_tokens += float(st.n.sum()) * hkv * n_layers
-        a._stream_groups += float(n_layers * B * hkv - B * a._retrieval.sum())
-        a._all_groups += float(n_layers * B * hkv)
+        a._read_tokens += float(selected.sum())
         nbytes = float(ds.fetched_blocks * self.g * a.cfg.head_dim * 2 * 2)  # K and V of every fetched block
         a._st.gpu_bytes += nbytes
         a._st.zero_copy_bytes += nbytes
@@ -209,14 +205,7 @@ class DeviceGraphedDecode:
         if key == ds.pins_key:
             return
         ds.pins_key = key
-        mask = np.zeros(ds.pinned.shape, bool)
-        if pins is not None:
-            for b, slot in enumerate(st.slots.tolist()):
-                ids, counts = pins.rows(slot)  # [L, Hkv, P], [L, Hkv]
-                li, h, j = np.nonzero(np.arange(ids.shape[2])[None, None, :] < counts[:, :, None])
-                blk = ids[li, h, j]
-                inside = blk < ds.n_blocks
-                mask[li[inside], b, h[inside], blk[inside]] = True
+        mask = np.zeros(ds.pinned.shape, bool) if pins is None else pins.mask(st.slots, ds.n_blocks)
         ds.pinned.copy_(torch.from_numpy(mask))
 
     def end(self) -> None:
@@ -240,16 +229,10 @@ class DeviceGraphedDecode:
         """q [B, Hq, D], k, v [B, Hkv, D] (graph buffers)."""
         a, ds = self.a, self.ds
         assert ds is not None
-        B, hkv, r, d = ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
-        near = a._near[layer]  # [slots, 2, Hkv, Ltot, D]
-        kv_new = torch.stack([k, v], dim=1)  # [B, 2, Hkv, D]
-        near[ds.slots, :, :, ds.ring] = kv_new.to(a.dtype)
-        ds.stage[layer].copy_(kv_new)
+        qg, ds.out_s[layer], ds.lse_s[layer] = stream_layer(a, layer, ds.slots, ds.ring, ds.bias, q, k, v)
+        ds.stage[layer, :, 0] = k  # [B, Hkv, D] each, for the host store
+        ds.stage[layer, :, 1] = v
         self.dsum.append_tokens(layer, ds.slots, ds.pos, 0, 0, k)  # capacity reserved in prepare()
-        kv = near[ds.slots]  # [B, 2, Hkv, Ltot, D]
-        qg = q.view(B, hkv, r, d)
-        bias = ds.bias[a._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [B, Hkv, 1, Ltot]
-        ds.out_s[layer], ds.lse_s[layer] = biased_attention(qg, kv[:, 0], kv[:, 1], bias, a.scale)
         flat = ds.flat[layer]
         if flat is not None:
             self._retrieve(layer, qg, ds, *flat)

@@ -142,13 +142,21 @@ class PinnedBlocks:
             self._counts[:, slot] = 0
             self.version += 1
 
-    def rows(self, slot: int) -> tuple[np.ndarray, np.ndarray]:
-        """One slot's pins in every layer: ids int32 [L, Hkv, P] (entries past the count are padding), counts
-        int32 [L, Hkv] (0 for a slot never pinned)."""
-        if slot >= self._ids.shape[1]:
-            return np.zeros((self.n_layers, self.n_kv_heads, 0), np.int32), np.zeros((self.n_layers, self.n_kv_heads),
-                                                                                    np.int32)
-        return self._ids[:, slot], self._counts[:, slot]
+    def mask(self, slots: np.ndarray, n_blocks: int, layer: int | None = None) -> np.ndarray:
+        """The pinned blocks of the given slots as a bool mask for the device-side top-k (device_select.py):
+        [L, B, Hkv, n_blocks], or [B, Hkv, n_blocks] for one layer. Blocks at or past n_blocks and slots never
+        pinned stay False."""
+        ids, counts = self._ids, self._counts
+        layers = np.arange(self.n_layers) if layer is None else np.array([layer])
+        slots = np.asarray(slots, np.int64)
+        out = np.zeros((len(layers), len(slots), self.n_kv_heads, n_blocks), bool)
+        known = np.flatnonzero(slots < ids.shape[1])  # rows whose slot has pin rows
+        if len(known) and ids.shape[3]:
+            sub = ids[layers][:, slots[known]]  # [L', B', Hkv, P]
+            live = (np.arange(ids.shape[3]) < counts[layers][:, slots[known]][..., None]) & (sub < n_blocks)
+            li, bi, h, j = np.nonzero(live)
+            out[li, known[bi], h, sub[li, bi, h, j]] = True
+        return out if layer is None else out[0]
 
     def any(self, layer: int) -> bool:
         return bool(self._counts[layer].any())

@@ -495,13 +495,7 @@ class SparseAttention(AttentionBackend):
         mask = None
         if pinned:
             assert self.pins is not None
-            m = np.zeros((B, hkv, n_blocks), bool)
-            for b, slot in enumerate(st.slots.tolist()):
-                ids_p, counts_p = self.pins.rows(slot)
-                for hh in range(hkv):
-                    p = ids_p[layer, hh, : counts_p[layer, hh]]
-                    m[b, hh, p[p < n_blocks]] = True
-            mask = torch.from_numpy(m).to(self.device)
+            mask = torch.from_numpy(self.pins.mask(st.slots, n_blocks, layer)).to(self.device)
         ids = self._dsum.select(layer, qg, st.slots_dev, b_dev[0], b_dev[1], n_blocks, k_max, mask).cpu().numpy()
         self._st.pcie_bytes += ids.nbytes
         ids_t = np.ascontiguousarray(ids[bi, h])  # [T, k]

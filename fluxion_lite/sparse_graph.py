@@ -89,6 +89,22 @@ def expected_sizes(selected: np.ndarray, ends: list[int]) -> list[tuple[int, int
     return sizes
 
 
+def stream_layer(a: SparseAttention, layer: int, slots: torch.Tensor, ring: torch.Tensor, bias: torch.Tensor,
+                 q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The captured streaming part of a graphed step's layer (this module's and device_graph.py's): the new token's
+    K/V into the device sink/ring slab, attention over sink + window. q [B, Hq, D], k, v [B, Hkv, D]; slots, ring
+    [B] (device slab rows, the token's ring slot); bias fp32 [len(GVALS), B, Ltot] (DecodeStep.bias). Returns
+    qg [B, Hkv, r, D] (a view of q), out_s [B, Hkv, r, D] and lse_s [B, Hkv, r]."""
+    B, hkv, r, d = q.shape[0], a.cfg.n_kv_heads, a.r, a.cfg.head_dim
+    near = a._near[layer]  # [slots, 2, Hkv, Ltot, D]
+    near[slots, :, :, ring] = torch.stack([k, v], dim=1).to(a.dtype)  # [B, 2, Hkv, D]
+    kv = near[slots]  # [B, 2, Hkv, Ltot, D]
+    qg = q.view(B, hkv, r, d)
+    group_bias = bias[a._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
+    out_s, lse_s = biased_attention(qg, kv[:, 0], kv[:, 1], group_bias, a.scale)
+    return qg, out_s, lse_s
+
+
 class StaticStep:
     """Per batch size: the step's index tensors and the result buffers the graphs read and write at fixed addresses."""
 
@@ -231,16 +247,11 @@ class GraphedDecode:
         a, ss = self.a, self.ss
         assert ss is not None
         B, hkv, r, d = ss.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
-        near = a._near[layer]  # [slots, 2, Hkv, Ltot, D]
-        near[ss.slots, :, :, ss.ring] = torch.stack([k, v], dim=1).to(a.dtype)  # [B, 2, Hkv, D]
+        qg, ss.out_s[layer], ss.lse_s[layer] = stream_layer(a, layer, ss.slots, ss.ring, ss.bias, q, k, v)
         hq = a.cfg.n_heads
         ss.stage[:, :hq] = q
         ss.stage[:, hq : hq + hkv] = k
         ss.stage[:, hq + hkv :] = v
-        kv = near[ss.slots]  # [B, 2, Hkv, Ltot, D]
-        qg = q.view(B, hkv, r, d)
-        bias = ss.bias[a._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
-        ss.out_s[layer], ss.lse_s[layer] = biased_attention(qg, kv[:, 0], kv[:, 1], bias, a.scale)
         ss.q[layer] = qg.reshape(B * hkv, r, d)  # the GPU tasks' queries (a copy inside the graph if q is strided)
 
     def epilogue(self, layer: int) -> torch.Tensor:

@@ -116,6 +116,25 @@ def test_table_gathers_each_tasks_pins_for_the_native_top_k() -> None:
     assert not pins._counts[0][2].any() and pins.any(0)
 
 
+def test_mask_marks_each_rows_pins_for_the_device_top_k() -> None:
+    """mask(): True exactly at the stored pins of each row's slot below n_blocks, all layers or one; slots never
+    pinned (inside or past the stored rows) all False."""
+    pins = PinnedBlocks(pin_plan(n_layers=2, n_kv_heads=2, obs_window=4))
+    pinned = {(0, 0, 0): [3, 9, 20], (0, 2, 0): [1], (0, 2, 1): [5, 6, 7, 8], (1, 2, 0): [11]}
+    for layer, slot in ((0, 0), (0, 2), (1, 2)):
+        pins._store(layer, slot, [np.array(pinned.get((layer, slot, h), []), np.int32) for h in range(2)])
+    slots = np.array([2, 1, 0, 7])  # slot 1: no pins; slot 7: past the stored rows
+    m = pins.mask(slots, n_blocks=16)
+    assert m.shape == (2, 4, 2, 16) and m.dtype == bool
+    want = np.zeros_like(m)
+    for (layer, slot, h), blocks in pinned.items():
+        for b in range(len(slots)):
+            if slots[b] == slot:
+                want[layer, b, h, [x for x in blocks if x < 16]] = True  # block 20 lies past n_blocks
+    assert (m == want).all()
+    assert (pins.mask(slots, 16, layer=1) == want[1]).all()
+
+
 def test_observe_keeps_the_last_rows_across_a_short_last_chunk() -> None:
     pins = PinnedBlocks(pin_plan(n_layers=2, n_kv_heads=1, obs_window=8))
     q = torch.arange(20 * 2 * 4, dtype=torch.float32).view(20, 2, 4)
