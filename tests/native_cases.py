@@ -65,3 +65,34 @@ def excluded_ranges(g: int) -> list[list[tuple[int, int]]]:
     """Per ragged_store sequence, the top-k's excluded token ranges: a block-aligned sink + window; an unaligned
     range; two overlapping ranges."""
     return [[(0, g), (LENGTHS[0] - 2 * g, LENGTHS[0])], [(5, 9)], [(40, 200), (100, 300)]]
+
+
+@dataclass
+class TopkSetup:
+    """A top-k test's inputs on the ragged store: one task row per (sequence, KV head), q [S, Hkv r, D] fp32 drawn
+    right after the store from `rng` (which the test may keep drawing from), and excluded_ranges(g)."""
+    case: Case
+    store: HostKVStore
+    view: native.KVView
+    slots: list[int]
+    keys: list[np.ndarray]
+    q: np.ndarray
+    excludes: list[list[tuple[int, int]]]
+    rows: list[tuple[int, int]]  # (sequence index, KV head)
+    rng: np.random.Generator
+
+    def tasks(self, k: int) -> np.ndarray:
+        """The task table asking every row for k blocks."""
+        return np.concatenate([native.make_tasks(self.slots[si], si, h, self.case.g, k, exclude=self.excludes[si])
+                               for si, h in self.rows])
+
+
+def topk_setup(case: Case, seed: object) -> TopkSetup:
+    """Select the case's SIMD path and threads, build the ragged store and q from a generator seeded by `seed`."""
+    native.set_simd(case.simd)
+    native.set_threads(case.threads)
+    rng = np.random.default_rng(hash(seed) % 2**32)
+    store, slots, keys, _ = ragged_store(case.head_dim, case.dtype, rng)
+    q = rng.standard_normal((len(slots), N_KV * case.ratio, case.head_dim), dtype=np.float32)
+    rows = [(si, h) for si in range(len(slots)) for h in range(N_KV)]
+    return TopkSetup(case, store, store.view(0), slots, keys, q, excluded_ranges(case.g), rows, rng)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import native_reference as ref
-from native_cases import Case, LENGTHS, N_KV, N_THREADS, PATHS, excluded_ranges, ragged_store, rotated_cases
+from native_cases import Case, LENGTHS, N_THREADS, PATHS, rotated_cases, topk_setup
 from fluxion_lite import native
 from fluxion_lite.host_kv import HostKVStore
 from per_head_numpy import per_head_topk
@@ -45,22 +45,15 @@ def settings():
 
 @pytest.mark.parametrize("case", _cases(), ids=str)
 def test_per_head_topk_matches_float64_reference(case: Case, settings: None) -> None:
-    native.set_simd(case.simd)
-    native.set_threads(case.threads)
-    rng = np.random.default_rng(hash(str(case)) % 2**32)
-    store, slots, keys, _ = ragged_store(case.head_dim, case.dtype, rng)
-    view = store.view(0)
+    # excluded: a block-aligned sink + window; an unaligned range (the 37-token sequence keeps 0 eligible blocks at
+    # g = 128); two overlapping ranges (native_cases.excluded_ranges)
+    t = topk_setup(case, str(case))
+    keys, q, excludes, rows = t.keys, t.q, t.excludes, t.rows
     g, r, d = case.g, case.ratio, case.head_dim
-    q = rng.standard_normal((len(slots), N_KV * r, d), dtype=np.float32)
-    # block-aligned sink + window; an unaligned range (the 37-token sequence keeps 0 eligible blocks at g = 128);
-    # two overlapping ranges
-    excludes = excluded_ranges(g)
-    rows = [(si, h) for si in range(len(slots)) for h in range(N_KV)]
     n_blocks = [-(-n // g) for n in LENGTHS]
 
     def run(k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        tasks = np.concatenate([native.make_tasks(slots[si], si, h, g, k, exclude=excludes[si]) for si, h in rows])
-        return native.group_topk(view, q, tasks, scoring="per-head")
+        return native.group_topk(t.view, q, t.tasks(k), scoring="per-head")
 
     all_ids, all_scores, all_counts = run(max(n_blocks))  # every eligible block with its score
     for k in sorted({1, 3, max(n_blocks) // 2, max(n_blocks) + 5}):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import native_reference as ref
-from native_cases import Case, LENGTHS, N_KV, PATHS, excluded_ranges, ragged_store, rotated_cases
+from native_cases import Case, LENGTHS, N_KV, PATHS, excluded_ranges, ragged_store, rotated_cases, topk_setup
 from fluxion_lite import native
 from fluxion_lite.host_kv import HostKVStore
 
@@ -53,20 +53,11 @@ def _cases() -> list[tuple[Case, str]]:
 
 @pytest.mark.parametrize("case,scoring", _cases(), ids=lambda x: str(x))
 def test_pinned_topk_matches_the_definition(case: Case, scoring: str, settings: None) -> None:
-    native.set_simd(case.simd)
-    native.set_threads(case.threads)
-    rng = np.random.default_rng(hash((str(case), scoring)) % 2**32)
-    store, slots, keys, _ = ragged_store(case.head_dim, case.dtype, rng)
-    view = store.view(0)
+    t = topk_setup(case, (str(case), scoring))
+    view, keys, q, rows, rng, tasks_with = t.view, t.keys, t.q, t.rows, t.rng, t.tasks
     g, r, d = case.g, case.ratio, case.head_dim
-    q = rng.standard_normal((len(slots), N_KV * r, d), dtype=np.float32)
-    excludes = excluded_ranges(g)
-    rows = [(si, h) for si in range(len(slots)) for h in range(N_KV)]
-    eligible = [ref.eligible_blocks(LENGTHS[si], g, excludes[si]) for si, _ in rows]
+    eligible = [ref.eligible_blocks(LENGTHS[si], g, t.excludes[si]) for si, _ in rows]
     n_blocks = max(-(-n // g) for n in LENGTHS)
-
-    def tasks_with(k: int) -> np.ndarray:
-        return np.concatenate([native.make_tasks(slots[si], si, h, g, k, exclude=excludes[si]) for si, h in rows])
 
     # every eligible block with the kernel's own fp32 score (the scores do not depend on pins)
     all_ids, all_scores, all_counts = native.group_topk(view, q, tasks_with(n_blocks), scoring=scoring)
