@@ -147,6 +147,16 @@ static int check_selection(const fx_kv_view *kv, const int32_t *t, const int32_t
     return FX_OK;
 }
 
+/* One task of a call over selected blocks (sparse attention, gather, block-read probe): its fields, its count
+ * within k_cap, and (with checks on) its block ids. */
+static int check_selected_task(const fx_kv_view *kv, const int32_t *t, int64_t q_rows, const int32_t *ids,
+                               int32_t count, int32_t k_cap) {
+    int rc = check_task(kv, t, q_rows, 0);
+    if (!rc) rc = count < 0 || count > k_cap ? FX_E_K : FX_OK;
+    if (!rc && g_checks) rc = check_selection(kv, t, ids, count, k_cap);
+    return rc;
+}
+
 /* -------------------------------------------------------------------------------------- work-item cursors -- */
 
 /* Participants claim item numbers from a shared counter in increasing order and walk a cursor forward to find
@@ -935,9 +945,7 @@ static int attention_run(const fx_kv_view *kv, const float *q, int64_t q_rows, i
     for (int64_t i = 0; i < n_tasks; i++) {
         const int32_t *t = tasks + i * FX_TASK_FIELDS;
         *err_index = i;
-        rc = check_task(kv, t, q_rows, 0);
-        if (!rc) rc = counts[i] < 0 || counts[i] > k_cap ? FX_E_K : FX_OK;
-        if (!rc && g_checks) rc = check_selection(kv, t, ids + i * k_cap, counts[i], k_cap);
+        rc = check_selected_task(kv, t, q_rows, ids + i * k_cap, counts[i], k_cap);
         if (rc) return rc;
     }
     *err_index = -1;
@@ -1098,9 +1106,7 @@ int fx_gather(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const
     for (int64_t i = 0; i < n_tasks; i++) {
         const int32_t *t = tasks + i * FX_TASK_FIELDS;
         *err_index = i;
-        rc = check_task(kv, t, -1, 0);
-        if (!rc) rc = counts[i] < 0 || counts[i] > k_cap ? FX_E_K : FX_OK;
-        if (!rc && g_checks) rc = check_selection(kv, t, ids + i * k_cap, counts[i], k_cap);
+        rc = check_selected_task(kv, t, -1, ids + i * k_cap, counts[i], k_cap);
         if (rc) return rc;
         int64_t rows = 0;
         for (int32_t b = 0; b < counts[i]; b++) rows += block_len(kv, t[0], t[3], ids[i * k_cap + b]);
@@ -1230,9 +1236,7 @@ int fx_read_blocks_probe(const fx_kv_view *kv, const int32_t *tasks, int64_t n_t
     for (int64_t i = 0; i < n_tasks; i++) {
         const int32_t *t = tasks + i * FX_TASK_FIELDS;
         *err_index = i;
-        rc = check_task(kv, t, -1, 0);
-        if (!rc) rc = counts[i] < 0 || counts[i] > k_cap ? FX_E_K : FX_OK;
-        if (!rc && g_checks) rc = check_selection(kv, t, ids + i * k_cap, counts[i], k_cap);
+        rc = check_selected_task(kv, t, -1, ids + i * k_cap, counts[i], k_cap);
         if (rc) return rc;
     }
     *err_index = -1;
