@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from . import native
+from . import device_kernels, native
 from .attention import SeqChunk
 from .host_kv import CHUNK_TOKENS
 from .hybrid import lse_merge
@@ -58,7 +58,8 @@ def bucket_tokens(n_max: int) -> int:
 class DeviceStep:
     """Per step structure (batch, k_cap per (layer, group), blocks scanned): the tensors the graphs address."""
 
-    def __init__(self, owner: SparseAttention, batch: int, k_cap: np.ndarray, n_blocks: int, page_cap: int):
+    def __init__(self, owner: SparseAttention, batch: int, k_cap: np.ndarray, n_blocks: int, page_cap: int,
+                 fused: bool):
         cfg, dev, store = owner.cfg, owner.device, owner.store
         hkv, d, n_layers = cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
         cuda = dev.type == "cuda"
@@ -86,6 +87,18 @@ class DeviceStep:
             flat_j = np.concatenate([np.arange(c) for c in caps])
             self.flat.append((int(caps.max()), torch.from_numpy(flat_h).to(dev), torch.from_numpy(flat_j).to(dev)))
         self.fetched_blocks = int(np.minimum(k_cap, n_blocks).sum()) * batch  # per step, over PCIe
+        if fused:  # device_kernels: per layer each group's slice of the flat list, and buffers reused by all layers
+            caps = np.minimum(k_cap, n_blocks)  # [L, Hkv]
+            starts = np.cumsum(caps, axis=1) - caps
+            self.caps = torch.from_numpy(caps.astype(np.int64)).to(dev)  # [L, Hkv]
+            self.starts = torch.from_numpy(starts.astype(np.int64)).to(dev)
+            n_max = max(1, int(caps.sum(1).max()))
+            r = owner.r
+            self.scores = torch.empty(batch, hkv, n_blocks, dtype=torch.float32, device=dev)
+            self.part_o = torch.empty(batch, n_max, r, d, dtype=torch.float32, device=dev)  # [B, N, r, D]
+            self.part_m = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
+            self.part_l = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
+            self.out = torch.empty(n_layers, batch, hkv, r, d, dtype=owner.dtype, device=dev)  # per layer: merged
         self.o_ret = torch.zeros(batch, hkv, owner.r, d, dtype=torch.float32, device=dev)  # retrieval part
         self.lse_ret = torch.full((batch, hkv, owner.r), float("-inf"), dtype=torch.float32, device=dev)
         self.out_s: list[torch.Tensor | None] = [None] * n_layers
@@ -110,6 +123,7 @@ class DeviceGraphedDecode:
         # cudaGraphLaunch per step on the H200 host). FLUXION_DEVICE_GRAPHS=layer keeps one graph per layer instead,
         # so launching layer i + 1 overlaps running layer i (host(i) does nothing); not measured yet.
         self.whole_step = os.environ.get("FLUXION_DEVICE_GRAPHS", "step") != "layer"
+        self.fused = device_kernels.enabled(owner.device)  # a few Triton kernels per layer instead of ~100 torch ops
         self.a = weakref.proxy(owner)  # graph sets hold this object: they must not keep a dropped backend alive
         self.serial = owner.serial
         assert owner._dsum is not None and owner.executor.feeder is not None
@@ -138,7 +152,7 @@ class DeviceGraphedDecode:
         if self._shape not in self.static:
             if len(self.static) >= 4:  # an old bucket's buffers go with its graphs
                 self.static.pop(next(iter(self.static)))
-            self.static[self._shape] = DeviceStep(a, len(chunks), k_cap, nb // self.g, page_cap)
+            self.static[self._shape] = DeviceStep(a, len(chunks), k_cap, nb // self.g, page_cap, self.fused)
 
     def owner_id(self) -> int:
         return self.serial
@@ -232,10 +246,32 @@ class DeviceGraphedDecode:
         qg, ds.out_s[layer], ds.lse_s[layer] = stream_layer(a, layer, ds.slots, ds.ring, ds.bias, q, k, v)
         ds.stage[layer, :, 0] = k  # [B, Hkv, D] each, for the host store
         ds.stage[layer, :, 1] = v
-        self.dsum.append_tokens(layer, ds.slots, ds.pos, 0, 0, k)  # capacity reserved in prepare()
         flat = ds.flat[layer]
+        if self.fused:
+            device_kernels.update_summaries(self.dsum.layer(layer), k, ds.slots, ds.pos, self.g)  # room reserved
+            self._retrieve_fused(layer, qg, ds, flat, ds.out_s[layer], ds.lse_s[layer])
+            return
+        self.dsum.append_tokens(layer, ds.slots, ds.pos, 0, 0, k)  # capacity reserved in prepare()
         if flat is not None:
             self._retrieve(layer, qg, ds, *flat)
+
+    def _retrieve_fused(self, layer: int, qg: torch.Tensor, ds: DeviceStep,
+                        flat: tuple[int, torch.Tensor, torch.Tensor] | None, out_s: torch.Tensor | None,
+                        lse_s: torch.Tensor | None) -> None:
+        """_retrieve and the epilogue's merge in device_kernels' kernels -> ds.out[layer] [B, Hkv, r, D]."""
+        assert out_s is not None and lse_s is not None
+        if flat is not None:
+            width, flat_h, flat_j = flat
+            scores = device_kernels.block_scores(qg, self.dsum.layer(layer), ds.slots, ds.bounds, ds.n_blocks,
+                                                 ds.pinned[layer], ds.scores)
+            vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
+            span = self.feeder._span
+            assert span is not None
+            device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
+                                           span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
+                                           self.a.scale, ds.part_o, ds.part_m, ds.part_l)
+        device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], out_s.contiguous(),
+                               lse_s.contiguous(), ds.out[layer])
 
     def _retrieve(self, layer: int, qg: torch.Tensor, ds: DeviceStep, width: int, flat_h: torch.Tensor,
                   flat_j: torch.Tensor) -> None:
@@ -279,6 +315,8 @@ class DeviceGraphedDecode:
         a, ds = self.a, self.ds
         assert ds is not None
         B, hkv, r, d = ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim
+        if self.fused:  # merged by device_kernels.combine in the prologue
+            return ds.out[layer].view(B, hkv * r, d)
         out_s, lse_s = ds.out_s[layer], ds.lse_s[layer]
         assert out_s is not None and lse_s is not None
         out = lse_merge(out_s, lse_s, ds.o_ret, ds.lse_ret)  # lse_s is finite: the streaming part always has tokens

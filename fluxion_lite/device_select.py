@@ -21,6 +21,10 @@ class DeviceSummaries:
                                        for _ in range(n_layers)]
         self.version = 0  # bumped when a layer's tensor is reallocated (captured graphs address them)
 
+    def layer(self, layer: int) -> torch.Tensor:
+        """The layer's summaries [slot_cap, Hkv, block_cap, 2, D] fp32 (device_kernels reads and updates them)."""
+        return self._s[layer]
+
     def bytes_used(self) -> int:
         return sum(t.numel() * 4 for t in self._s)
 

@@ -39,10 +39,16 @@ def _backends(plan: SparsePlan, cfg: object) -> list[SparseAttention]:
                             selection="gpu", costs=COSTS, zero_copy=True) for _ in range(2)]
 
 
-@pytest.mark.parametrize("pin_fraction,short_scale,graphs", [(0.0, 1.0, "step"), (0.5, 1.0, "step"),
-                                                              (0.5, 1.6, "step"), (0.5, 1.0, "layer")])
+@pytest.mark.parametrize("pin_fraction,short_scale,graphs,fused", [
+    (0.0, 1.0, "step", False), (0.5, 1.0, "step", False), (0.5, 1.6, "step", False), (0.5, 1.0, "layer", False),
+    (0.5, 1.6, "step", True)])
 def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, pin_fraction: float,
-                                                           short_scale: float, graphs: str) -> None:
+                                                           short_scale: float, graphs: str, fused: bool) -> None:
+    if fused:  # device_kernels' Triton kernels (the interpreter's, without CUDA) instead of the torch ops
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            pytest.skip("this test's device is the CPU: compiled Triton kernels need CUDA tensors")
+    monkeypatch.setenv("FLUXION_TRITON", "1" if fused else "0")
     monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)  # k_cap above the rows' own k: the masking is exercised
     monkeypatch.setenv("FLUXION_DEVICE_GRAPHS", graphs)  # one graph per step, or one per layer
     eager, runner = _models(seed=7)
@@ -66,7 +72,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     decode_and_compare(eager, runner, backends, [n + 1 for n in lengths], 8, g, cfg.vocab_size)
     hooked = backends[1]._device_graphed
     assert isinstance(hooked, DeviceGraphedDecode) and hooked.ds is not None
-    assert hooked.whole_step == (graphs == "step")
+    assert hooked.whole_step == (graphs == "step") and hooked.fused == fused
     assert hooked.ds.k_cap.max() > hooked.ds.k_row.max().item()  # padded top-k, masked to each row's k
     assert bool(hooked.ds.pinned.any()) == bool(pin_fraction)  # the pins reached the device mask
     s_eager, s_hooked = backends[0].stats(), backends[1].stats()

@@ -1,0 +1,213 @@
+"""Fused Triton kernels for the device-selection decode step (device_graph.py): a few kernels per layer, not ~100.
+
+Why: on the H200 host the graphed step spent ~10 of its ~22 ms (llama3.1-8b shape, 32K, batch 1) in ~130 small
+torch kernels per layer (index arithmetic, masks, segment softmax, LSE merge), each costing a few microseconds even
+inside a CUDA graph. The same work in four kernels:
+
+  update_summaries  the new key into the fp32 min/max block summaries          (was ~12 torch kernels)
+  block_scores      Quest bound of every block, pins and the eligible range    (was ~20)
+  block_attention   one program per (row, selected block): its g tokens read straight from the pinned host store
+                    through the zero-copy alias, the group's r query heads -> partial (o, max, sum)   (was ~60,
+                    together with the combine)
+  combine           per (row, group, head): the partials and the streaming part merged by LSE -> output in the
+                    model dtype
+
+torch.topk stays between block_scores and block_attention. Layouts are device_graph's and device_select's:
+  q           [B, Hkv, r, D] (any strides)               summaries [slots, Hkv, blocks, 2, D] fp32 (min, max)
+  span        [chunks, CHUNK_TOKENS * D] store dtype: a page is Hkv * cph chunks of K then Hkv * cph chunks of V
+  tables      [slots, pages] int64: the span row of each page's first chunk
+  flat list   entry i = rank flat_j[i] of group flat_h[i]; a group's entries are contiguous (starts/caps)
+
+Used on CUDA when Triton imports (FLUXION_TRITON=0 turns it off; =1 forces it on any device, which with
+TRITON_INTERPRET=1 runs the kernels on the CPU: that is how the tests check them against the torch path).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .device_select import PINNED_SCORE
+from .host_kv import CHUNK_TOKENS
+
+try:  # Triton ships with CUDA builds of torch; the CPU wheel has none (then device_graph keeps its torch path)
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None  # type: ignore[assignment]
+
+
+def enabled(device: torch.device) -> bool:
+    """Whether device_graph should use these kernels on `device`."""
+    flag = os.environ.get("FLUXION_TRITON", "")
+    if triton is None or flag == "0":
+        return False
+    return flag == "1" or device.type == "cuda"
+
+
+def _pow2(n: int, floor: int = 1) -> int:
+    return max(floor, 1 << max(0, (n - 1).bit_length()))
+
+
+if triton is not None:
+    @triton.jit
+    def _update_summaries_kernel(s_ptr, k_ptr, slots_ptr, pos_ptr, HKV, s_slot, s_head, s_blk, k_row, k_head,
+                                 G: tl.constexpr, D: tl.constexpr):
+        pid = tl.program_id(0)  # = b * HKV + h
+        b, h = pid // HKV, pid % HKV
+        dd = tl.arange(0, D)
+        slot = tl.load(slots_ptr + b)
+        pos = tl.load(pos_ptr + b)
+        key = tl.load(k_ptr + b * k_row + h * k_head + dd).to(tl.float32)  # [D]
+        base = s_ptr + slot * s_slot + h * s_head + (pos // G) * s_blk + dd
+        first = (pos % G) == 0  # a new block: its old contents are stale
+        lo = tl.where(first, key, tl.minimum(tl.load(base), key))
+        hi = tl.where(first, key, tl.maximum(tl.load(base + D), key))
+        tl.store(base, lo)
+        tl.store(base + D, hi)
+
+    @triton.jit
+    def _block_scores_kernel(q_ptr, s_ptr, slots_ptr, bounds_ptr, pin_ptr, out_ptr, B, HKV, R, NB,
+                             q_b, q_h, q_r, s_slot, s_head, s_blk, pin_b, pin_h,
+                             D: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PINS: tl.constexpr,
+                             PINNED: tl.constexpr):
+        pid = tl.program_id(0)  # = b * HKV + h
+        b, h = pid // HKV, pid % HKV
+        rr, dd = tl.arange(0, R_PAD), tl.arange(0, D)
+        q = tl.load(q_ptr + b * q_b + h * q_h + rr[:, None] * q_r + dd[None, :], mask=rr[:, None] < R,
+                    other=0.0).to(tl.float32)  # [R_PAD, D]
+        q_pos = tl.sum(tl.maximum(q, 0.0), axis=0)  # [D]: the bound summed over the group's heads
+        q_neg = tl.sum(tl.minimum(q, 0.0), axis=0)
+        nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        inside = nn < NB
+        slot = tl.load(slots_ptr + b)
+        base = s_ptr + slot * s_slot + h * s_head + nn[:, None] * s_blk + dd[None, :]
+        mins = tl.load(base, mask=inside[:, None], other=0.0)  # [BLOCK_N, D]
+        maxs = tl.load(base + D, mask=inside[:, None], other=0.0)
+        score = tl.sum(maxs * q_pos[None, :] + mins * q_neg[None, :], axis=1)  # [BLOCK_N]
+        if HAS_PINS:
+            pinned = tl.load(pin_ptr + b * pin_b + h * pin_h + nn, mask=inside, other=0)
+            score = tl.where(pinned != 0, PINNED, score)
+        lo = tl.load(bounds_ptr + b)
+        hi = tl.load(bounds_ptr + B + b)
+        score = tl.where((nn >= lo) & (nn < hi), score, float("-inf"))
+        tl.store(out_ptr + pid * NB + nn, score, mask=inside)
+
+    @triton.jit
+    def _block_attention_kernel(q_ptr, ids_ptr, vals_ptr, flat_h_ptr, flat_j_ptr, krow_ptr, slots_ptr, tab_ptr,
+                                span_ptr, o_ptr, m_ptr, l_ptr, N, HKV, R, WIDTH, PAGES, PAGE_TOKENS, CPH, scale,
+                                q_b, q_h, q_r, tab_slot,
+                                D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr):
+        i, b = tl.program_id(0), tl.program_id(1)  # flat entry i of batch row b
+        h = tl.load(flat_h_ptr + i)
+        j = tl.load(flat_j_ptr + i)
+        blk = tl.load(ids_ptr + (b * HKV + h) * WIDTH + j)
+        valid = (tl.load(vals_ptr + (b * HKV + h) * WIDTH + j) > float("-inf")) & (j < tl.load(krow_ptr + b * HKV + h))
+        rr, dd, tt = tl.arange(0, R_PAD), tl.arange(0, D), tl.arange(0, G)
+        tok = blk * G + tt  # [G] absolute positions
+        page = tl.minimum(tok // PAGE_TOKENS, PAGES - 1)
+        slot = tl.load(slots_ptr + b)
+        live = (tt * 0 + valid.to(tl.int32)) > 0  # [G]: a masked entry reads nothing
+        first = tl.load(tab_ptr + slot * tab_slot + page, mask=live, other=0)  # [G]
+        k_off = ((first + h * CPH + (tok % PAGE_TOKENS) // CHUNK) * CHUNK + tok % CHUNK) * D  # [G] K row starts
+        v_off = k_off + HKV * CPH * CHUNK * D  # V chunks follow the page's K chunks
+        k = tl.load(span_ptr + k_off[:, None] + dd[None, :], mask=live[:, None], other=0.0)  # [G, D]: PCIe read
+        v = tl.load(span_ptr + v_off[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+        q = tl.load(q_ptr + b * q_b + h * q_h + rr[:, None] * q_r + dd[None, :], mask=rr[:, None] < R, other=0.0)
+        # fp32 products (the dots are [R_PAD, D] x [D, G]: tiny next to the PCIe read, so no tensor-core formats)
+        logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [R_PAD, G]
+        m = tl.max(logits, axis=1)  # [R_PAD]
+        p = tl.exp(logits - m[:, None])
+        l_sum = tl.sum(p, axis=1)
+        o = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [R_PAD, D], not yet divided by l_sum
+        m = tl.where(valid, m, float("-inf"))
+        l_sum = tl.where(valid, l_sum, 0.0)
+        o = tl.where(valid, o, 0.0)
+        row = (b * N + i) * R + rr  # partials: [B, N, R(, D)]
+        tl.store(m_ptr + row, m, mask=rr < R)
+        tl.store(l_ptr + row, l_sum, mask=rr < R)
+        tl.store(o_ptr + row[:, None] * D + dd[None, :], o, mask=rr[:, None] < R)
+
+    @triton.jit
+    def _combine_kernel(o_ptr, m_ptr, l_ptr, starts_ptr, caps_ptr, os_ptr, lses_ptr, out_ptr, N, HKV, R,
+                        D: tl.constexpr, TILE: tl.constexpr):
+        pid = tl.program_id(0)  # = (b * HKV + h) * R + r
+        r = pid % R
+        bh = pid // R
+        b, h = bh // HKV, bh % HKV
+        dd, ee = tl.arange(0, D), tl.arange(0, TILE)
+        # the streaming part first: its lse is finite (sink and window always hold tokens), so the running max is
+        # never -inf and a group without retrieval entries simply keeps it
+        run_m = tl.load(lses_ptr + pid)
+        run_l = tl.full((), 1.0, tl.float32)
+        acc = tl.load(os_ptr + pid * D + dd)  # [D], normalised: weight exp(lse_s - run_m) = 1
+        start = tl.load(starts_ptr + h)
+        cap = tl.load(caps_ptr + h)
+        for e0 in range(0, cap, TILE):
+            e = start + e0 + ee  # [TILE]
+            inside = (e0 + ee) < cap
+            row = (b * N + e) * R + r
+            m = tl.load(m_ptr + row, mask=inside, other=float("-inf"))
+            new_m = tl.maximum(run_m, tl.max(m, axis=0))
+            w = tl.exp(m - new_m)  # [TILE], 0 for -inf (invalid or outside)
+            old = tl.exp(run_m - new_m)
+            run_l = run_l * old + tl.sum(w * tl.load(l_ptr + row, mask=inside, other=0.0), axis=0)
+            o = tl.load(o_ptr + row[:, None] * D + dd[None, :], mask=inside[:, None], other=0.0)  # [TILE, D]
+            acc = acc * old + tl.sum(w[:, None] * o, axis=0)
+            run_m = new_m
+        tl.store(out_ptr + pid * D + dd, (acc / run_l).to(out_ptr.dtype.element_ty))
+
+
+def update_summaries(s: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, g: int) -> None:
+    """s [slots, Hkv, blocks, 2, D] fp32 (room reserved); k [B, Hkv, D]; slots, pos [B] int64."""
+    B, hkv, d = k.shape
+    assert s.stride(4) == 1 and s.stride(3) == d and k.stride(2) == 1
+    _update_summaries_kernel[(B * hkv,)](s, k, slots, pos, hkv, s.stride(0), s.stride(1), s.stride(2),
+                                         k.stride(0), k.stride(1), G=g, D=d)
+
+
+def block_scores(q: torch.Tensor, s: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, n_blocks: int,
+                 pinned: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """device_select.DeviceSummaries.scores in one kernel: q [B, Hkv, r, D]; s the layer's summaries; bounds [2, B]
+    int64 eligible blocks [lo, hi); pinned bool [B, Hkv, >= n_blocks] or None; out fp32 [B, Hkv, n_blocks]."""
+    B, hkv, r, d = q.shape
+    assert q.stride(3) == 1 and s.stride(4) == 1 and bounds.is_contiguous() and out.is_contiguous()
+    pins = pinned.view(torch.uint8) if pinned is not None else out  # any pointer when there are no pins
+    block_n = 32
+    _block_scores_kernel[(B * hkv, triton.cdiv(n_blocks, block_n))](
+        q, s, slots, bounds, pins, out, B, hkv, r, n_blocks, q.stride(0), q.stride(1), q.stride(2),
+        s.stride(0), s.stride(1), s.stride(2), pins.stride(0) if pinned is not None else 0,
+        pins.stride(1) if pinned is not None else 0,
+        D=d, R_PAD=_pow2(r), BLOCK_N=block_n, HAS_PINS=pinned is not None, PINNED=PINNED_SCORE)
+    return out
+
+
+def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat_h: torch.Tensor,
+                    flat_j: torch.Tensor, k_row: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                    span: torch.Tensor, page_tokens: int, g: int, scale: float,
+                    part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor) -> None:
+    """Partial attention of each (row, flat entry): q [B, Hkv, r, D]; ids, vals [B, Hkv, width] (top-k of the
+    scores); flat_h, flat_j [N] int64; k_row [B, Hkv] int64 (entries with rank >= k are masked); tables [slots,
+    pages]; span [chunks, CHUNK_TOKENS * D] in the store dtype. Writes part_o [B, >= N, r, D], part_m, part_l
+    [B, >= N, r] fp32, entries 0..N-1 (m = -inf, l = 0, o = 0 for a masked entry)."""
+    B, hkv, r, d = q.shape
+    n, width = flat_h.shape[0], ids.shape[2]
+    assert ids.is_contiguous() and vals.is_contiguous() and k_row.is_contiguous() and tables.stride(1) == 1
+    assert span.is_contiguous() and span.shape[1] == CHUNK_TOKENS * d and g % CHUNK_TOKENS == 0
+    cph = page_tokens // CHUNK_TOKENS
+    assert part_m.shape[1] >= n and part_o.is_contiguous() and part_m.is_contiguous() and part_l.is_contiguous()
+    _block_attention_kernel[(n, B)](  # the partials' row stride is their capacity (shared by all layers), not n
+        q, ids, vals, flat_h, flat_j, k_row, slots, tables, span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
+        tables.shape[1], page_tokens, cph, scale, q.stride(0), q.stride(1), q.stride(2), tables.stride(0),
+        D=d, G=g, R_PAD=_pow2(r, 16), CHUNK=CHUNK_TOKENS)
+
+
+def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, starts: torch.Tensor,
+            caps: torch.Tensor, out_s: torch.Tensor, lse_s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """LSE merge of the streaming part (out_s [B, Hkv, r, D] fp32 normalised, lse_s [B, Hkv, r]) with each group's
+    partials (its entries are starts[h] .. starts[h] + caps[h] - 1 of the flat list) -> out [B, Hkv, r, D]."""
+    B, hkv, r, d = out_s.shape
+    assert out_s.is_contiguous() and lse_s.is_contiguous() and out.is_contiguous()
+    _combine_kernel[(B * hkv * r,)](part_o, part_m, part_l, starts, caps, out_s, lse_s, out, part_m.shape[1], hkv,
+                                    r, D=d, TILE=64)
+    return out
