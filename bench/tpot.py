@@ -236,6 +236,8 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
             f.write(f"===== {mode} ctx {context} batch {batch} graphs {model.graphs is not None}: 3 steps, "
                     f"wall {1000 * wall / 3:.2f} ms/step (profiled), device busy {busy_us / 3000:.2f} ms/step\n")
             f.write(events.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+            if dev.type == "cuda":  # the device side: which kernels take the step's time (itemised without graphs)
+                f.write(events.table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
     close_attention(attn, batch)
     del attn
     return {"tpot_ms": 1000 * statistics.median(times[2:]), "tpot_all_ms": [1000 * t for t in times],

@@ -99,6 +99,8 @@ class DeviceStep:
             self.part_m = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
             self.part_l = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
             self.out = torch.empty(n_layers, batch, hkv, r, d, dtype=owner.dtype, device=dev)  # per layer: merged
+            self.o_s = torch.empty(batch, hkv, r, d, dtype=torch.float32, device=dev)  # streaming part, any layer
+            self.lse_s_f = torch.empty(batch, hkv, r, dtype=torch.float32, device=dev)
         self.o_ret = torch.zeros(batch, hkv, owner.r, d, dtype=torch.float32, device=dev)  # retrieval part
         self.lse_ret = torch.full((batch, hkv, owner.r), float("-inf"), dtype=torch.float32, device=dev)
         self.out_s: list[torch.Tensor | None] = [None] * n_layers
@@ -243,23 +245,25 @@ class DeviceGraphedDecode:
         """q [B, Hq, D], k, v [B, Hkv, D] (graph buffers)."""
         a, ds = self.a, self.ds
         assert ds is not None
+        flat = ds.flat[layer]
+        if self.fused:  # device_kernels: append, streaming part, scores, top-k, block attention, combine
+            qg = q.view(ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim)
+            device_kernels.append_token(k, v, a._near[layer], ds.stage[layer], self.dsum.layer(layer), ds.slots,
+                                        ds.pos, ds.ring, self.g)  # summary capacity reserved in prepare()
+            device_kernels.stream_attention(qg, a._near[layer], ds.bias, a._gidx_dev[layer], ds.slots, ds.o_s,
+                                            ds.lse_s_f, a.scale)
+            self._retrieve_fused(layer, qg, ds, flat)
+            return
         qg, ds.out_s[layer], ds.lse_s[layer] = stream_layer(a, layer, ds.slots, ds.ring, ds.bias, q, k, v)
         ds.stage[layer, :, 0] = k  # [B, Hkv, D] each, for the host store
         ds.stage[layer, :, 1] = v
-        flat = ds.flat[layer]
-        if self.fused:
-            device_kernels.update_summaries(self.dsum.layer(layer), k, ds.slots, ds.pos, self.g)  # room reserved
-            self._retrieve_fused(layer, qg, ds, flat, ds.out_s[layer], ds.lse_s[layer])
-            return
         self.dsum.append_tokens(layer, ds.slots, ds.pos, 0, 0, k)  # capacity reserved in prepare()
         if flat is not None:
             self._retrieve(layer, qg, ds, *flat)
 
     def _retrieve_fused(self, layer: int, qg: torch.Tensor, ds: DeviceStep,
-                        flat: tuple[int, torch.Tensor, torch.Tensor] | None, out_s: torch.Tensor | None,
-                        lse_s: torch.Tensor | None) -> None:
+                        flat: tuple[int, torch.Tensor, torch.Tensor] | None) -> None:
         """_retrieve and the epilogue's merge in device_kernels' kernels -> ds.out[layer] [B, Hkv, r, D]."""
-        assert out_s is not None and lse_s is not None
         if flat is not None:
             width, flat_h, flat_j = flat
             scores = device_kernels.block_scores(qg, self.dsum.layer(layer), ds.slots, ds.bounds, ds.n_blocks,
@@ -270,8 +274,8 @@ class DeviceGraphedDecode:
             device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
                                            span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
                                            self.a.scale, ds.part_o, ds.part_m, ds.part_l)
-        device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], out_s.contiguous(),
-                               lse_s.contiguous(), ds.out[layer])
+        device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.o_s, ds.lse_s_f,
+                               ds.out[layer])
 
     def _retrieve(self, layer: int, qg: torch.Tensor, ds: DeviceStep, width: int, flat_h: torch.Tensor,
                   flat_j: torch.Tensor) -> None:

@@ -2,9 +2,11 @@
 
 Why: on the H200 host the graphed step spent ~10 of its ~22 ms (llama3.1-8b shape, 32K, batch 1) in ~130 small
 torch kernels per layer (index arithmetic, masks, segment softmax, LSE merge), each costing a few microseconds even
-inside a CUDA graph. The same work in four kernels:
+inside a CUDA graph. The same work in five kernels:
 
-  update_summaries  the new key into the fp32 min/max block summaries          (was ~12 torch kernels)
+  append_token      the new K/V into the device sink/ring slab and the host store's staging rows, the new key
+                    into the fp32 min/max block summaries                     (was ~17 torch kernels)
+  stream_attention  sink + window of every group, online softmax              (was ~12)
   block_scores      Quest bound of every block, pins and the eligible range    (was ~20)
   block_attention   one program per (row, selected block): its g tokens read straight from the pinned host store
                     through the zero-copy alias, the group's r query heads -> partial (o, max, sum)   (was ~60,
@@ -51,20 +53,63 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 if triton is not None:
     @triton.jit
-    def _update_summaries_kernel(s_ptr, k_ptr, slots_ptr, pos_ptr, HKV, s_slot, s_head, s_blk, k_row, k_head,
-                                 G: tl.constexpr, D: tl.constexpr):
+    def _append_token_kernel(k_ptr, v_ptr, near_ptr, stage_ptr, s_ptr, slots_ptr, pos_ptr, ring_ptr, HKV,
+                             kv_row, kv_head, n_slot, n_part, n_head, n_tok, st_row, st_part, st_head,
+                             s_slot, s_head, s_blk, G: tl.constexpr, D: tl.constexpr):
         pid = tl.program_id(0)  # = b * HKV + h
         b, h = pid // HKV, pid % HKV
         dd = tl.arange(0, D)
         slot = tl.load(slots_ptr + b)
         pos = tl.load(pos_ptr + b)
-        key = tl.load(k_ptr + b * k_row + h * k_head + dd).to(tl.float32)  # [D]
+        ring = tl.load(ring_ptr + b)
+        key = tl.load(k_ptr + b * kv_row + h * kv_head + dd)  # [D] model dtype
+        val = tl.load(v_ptr + b * kv_row + h * kv_head + dd)
+        slab = near_ptr + slot * n_slot + h * n_head + ring * n_tok + dd  # the device sink/ring slab
+        tl.store(slab, key.to(near_ptr.dtype.element_ty))
+        tl.store(slab + n_part, val.to(near_ptr.dtype.element_ty))
+        staged = stage_ptr + b * st_row + h * st_head + dd  # the step's rows for the host store
+        tl.store(staged, key.to(stage_ptr.dtype.element_ty))
+        tl.store(staged + st_part, val.to(stage_ptr.dtype.element_ty))
+        kf = key.to(tl.float32)
         base = s_ptr + slot * s_slot + h * s_head + (pos // G) * s_blk + dd
         first = (pos % G) == 0  # a new block: its old contents are stale
-        lo = tl.where(first, key, tl.minimum(tl.load(base), key))
-        hi = tl.where(first, key, tl.maximum(tl.load(base + D), key))
-        tl.store(base, lo)
-        tl.store(base + D, hi)
+        tl.store(base, tl.where(first, kf, tl.minimum(tl.load(base), kf)))
+        tl.store(base + D, tl.where(first, kf, tl.maximum(tl.load(base + D), kf)))
+
+    @triton.jit
+    def _stream_attention_kernel(q_ptr, near_ptr, bias_ptr, gidx_ptr, slots_ptr, o_ptr, lse_ptr, B, HKV, R, LTOT,
+                                 scale, q_b, q_h, q_r, n_slot, n_part, n_head, n_tok,
+                                 D: tl.constexpr, R_PAD: tl.constexpr, TILE: tl.constexpr):
+        pid = tl.program_id(0)  # = b * HKV + h
+        b, h = pid // HKV, pid % HKV
+        rr, dd, tt0 = tl.arange(0, R_PAD), tl.arange(0, D), tl.arange(0, TILE)
+        slot = tl.load(slots_ptr + b)
+        bias_row = bias_ptr + (tl.load(gidx_ptr + h) * B + b) * LTOT  # the group's block size sets its bounds
+        q = tl.load(q_ptr + b * q_b + h * q_h + rr[:, None] * q_r + dd[None, :], mask=rr[:, None] < R,
+                    other=0.0).to(tl.float32)  # [R_PAD, D]
+        m = tl.full((R_PAD,), float("-inf"), tl.float32)
+        l_sum = tl.zeros((R_PAD,), tl.float32)
+        acc = tl.zeros((R_PAD, D), tl.float32)
+        slab = near_ptr + slot * n_slot + h * n_head
+        for t0 in range(0, LTOT, TILE):
+            tt = t0 + tt0
+            bias = tl.load(bias_row + tt, mask=tt < LTOT, other=float("-inf"))  # [TILE]: 0 attended, -inf not
+            live = bias > float("-inf")
+            # slots not attended may hold any bits (0 x NaN = NaN): they are never loaded
+            k = tl.load(slab + tt[:, None] * n_tok + dd[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            v = tl.load(slab + n_part + tt[:, None] * n_tok + dd[None, :], mask=live[:, None],
+                        other=0.0).to(tl.float32)
+            logits = tl.dot(q, tl.trans(k), input_precision="ieee") * scale + bias[None, :]  # [R_PAD, TILE]
+            new_m = tl.maximum(m, tl.max(logits, axis=1))
+            safe = tl.where(new_m == float("-inf"), 0.0, new_m)  # a tile before any attended slot
+            alpha = tl.exp(m - safe)
+            p = tl.exp(logits - safe[:, None])
+            l_sum = l_sum * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            m = new_m
+        row = pid * R + rr
+        tl.store(o_ptr + row[:, None] * D + dd[None, :], acc / l_sum[:, None], mask=rr[:, None] < R)
+        tl.store(lse_ptr + row, m + tl.log(l_sum), mask=rr < R)
 
     @triton.jit
     def _block_scores_kernel(q_ptr, s_ptr, slots_ptr, bounds_ptr, pin_ptr, out_ptr, B, HKV, R, NB,
@@ -158,12 +203,32 @@ if triton is not None:
         tl.store(out_ptr + pid * D + dd, (acc / run_l).to(out_ptr.dtype.element_ty))
 
 
-def update_summaries(s: torch.Tensor, k: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, g: int) -> None:
-    """s [slots, Hkv, blocks, 2, D] fp32 (room reserved); k [B, Hkv, D]; slots, pos [B] int64."""
+def append_token(k: torch.Tensor, v: torch.Tensor, near: torch.Tensor, stage: torch.Tensor, s: torch.Tensor,
+                 slots: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor, g: int) -> None:
+    """A decode step's new K/V, in one kernel: into the device sink/ring slab (near [slots, 2, Hkv, Ltot, D], slot
+    ring[b] of row slots[b]), into the host store's staging rows (stage [B, 2, Hkv, D]) and into the block
+    summaries s [slots, Hkv, blocks, 2, D] fp32 (room reserved; a block's first token resets it). k, v [B, Hkv, D]; slots, pos, ring [B] int64."""
     B, hkv, d = k.shape
-    assert s.stride(4) == 1 and s.stride(3) == d and k.stride(2) == 1
-    _update_summaries_kernel[(B * hkv,)](s, k, slots, pos, hkv, s.stride(0), s.stride(1), s.stride(2),
-                                         k.stride(0), k.stride(1), G=g, D=d)
+    assert k.stride() == v.stride() and k.stride(2) == 1 and near.stride(4) == 1 and stage.stride(3) == 1
+    assert s.stride(4) == 1 and s.stride(3) == d
+    _append_token_kernel[(B * hkv,)](k, v, near, stage, s, slots, pos, ring, hkv, k.stride(0), k.stride(1),
+                                     near.stride(0), near.stride(1), near.stride(2), near.stride(3),
+                                     stage.stride(0), stage.stride(1), stage.stride(2),
+                                     s.stride(0), s.stride(1), s.stride(2), G=g, D=d)
+
+
+def stream_attention(q: torch.Tensor, near: torch.Tensor, bias: torch.Tensor, gidx: torch.Tensor,
+                     slots: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+    """The streaming part (sink + window) of every (row, group): q [B, Hkv, r, D]; near [slots, 2, Hkv, Ltot, D];
+    bias fp32 [n_g, B, Ltot] (0 attended, -inf not; at least one 0 per row), group h uses bias[gidx[h]].
+    Writes out [B, Hkv, r, D] fp32 (normalised) and lse [B, Hkv, r], as hybrid.biased_attention returns them."""
+    B, hkv, r, d = q.shape
+    ltot = near.shape[3]
+    assert q.stride(3) == 1 and near.stride(4) == 1 and bias.is_contiguous() and bias.shape[2] == ltot
+    assert out.is_contiguous() and lse.is_contiguous() and gidx.is_contiguous()
+    _stream_attention_kernel[(B * hkv,)](q, near, bias, gidx, slots, out, lse, B, hkv, r, ltot, scale,
+                                         q.stride(0), q.stride(1), q.stride(2), near.stride(0), near.stride(1),
+                                         near.stride(2), near.stride(3), D=d, R_PAD=_pow2(r, 16), TILE=32)
 
 
 def block_scores(q: torch.Tensor, s: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, n_blocks: int,

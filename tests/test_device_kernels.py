@@ -30,23 +30,54 @@ def dk():  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("g,d", [(16, 32), (32, 64)])
-def test_update_summaries(dk, g: int, d: int) -> None:  # type: ignore[no-untyped-def]
+def test_append_token(dk, g: int, d: int) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(g + d)
-    s = torch.randn(3, 2, 8, 2, d, generator=gen)  # [slots, Hkv, blocks, 2, D]
-    want = s.clone().double()
-    k = torch.randn(2, 2, d, generator=gen).to(torch.bfloat16)
-    slots, pos = torch.tensor([2, 0]), torch.tensor([3 * g, 5 * g + 7])  # a new block, then one partly filled
-    s_dev = on(s)[0]
-    dk.update_summaries(s_dev, *on(k, slots, pos), g)
-    s = s_dev.cpu()
-    for b in range(2):
+    B, hkv, ltot = 2, 2, 40
+    s = torch.randn(3, hkv, 8, 2, d, generator=gen)  # [slots, Hkv, blocks, 2, D]
+    near = torch.randn(3, 2, hkv, ltot, d, generator=gen).to(torch.bfloat16)
+    stage = torch.randn(B, 2, hkv, d, generator=gen).to(torch.float16)  # the store's dtype may differ
+    kv = torch.randn(B, 3, hkv, d, generator=gen).to(torch.bfloat16)  # k and v as strided views of one buffer
+    k, v = kv[:, 1], kv[:, 2]
+    slots, pos, ring = torch.tensor([2, 0]), torch.tensor([3 * g, 5 * g + 7]), torch.tensor([31, 4])
+    want_s, want_near, want_stage = s.clone().double(), near.clone(), stage.clone()
+    s_d, near_d, stage_d = on(s, near, stage)
+    dk.append_token(*on(k, v), near_d, stage_d, s_d, *on(slots, pos, ring), g)
+    for b in range(B):  # pos 3g starts a new block; 5g + 7 lands in a partly filled one
         blk, kk = int(pos[b]) // g, k[b].double()
         if int(pos[b]) % g == 0:
-            want[slots[b], :, blk, 0], want[slots[b], :, blk, 1] = kk, kk
+            want_s[slots[b], :, blk, 0], want_s[slots[b], :, blk, 1] = kk, kk
         else:
-            want[slots[b], :, blk, 0] = torch.minimum(want[slots[b], :, blk, 0], kk)
-            want[slots[b], :, blk, 1] = torch.maximum(want[slots[b], :, blk, 1], kk)
-    torch.testing.assert_close(s.double(), want)
+            want_s[slots[b], :, blk, 0] = torch.minimum(want_s[slots[b], :, blk, 0], kk)
+            want_s[slots[b], :, blk, 1] = torch.maximum(want_s[slots[b], :, blk, 1], kk)
+        want_near[slots[b], 0, :, ring[b]], want_near[slots[b], 1, :, ring[b]] = k[b], v[b]
+        want_stage[b, 0], want_stage[b, 1] = k[b].half(), v[b].half()
+    torch.testing.assert_close(s_d.cpu().double(), want_s)
+    assert torch.equal(near_d.cpu(), want_near) and torch.equal(stage_d.cpu(), want_stage)
+
+
+@pytest.mark.parametrize("r,d,ltot", [(4, 32, 40), (7, 64, 100), (1, 32, 17)])
+def test_stream_attention(dk, r: int, d: int, ltot: int) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(r * d + ltot)
+    B, hkv, n_g = 2, 3, 4
+    near = torch.randn(3, 2, hkv, ltot, d, generator=gen).to(torch.bfloat16)
+    near[0, :, :, 3] = float("nan")  # a slot nobody attends may hold any bits
+    bias = torch.where(torch.rand(n_g, B, ltot, generator=gen) < 0.6, 0.0, float("-inf"))
+    bias[..., 0] = 0.0  # every row attends something
+    bias[:, :, 3] = float("-inf")
+    gidx = torch.tensor([2, 0, 3])  # each group's block-size index picks its bias row
+    q = torch.randn(B, hkv, r, d, generator=gen).to(torch.bfloat16)
+    slots, scale = torch.tensor([0, 2]), d ** -0.5
+    out, lse = on(torch.empty(B, hkv, r, d), torch.empty(B, hkv, r))
+    dk.stream_attention(*on(q, near, bias, gidx, slots), out, lse, scale)
+    for b in range(B):
+        for h in range(hkv):
+            keep = bias[int(gidx[h]), b] == 0
+            keys = near[slots[b], 0, h][keep].double()
+            values = near[slots[b], 1, h][keep].double()
+            logits = q[b, h].double() @ keys.T * scale  # [r, T]
+            torch.testing.assert_close(lse[b, h].cpu().double(), torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out[b, h].cpu().double(), torch.softmax(logits, -1) @ values,
+                                       rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("r,d,nb,pins", [(4, 32, 40, False), (7, 64, 70, True), (1, 32, 33, True)])
