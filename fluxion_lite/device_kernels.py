@@ -54,7 +54,7 @@ def _pow2(n: int, floor: int = 1) -> int:
 if triton is not None:
     @triton.jit
     def _append_token_kernel(k_ptr, v_ptr, near_ptr, stage_ptr, s_ptr, slots_ptr, pos_ptr, ring_ptr, HKV,
-                             kv_row, kv_head, n_slot, n_part, n_head, n_tok, st_row, st_part, st_head,
+                             k_row, k_head, v_row, v_head, n_slot, n_part, n_head, n_tok, st_row, st_part, st_head,
                              s_slot, s_head, s_blk, G: tl.constexpr, D: tl.constexpr):
         pid = tl.program_id(0)  # = b * HKV + h
         b, h = pid // HKV, pid % HKV
@@ -62,8 +62,8 @@ if triton is not None:
         slot = tl.load(slots_ptr + b)
         pos = tl.load(pos_ptr + b)
         ring = tl.load(ring_ptr + b)
-        key = tl.load(k_ptr + b * kv_row + h * kv_head + dd)  # [D] model dtype
-        val = tl.load(v_ptr + b * kv_row + h * kv_head + dd)
+        key = tl.load(k_ptr + b * k_row + h * k_head + dd)  # [D] model dtype
+        val = tl.load(v_ptr + b * v_row + h * v_head + dd)
         slab = near_ptr + slot * n_slot + h * n_head + ring * n_tok + dd  # the device sink/ring slab
         tl.store(slab, key.to(near_ptr.dtype.element_ty))
         tl.store(slab + n_part, val.to(near_ptr.dtype.element_ty))
@@ -209,9 +209,10 @@ def append_token(k: torch.Tensor, v: torch.Tensor, near: torch.Tensor, stage: to
     ring[b] of row slots[b]), into the host store's staging rows (stage [B, 2, Hkv, D]) and into the block
     summaries s [slots, Hkv, blocks, 2, D] fp32 (room reserved; a block's first token resets it). k, v [B, Hkv, D]; slots, pos, ring [B] int64."""
     B, hkv, d = k.shape
-    assert k.stride() == v.stride() and k.stride(2) == 1 and near.stride(4) == 1 and stage.stride(3) == 1
+    assert k.stride(2) == 1 and v.stride(2) == 1 and near.stride(4) == 1 and stage.stride(3) == 1
     assert s.stride(4) == 1 and s.stride(3) == d
     _append_token_kernel[(B * hkv,)](k, v, near, stage, s, slots, pos, ring, hkv, k.stride(0), k.stride(1),
+                                     v.stride(0), v.stride(1),
                                      near.stride(0), near.stride(1), near.stride(2), near.stride(3),
                                      stage.stride(0), stage.stride(1), stage.stride(2),
                                      s.stride(0), s.stride(1), s.stride(2), G=g, D=d)

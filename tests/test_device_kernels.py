@@ -36,8 +36,8 @@ def test_append_token(dk, g: int, d: int) -> None:  # type: ignore[no-untyped-de
     s = torch.randn(3, hkv, 8, 2, d, generator=gen)  # [slots, Hkv, blocks, 2, D]
     near = torch.randn(3, 2, hkv, ltot, d, generator=gen).to(torch.bfloat16)
     stage = torch.randn(B, 2, hkv, d, generator=gen).to(torch.float16)  # the store's dtype may differ
-    kv = torch.randn(B, 3, hkv, d, generator=gen).to(torch.bfloat16)  # k and v as strided views of one buffer
-    k, v = kv[:, 1], kv[:, 2]
+    k = torch.randn(B, 3, hkv, d, generator=gen).to(torch.bfloat16)[:, 1]  # a strided view
+    v = torch.randn(B, hkv, d, generator=gen).to(torch.bfloat16)  # with other strides than k's
     slots, pos, ring = torch.tensor([2, 0]), torch.tensor([3 * g, 5 * g + 7]), torch.tensor([31, 4])
     want_s, want_near, want_stage = s.clone().double(), near.clone(), stage.clone()
     s_d, near_d, stage_d = on(s, near, stage)
