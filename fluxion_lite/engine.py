@@ -136,7 +136,7 @@ class Engine:
 
     def _make_backend(self, mode: str, plan: SparsePlan | None = None) -> AttentionBackend:
         attn = make_attention(mode, self.config, self.dtype, self.device, max_seqs=self.max_batch + 4,
-                              model_name=self.model_name, plan=plan)
+                              model_name=self.model_name, plan=plan, per_request_plans=self.use_predictor)
         if mode == "fluxion" and self.use_predictor and isinstance(attn, SparseAttention):
             # per-request plans when the model ships a predictor (models/<model>.predictor.npz); else the static plan
             attn.planner = load_planner(self.model_name, self.config, attn.plan, [lw.wo for lw in self.model.layers])
@@ -362,9 +362,10 @@ class Engine:
 
 def make_attention(
     mode: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_seqs: int, model_name: str,
-    plan: SparsePlan | None = None,
+    plan: SparsePlan | None = None, per_request_plans: bool = False,
 ) -> AttentionBackend:
-    """The attention backend for a mode (ATTENTION_MODES). `plan` overrides the mode's default plan."""
+    """The attention backend for a mode (ATTENTION_MODES). `plan` overrides the mode's default plan;
+    per_request_plans: the predictor will set plans per request (selection stays on the CPU then)."""
     if mode in ("full", "full-gpu"):
         return DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype, device)
     if mode == "full-host":
@@ -379,10 +380,27 @@ def make_attention(
                                selection="gpu")
     if mode == "fluxion":
         plan = plan or load_fluxion_plan(model_name, cfg)
-        if os.environ.get("FLUXION_SELECTION", "cpu") == "gpu":  # device_graph.py: no per-layer host round trip
+        if fluxion_selection(device, plan, per_request_plans) == "gpu":  # device_graph.py: no per-layer round trip
             return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="gpu", selection="gpu")
         return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="auto")
     raise RequestError(f"attention={mode!r}: supported modes are {', '.join(ATTENTION_MODES)}")
+
+
+def fluxion_selection(device: torch.device, plan: SparsePlan, per_request_plans: bool) -> str:
+    """Where `fluxion` selects blocks: FLUXION_SELECTION=cpu|gpu, or auto (the default): on the GPU when the decode
+    step can run there whole (device_graph.py: a CUDA device, zero-copy reads of the host store, one retrieval
+    block size, the static plan), since that step needs no host round trip per layer (H200, llama3.1-8b shape, 32K,
+    batch 1: ~14 ms vs ~25 ms, bench/results/tpot_llama3.1-8b_h200_eef3831.json); else the native top-k on the CPU."""
+    choice = os.environ.get("FLUXION_SELECTION", "auto")
+    if choice not in ("auto", "cpu", "gpu"):
+        raise RequestError(f"FLUXION_SELECTION={choice!r}: use auto, cpu or gpu")
+    if choice != "auto":
+        return choice
+    one_g = len({grp.g for layer in plan.groups for grp in layer if not grp.streaming}) <= 1
+    if device.type != "cuda" or per_request_plans or not one_g:
+        return "cpu"
+    from . import zero_copy
+    return "gpu" if zero_copy.check(device)[0] else "cpu"
 
 
 def fixed_plan(cfg: ModelConfig) -> SparsePlan:

@@ -135,8 +135,29 @@ def test_fluxion_selects_on_the_device_when_asked(monkeypatch: pytest.MonkeyPatc
 
     cfg = make_cfg("llama", hq=6, hkv=3, d=32)
     plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * cfg.n_layers, source="test")
-    for env, want in (("gpu", "gpu"), ("cpu", "cpu")):
+    for env, want in (("gpu", "gpu"), ("cpu", "cpu"), ("auto", "cpu")):  # auto: the GPU path needs CUDA
         monkeypatch.setenv("FLUXION_SELECTION", env)
         a = make_attention("fluxion", cfg, torch.float32, torch.device("cpu"), 2, "test", plan=plan)
         assert isinstance(a, SparseAttention) and a.selection == want
         a.executor.close()
+
+
+def test_auto_selection_keeps_the_cpu_where_the_device_step_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fluxion_lite import engine, zero_copy
+    from fluxion_lite.errors import RequestError
+
+    one_g = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1), GroupPlan(True)] * 2] * 2, source="t")
+    two_g = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1), GroupPlan(False, 64, 0.1)]] * 2,
+                       source="t")
+    cuda = torch.device("cuda")
+    monkeypatch.delenv("FLUXION_SELECTION", raising=False)
+    monkeypatch.setattr(zero_copy, "check", lambda device: (True, "test: pretend the alias works"))
+    assert engine.fluxion_selection(cuda, one_g, per_request_plans=False) == "gpu"
+    assert engine.fluxion_selection(cuda, two_g, per_request_plans=False) == "cpu"  # summaries mirror one g
+    assert engine.fluxion_selection(cuda, one_g, per_request_plans=True) == "cpu"  # predictor plans: eager path
+    assert engine.fluxion_selection(torch.device("cpu"), one_g, per_request_plans=False) == "cpu"
+    monkeypatch.setattr(zero_copy, "check", lambda device: (False, "test: no alias"))
+    assert engine.fluxion_selection(cuda, one_g, per_request_plans=False) == "cpu"  # staging would sync per layer
+    monkeypatch.setenv("FLUXION_SELECTION", "fast")
+    with pytest.raises(RequestError, match="FLUXION_SELECTION"):
+        engine.fluxion_selection(cuda, one_g, per_request_plans=False)
