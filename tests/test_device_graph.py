@@ -155,6 +155,11 @@ def test_auto_selection_keeps_the_cpu_where_the_device_step_cannot_run(monkeypat
     assert engine.fluxion_selection(cuda, one_g, per_request_plans=False) == "gpu"
     assert engine.fluxion_selection(cuda, two_g, per_request_plans=False) == "cpu"  # summaries mirror one g
     assert engine.fluxion_selection(cuda, one_g, per_request_plans=True) == "cpu"  # predictor plans: eager path
+    per_head = SparsePlan(sink=16, window=32, groups=one_g.groups, source="t", scoring="per-head")
+    assert engine.fluxion_selection(cuda, per_head, per_request_plans=False) == "cpu"  # native scoring only
+    monkeypatch.setenv("FLUXION_TOPK", "per-head")
+    assert engine.fluxion_selection(cuda, one_g, per_request_plans=False) == "cpu"
+    monkeypatch.delenv("FLUXION_TOPK")
     assert engine.fluxion_selection(torch.device("cpu"), one_g, per_request_plans=False) == "cpu"
     monkeypatch.setattr(zero_copy, "check", lambda device: (False, "test: no alias"))
     assert engine.fluxion_selection(cuda, one_g, per_request_plans=False) == "cpu"  # staging would sync per layer
