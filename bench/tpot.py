@@ -34,6 +34,7 @@ import torch
 from fluxion_lite import native, zero_copy
 from fluxion_lite.attention import DenseAttention, SeqChunk
 from fluxion_lite.config import ModelConfig
+from fluxion_lite.decode_graphs import DecodeGraphs
 from fluxion_lite.engine import make_attention
 from fluxion_lite.gguf_loader import GGUFModel, load_gguf, tensor_shapes
 from fluxion_lite.host_kv import page_stride
@@ -310,8 +311,10 @@ def main() -> None:
     ap.add_argument("--native-threads", type=int, default=None,
                     help="native pool size; default on CUDA: physical cores - 1, so the main thread (enqueuing GPU "
                          "work while the CPU worker's call holds the pool) keeps a core of its own")
-    ap.add_argument("--graphs", choices=["on", "off", "both"], default="on",
-                    help="CUDA graphs for the dense part of decode steps (decode_graphs.py); both: every case twice")
+    ap.add_argument("--graphs", choices=["on", "off", "both", "uncaptured"], default="on",
+                    help="CUDA graphs for the dense part of decode steps (decode_graphs.py); both: every case twice; "
+                         "uncaptured: the graph runner's code with its segments launched eagerly, so a "
+                         "--kernel-profile itemises the kernels that the graphs would replay")
     ap.add_argument("--check-graphs", action="store_true",
                     help="first compare graph and eager logits for each mode at the smallest context and batch")
     ap.add_argument("--profile", default=None, help="append a cProfile of 3 extra steps per case to this file")
@@ -346,6 +349,8 @@ def main() -> None:
     out = Path(args.out or f"bench/results/tpot_{name}{'_' + dev.type if dev.type != 'cuda' else ''}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     graph_runner = model.graphs
+    if args.graphs == "uncaptured":  # also on the CPU, where it runs the same hooks as a GPU step
+        graph_runner = DecodeGraphs(model, capture=False)
 
     def shown(rows: list[dict]) -> list[dict]:
         """The rows the summary and the plot use: the graphed ones, unless graphs are off or unavailable."""
@@ -366,7 +371,8 @@ def main() -> None:
     for context in sorted(args.contexts):
         for batch in sorted(args.batches):
             for mode, graphed in [(m, g) for m in modes for g in
-                                  {"on": [True], "off": [False], "both": [False, True]}[args.graphs]]:
+                                  {"on": [True], "off": [False], "both": [False, True],
+                                   "uncaptured": [True]}[args.graphs]]:
                 case = f"{mode} ctx {context} batch {batch}{'' if graphed else ' (no graphs)'}"
                 host_need = context * batch * host_bytes_per_token(cfg)
                 dev_need = context * batch * cfg.kv_bytes_per_token(2) * 1.5  # dense cache grows by doubling
