@@ -26,6 +26,7 @@ TRITON_INTERPRET=1 runs the kernels on the CPU: that is how the tests check them
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -39,12 +40,29 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None  # type: ignore[assignment]
 
 
+_probed: dict[str, bool] = {}
+
+
 def enabled(device: torch.device) -> bool:
-    """Whether device_graph should use these kernels on `device`."""
+    """Whether device_graph should use these kernels on `device`: on CUDA once a probe kernel compiled and ran there
+    (a Triton that imports but cannot build for this GPU or driver leaves the torch path in place, with a warning)."""
     flag = os.environ.get("FLUXION_TRITON", "")
     if triton is None or flag == "0":
         return False
-    return flag == "1" or device.type == "cuda"
+    if flag == "1" or device.type != "cuda":
+        return flag == "1"
+    key = str(device)
+    if key not in _probed:
+        try:
+            out = torch.zeros(4, device=device)
+            _probe_kernel[(1,)](out, N=4)
+            torch.cuda.synchronize(device)
+            _probed[key] = bool((out == 1.0).all())
+        except Exception as e:  # noqa: BLE001 - any failure to build or launch: keep the torch ops path
+            warnings.warn(f"Triton kernels unusable on {device} ({type(e).__name__}: {e}); the device decode step "
+                          "runs on torch ops (FLUXION_TRITON=0 silences this)", RuntimeWarning, stacklevel=2)
+            _probed[key] = False
+    return _probed[key]
 
 
 def _pow2(n: int, floor: int = 1) -> int:
@@ -52,6 +70,10 @@ def _pow2(n: int, floor: int = 1) -> int:
 
 
 if triton is not None:
+    @triton.jit
+    def _probe_kernel(out_ptr, N: tl.constexpr):
+        tl.store(out_ptr + tl.arange(0, N), tl.full((N,), 1.0, tl.float32))
+
     @triton.jit
     def _append_token_kernel(k_ptr, v_ptr, near_ptr, stage_ptr, s_ptr, slots_ptr, pos_ptr, ring_ptr, HKV,
                              k_row, k_head, v_row, v_head, n_slot, n_part, n_head, n_tok, st_row, st_part, st_head,

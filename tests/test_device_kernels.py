@@ -168,3 +168,18 @@ def test_block_attention_and_combine(dk, r: int, d: int, g: int, dtype: torch.dt
             want[b, h] = w_s * out_s[b, h].double() + torch.exp(lse_r - lse)[:, None] * o_r
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_enabled_follows_the_setting_and_falls_back_when_the_probe_fails(dk, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.delenv("FLUXION_TRITON", raising=False)
+    assert not dk.enabled(torch.device("cpu"))  # the CPU device keeps the torch ops unless forced
+    monkeypatch.setenv("FLUXION_TRITON", "1")
+    assert dk.enabled(torch.device("cpu"))
+    monkeypatch.setenv("FLUXION_TRITON", "0")
+    assert not dk.enabled(torch.device("cuda"))
+    if not torch.cuda.is_available():  # the probe cannot run: a warning, and the torch path
+        monkeypatch.delenv("FLUXION_TRITON")
+        monkeypatch.setattr(dk, "_probed", {})
+        with pytest.warns(RuntimeWarning, match="Triton kernels unusable"):
+            assert not dk.enabled(torch.device("cuda"))
+        assert not dk.enabled(torch.device("cuda"))  # decided once per device
