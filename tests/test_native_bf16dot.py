@@ -3,6 +3,8 @@ element of a task's q is exactly a bf16 value, checked against float64 reference
 must run the plain AVX-512 kernels, which these tests check bit for bit."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -11,7 +13,29 @@ import native_reference as ref
 from native_cases import LENGTHS, N_KV, PATHS, ragged_store
 from fluxion_lite import native
 
-pytestmark = pytest.mark.skipif("avx512bf16" not in PATHS, reason="this CPU has no AVX512-BF16")
+needs_bf16 = pytest.mark.skipif("avx512bf16" not in PATHS, reason="this CPU has no AVX512-BF16")
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    return set()
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo"), reason="needs Linux /proc/cpuinfo")
+def test_detection_agrees_with_the_kernel(settings: None) -> None:
+    """The library's CPUID/XGETBV check says what Linux says (the kernel lists avx512_bf16 only where the OS
+    enables AVX-512 state), and auto picks the bf16 path exactly where it is supported."""
+    flags = _cpu_flags()
+    want = "avx512" in PATHS and "avx512_bf16" in flags
+    assert ("avx512bf16" in PATHS) == want
+    assert (native.set_simd("auto") == "avx512bf16") == want
+    if not want:
+        with pytest.raises(ValueError, match="not supported"):
+            native.set_simd("avx512bf16")
+
 
 # (GQA ratio r, head_dim, granularity, threads): r 1, 3, 4, 7, 8 at head_dim 64 and 128 on 1 and 2 threads
 # (granularity rotating), plus head_dims that end in a 16-wide chunk (d % 32 == 16: the zero-extended last chunk).
@@ -57,6 +81,7 @@ def _attend(simd: str, view: native.KVView, q: np.ndarray, tasks: np.ndarray, id
     return native.sparse_attention(view, q, tasks, ids, counts, scale)
 
 
+@needs_bf16
 @pytest.mark.parametrize("r,d,g,threads", DOT_CASES, ids=lambda v: str(v))
 def test_bf16_dot_matches_float64_reference(r: int, d: int, g: int, threads: int, settings: None) -> None:
     native.set_threads(threads)
@@ -86,6 +111,7 @@ def _one_ulp_up(x: np.float32) -> np.float32:
     return np.nextafter(x, np.float32(np.inf), dtype=np.float32)
 
 
+@needs_bf16
 @pytest.mark.parametrize("threads", (1, 2))
 @pytest.mark.parametrize("r,d", ((4, 128), (7, 64)))
 def test_q_not_exactly_bf16_takes_the_fp32_path(r: int, d: int, threads: int, settings: None) -> None:
@@ -121,6 +147,7 @@ def test_q_not_exactly_bf16_takes_the_fp32_path(r: int, d: int, threads: int, se
     np.testing.assert_array_equal(got[1], want[1])
 
 
+@needs_bf16
 def test_select_attend_uses_the_same_attention(settings: None) -> None:
     """The decode hot path (PreparedSelection.select_attend, C fx_select_attend) on the bf16 path with bf16 q: the
     same results as top-k then sparse_attention on that path, and within the reference tolerances."""
