@@ -12,6 +12,8 @@ One run prints a table per thread count and writes bench/results/kernels-<host>.
     attention row's "of block read" is its rate over this one,
   * torch CPU: the same attention with index_select + matmul in torch, same thread count, for comparison,
   * fixed cost: the same attention call with empty selections (Python wrapper + validation + pool dispatch).
+--simd a,b times the attention on each SIMD path in turn within every round (e.g. avx512 vs avx512bf16; the latter
+uses bf16 dot products only when q is exactly bf16: add --q-dtype bfloat16, the q of a bf16 model).
 Every timing is the median of --repeats calls after a warm-up call; the ceiling and the kernels are measured in
 alternating rounds (the machine may be shared) and the medians of the rounds are reported.
 Decode cases (--decode-batches, --decode-budget): the Llama-3.1-8B decode shape at batch 1 and 8 with a 5% budget,
@@ -21,6 +23,7 @@ GQA 4, head_dim 128, bf16) is far larger than the last-level cache, so the numbe
 
 Usage: python bench/kernels.py [--threads 1,all] [--tokens 32768] [--layers 8] [--batch 1] [--budget 0.1]
                               [--decode-batches 1,8] [--decode-budget 0.05] [--decode-layers 12]
+                              [--simd avx512,avx512bf16] [--q-dtype bfloat16]
 """
 from __future__ import annotations
 
@@ -82,12 +85,17 @@ def build_store(args: argparse.Namespace) -> tuple[HostKVStore, list[int], list[
 
 
 def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[int], torch_k: list[torch.Tensor],
-        torch_v: list[torch.Tensor], probe_buf: np.ndarray) -> dict:
+        torch_v: list[torch.Tensor], probe_buf: np.ndarray, simd_paths: list[str]) -> dict:
+    """One case at one thread count. The attention is timed on each of simd_paths in turn within every round (so a
+    slow phase of a shared machine hits all paths alike); everything else runs on the first path."""
+    native.set_simd(simd_paths[0])
     native.set_threads(threads)
     torch.set_num_threads(threads)
     H, r, D, g, N, B = args.kv_heads, args.group, args.head_dim, args.g, args.tokens, args.batch
     rng = np.random.default_rng(0)
     q = rng.standard_normal((B, H * r, D), dtype=np.float32)
+    if args.q_dtype == "bfloat16":  # the q of a bf16 model: every element a bf16 value (the avx512bf16 path's case)
+        q = torch.from_numpy(q).bfloat16().float().numpy()
     scale = 1.0 / np.sqrt(D)
     n_blocks = N // g
     k_sel = max(1, int(args.budget * n_blocks))
@@ -157,11 +165,15 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
         ids, counts = ids_per_layer[layer]
         native.read_blocks_probe(store.view(layer), tasks, ids, counts)
 
-    rounds: dict[str, list[float]] = {"read": [], "attn": [], "topk": [], "gather": [], "gather_cached": [],
-                                      "blocks_read": []}
-    for _ in range(args.rounds):
+    rounds: dict[str, list[float]] = {"read": [], "topk": [], "gather": [], "gather_cached": [], "blocks_read": []}
+    rounds.update({f"attn:{path}": [] for path in simd_paths})
+    for rnd in range(args.rounds):
         rounds["read"].append(timed(lambda: native.read_bandwidth_probe(probe_buf, reps), 3))
-        rounds["attn"].append(timed(attend, args.repeats))
+        first = rnd % len(simd_paths)  # each path goes first in some rounds
+        for path in simd_paths[first:] + simd_paths[:first]:
+            native.set_simd(path)
+            rounds[f"attn:{path}"].append(timed(attend, args.repeats))
+        native.set_simd(simd_paths[0])
         rounds["blocks_read"].append(timed(blocks_read, args.repeats))
         rounds["topk"].append(timed(topk, args.repeats))
         rounds["gather"].append(timed(gather, args.repeats))
@@ -169,7 +181,7 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
         rounds["gather_cached"].append(timed(gather, args.repeats))
         native.set_stream_stores(True)
     t_read, t_attn, t_topk, t_gather, t_gather_c = (
-        statistics.median(rounds[k]) for k in ("read", "attn", "topk", "gather", "gather_cached"))
+        statistics.median(rounds[k]) for k in ("read", f"attn:{simd_paths[0]}", "topk", "gather", "gather_cached"))
     t_blocks = statistics.median(rounds["blocks_read"])
     t_empty = timed(attend_empty, 200)
     read_gbs = probe_buf.nbytes * reps / t_read / 1e9
@@ -179,12 +191,17 @@ def run(args: argparse.Namespace, threads: int, store: HostKVStore, slots: list[
         "batch": B,
         "budget": args.budget,
         "layers": args.layers,
-        "simd": native.get_simd(),
+        "simd": simd_paths[0],
         "read_GBps": read_gbs,
         "fixed_call_us": t_empty * 1e6,
         "sparse_attention": {"GBps": gbs(kv_bytes, t_attn), "ms": t_attn * 1e3, "bytes": kv_bytes,
                              "ratio_to_read": gbs(kv_bytes, t_attn) / read_gbs,
                              "ratio_to_blocks_read": t_blocks / t_attn},
+        # the attention on every path asked for (sparse_attention above is the first one's)
+        "sparse_attention_by_simd": {
+            path: {"GBps": gbs(kv_bytes, t), "ms": t * 1e3, "ratio_to_read": gbs(kv_bytes, t) / read_gbs,
+                   "ratio_to_blocks_read": t_blocks / t}
+            for path, t in ((path, statistics.median(rounds[f"attn:{path}"])) for path in simd_paths)},
         "blocks_read": {"GBps": gbs(kv_bytes, t_blocks), "ms": t_blocks * 1e3, "bytes": kv_bytes,
                         "ratio_to_read": gbs(kv_bytes, t_blocks) / read_gbs},
         "topk": {"GBps": gbs(summary_bytes, t_topk), "ms": t_topk * 1e3, "bytes": summary_bytes,
@@ -253,6 +270,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=3, help="alternating rounds of ceiling + kernels (median)")
     p.add_argument("--probe-mib", type=int, default=1024, help="size of the read-bandwidth buffer")
     p.add_argument("--out", default=None, help="JSON path (default bench/results/kernels-<host>.json)")
+    p.add_argument("--simd", default="",
+                   help="comma list of SIMD paths: the attention is timed on each in turn within every round, the "
+                        "other kernels on the first ('' = the current setting: FLUXION_SIMD or auto)")
+    p.add_argument("--q-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="values of q: random fp32, or rounded to bf16 values as a bf16 model's q")
     p.add_argument("--decode-batches", default="1,8",
                    help="decode cases after the main one: comma list of batch sizes ('' = none)")
     p.add_argument("--decode-budget", type=float, default=0.05, help="fraction of blocks selected in decode cases")
@@ -262,6 +284,7 @@ def main() -> None:
     args.torch_baseline = True
     cores = native.physical_cores()
     thread_list = [cores if t == "all" else int(t) for t in args.threads.split(",")]
+    simd_list = [x.strip() for x in args.simd.split(",") if x.strip()] or [native.get_simd()]
     probe_buf = np.ones(args.probe_mib << 20, np.uint8)
 
     cases = [args]
@@ -285,7 +308,7 @@ def main() -> None:
                   f"r={case.group} D={case.head_dim} bf16, g={case.g}, physical cores={cores}", flush=True)
         name = "main" if ci == 0 else f"decode-b{case.batch}"
         for threads in thread_list:
-            res = run(case, threads, store, slots, torch_k, torch_v, probe_buf)
+            res = run(case, threads, store, slots, torch_k, torch_v, probe_buf, simd_list)
             res["case"] = name
             rows.append(res)
             print(f"\n[{name}] batch={case.batch} budget={case.budget:.0%} threads={threads} simd={res['simd']}  "
@@ -297,6 +320,10 @@ def main() -> None:
                 if "ratio_to_blocks_read" in r:
                     extra = f"   ({r['ratio_to_blocks_read']:.0%} of block read)"
                 print(f"  {kernel:<22}{r['GBps']:>8.1f}{r['ms']:>10.3f}{r['ratio_to_read']:>11.0%}{extra}")
+                if kernel == "sparse_attention" and len(simd_list) > 1:
+                    for path, a in res["sparse_attention_by_simd"].items():
+                        print(f"    {'on ' + path:<20}{a['GBps']:>8.1f}{a['ms']:>10.3f}{a['ratio_to_read']:>11.0%}"
+                              f"   ({a['ratio_to_blocks_read']:.0%} of block read)")
             if "torch_attention" in res:
                 tr = res["torch_attention"]
                 print(f"  {'torch index_select+mm':<22}{tr['GBps']:>8.1f}{tr['ms']:>10.3f}   native is "

@@ -7,7 +7,8 @@ checked here and mistakes raise ValueError naming the argument; the C side valid
 Arrays may be numpy arrays or CPU torch tensors; nothing is copied (pointers go straight to C).
 
 Settings: set_threads(n) / env FLUXION_THREADS (default: physical cores), set_simd(path) / env FLUXION_SIMD
-(portable | avx2 | avx512 | auto), set_checks(on), set_stream_stores(on) / env FLUXION_STREAM_STORES (0 | 1).
+(portable | avx2 | avx512 | avx512bf16 | auto; avx512bf16 = avx512 plus q.k by bf16 dot products when q is exactly
+bf16, see fluxion.h), set_checks(on), set_stream_stores(on) / env FLUXION_STREAM_STORES (0 | 1).
 Env FLUXION_NATIVE_SO loads another build of the extension (the AddressSanitizer build of native/asan_check.py).
 """
 from __future__ import annotations
@@ -48,7 +49,7 @@ ffi, lib = _ext.ffi, _ext.lib
 TASK_FIELDS = int(lib.FX_TASK_FIELDS)  # slot, q_row, kv_head, g, k, ex0_lo, ex0_hi, ex1_lo, ex1_hi
 GRANULARITIES = (16, 32, 64, 128)
 MAX_GROUP, MAX_DIM, MAX_BLOCK = int(lib.FX_MAX_GROUP), int(lib.FX_MAX_DIM), int(lib.FX_MAX_BLOCK)
-SIMD_PATHS = ("portable", "avx2", "avx512")
+SIMD_PATHS = ("portable", "avx2", "avx512", "avx512bf16")  # fluxion.h FX_SIMD_* codes, in order
 DTYPES = ("float16", "bfloat16")
 SCORINGS = ("group", "per-head")  # group_topk's block scoring, in the order of fluxion.h's FX_SCORE_* codes
 
@@ -134,7 +135,7 @@ def simd_supported() -> list[str]:
 
 
 def set_simd(path: str | None = "auto") -> str:
-    """Force a kernel path ('portable', 'avx2', 'avx512') or pick the best ('auto' / None)."""
+    """Force a kernel path ('portable', 'avx2', 'avx512', 'avx512bf16') or pick the best ('auto' / None)."""
     if path in (None, "auto"):
         code = lib.fx_set_simd(-1)
     elif path in SIMD_PATHS:

@@ -4,6 +4,9 @@
 #include <string.h>
 #include <time.h>
 #include "fx_internal.h"
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
 
 int fx_version(void) { return 5; } /* 5: pinned blocks (4: block summaries in the KV dtype, 3: per-head scoring) */
 
@@ -12,6 +15,22 @@ int fx_version(void) { return 5; } /* 5: pinned blocks (4: block summaries in th
 static const fx_kernels *g_kern = NULL;
 static int g_simd = -1;
 static int g_checks = 1;
+
+#if defined(__x86_64__) || defined(__i386__)
+/* AVX512-BF16 by hand (CPUID leaf 7 subleaf 1, EAX bit 5), not __builtin_cpu_supports: older compilers do not
+ * know the name.  The bit only says the CPU has the instructions; the OS must also save the ZMM and opmask state
+ * (XCR0 bits 1, 2, 5, 6, 7), which is checked here too rather than left to the AVX-512 check's library. */
+static int cpu_has_avx512_bf16(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE)) return 0;
+    unsigned xcr0_lo, xcr0_hi;
+    __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    if ((xcr0_lo & 0xE6) != 0xE6) return 0;
+    if (__get_cpuid_max(0, NULL) < 7) return 0;
+    __cpuid_count(7, 1, a, b, c, d);
+    return (a >> 5) & 1;
+}
+#endif
 
 int fx_simd_supported(int path) {
     switch (path) {
@@ -25,20 +44,30 @@ int fx_simd_supported(int path) {
             return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
                    fx_simd_supported(FX_SIMD_AVX2);
+        case FX_SIMD_AVX512_BF16: return fx_simd_supported(FX_SIMD_AVX512) && cpu_has_avx512_bf16();
 #endif
         default: return 0;
     }
 }
 
+static const fx_kernels *kernels_of(int path) {
+    switch (path) {
+        case FX_SIMD_AVX512_BF16: return &fx_kernels_avx512_bf16;
+        case FX_SIMD_AVX512: return &fx_kernels_avx512;
+        case FX_SIMD_AVX2: return &fx_kernels_avx2;
+        default: return &fx_kernels_portable;
+    }
+}
+
 int fx_set_simd(int path) {
     if (path == FX_SIMD_AUTO) {
-        path = fx_simd_supported(FX_SIMD_AVX512) ? FX_SIMD_AVX512
-               : fx_simd_supported(FX_SIMD_AVX2) ? FX_SIMD_AVX2
-                                                 : FX_SIMD_PORTABLE;
+        path = fx_simd_supported(FX_SIMD_AVX512_BF16) ? FX_SIMD_AVX512_BF16
+               : fx_simd_supported(FX_SIMD_AVX512)    ? FX_SIMD_AVX512
+               : fx_simd_supported(FX_SIMD_AVX2)      ? FX_SIMD_AVX2
+                                                      : FX_SIMD_PORTABLE;
     }
     if (!fx_simd_supported(path)) return -FX_E_SIMD;
-    g_kern = path == FX_SIMD_AVX512 ? &fx_kernels_avx512 : path == FX_SIMD_AVX2 ? &fx_kernels_avx2
-                                                                                 : &fx_kernels_portable;
+    g_kern = kernels_of(path);
     g_simd = path;
     return path;
 }
@@ -795,6 +824,11 @@ static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int3
     const float *q = J->q + ((int64_t)t[1] * J->n_q_heads + (int64_t)h * r) * D;
     float s[FX_MAX_GROUP * FX_MAX_BLOCK];
     float m[FX_MAX_GROUP], l[FX_MAX_GROUP];
+    /* bf16 dot products for q.k (FX_SIMD_AVX512_BF16) only where they give exact products: bf16 K and a q whose
+     * elements are all bf16 values (a bf16 model's q is; an fp32 model's is not, and keeps the fp32 qk).  Checked
+     * once per work item, not per block. */
+    uint16_t qb[FX_MAX_GROUP * FX_MAX_DIM] __attribute__((aligned(64)));
+    int dot_bf16 = bf16 && K->qk_bf16 && K->q_to_bf16(q, r * D, qb);
     for (int j = 0; j < r; j++) {
         m[j] = -INFINITY;
         l[j] = 0.0f;
@@ -812,7 +846,8 @@ static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int3
             kn = k_row(kv, slot, h, tn);
             pf_lines = ((n_tok - tn < g ? n_tok - tn : g) * D * 2 + 63) / 64;
         }
-        K->qk(q, r, kb, len, D, bf16, J->scale, s, len, kn, pf_lines);
+        if (dot_bf16) K->qk_bf16(qb, r, kb, len, D, J->scale, s, len, kn, pf_lines);
+        else K->qk(q, r, kb, len, D, bf16, J->scale, s, len, kn, pf_lines);
         for (int j = 0; j < r; j++) {
             float *sj = s + j * len;
             float mb = K->row_max(sj, len);

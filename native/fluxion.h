@@ -54,7 +54,11 @@
 #define FX_MAX_BLOCK 128  /* largest granularity */
 
 enum { FX_F16 = 0, FX_BF16 = 1 };
-enum { FX_SIMD_AUTO = -1, FX_SIMD_PORTABLE = 0, FX_SIMD_AVX2 = 1, FX_SIMD_AVX512 = 2 };
+/* SIMD paths.  FX_SIMD_AVX512_BF16 is FX_SIMD_AVX512 plus q.k by AVX512-BF16 dot products (vdpbf16ps) for bf16 KV
+ * when every element of a task's q is exactly a bf16 value and not a denormal (then each product is exact and
+ * only the fp32 summation order differs; any other q, and fp16 KV, run FX_SIMD_AVX512's kernels, bit for bit).
+ * FX_SIMD_AUTO picks it where the CPU has AVX512-BF16 and the OS saves ZMM state; FX_SIMD_AVX512 turns it off. */
+enum { FX_SIMD_AUTO = -1, FX_SIMD_PORTABLE = 0, FX_SIMD_AVX2 = 1, FX_SIMD_AVX512 = 2, FX_SIMD_AVX512_BF16 = 3 };
 enum {
     FX_OK = 0,
     FX_E_VIEW = 1,      /* bad view: sizes, dtype, page size, granularity mask */

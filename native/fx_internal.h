@@ -43,11 +43,25 @@ typedef struct fx_kernels {
     void (*bound_heads)(const float *q, int r, const uint16_t *s, int n, int d, int bf16, float *out, int64_t ld);
     /* score[b] = max over j < r of (x[j*ld + b] - m[j]) for b < n (n >= 1). */
     void (*gap_max)(const float *x, int64_t ld, const float *m, int r, int n, float *score);
+    /* Optional (NULL on paths without bf16 dot products): qk for bf16 K with q given as bf16 values qb [r][D]
+     * that equal the fp32 q exactly (q_to_bf16 said so), so every product is exact and only the summation order
+     * differs from qk's.  Otherwise qk's contract. */
+    void (*qk_bf16)(const uint16_t *qb, int r, const uint16_t *k, int len, int d, float scale, float *s, int ld,
+                    const void *pf, int64_t pf_lines);
+    /* qb[i] = q[i] as bf16 for i < n (n a multiple of 16); returns 1 when every q[i] is a bf16 value and not a
+     * denormal (which qk_bf16's instruction would read as 0), else 0: qb is then incomplete, run qk. */
+    int (*q_to_bf16)(const float *q, int n, uint16_t *qb);
 } fx_kernels;
 
 extern const fx_kernels fx_kernels_portable;
 extern const fx_kernels fx_kernels_avx2;
 extern const fx_kernels fx_kernels_avx512;
+extern const fx_kernels fx_kernels_avx512_bf16; /* fx_kernels_avx512 plus qk_bf16 / q_to_bf16 */
+
+/* fx_simd_avx512bf16.c (AVX512-BF16): the qk_bf16 / q_to_bf16 of fx_kernels_avx512_bf16 */
+void fx_qk_bf16_avx512bf16(const uint16_t *qb, int r, const uint16_t *k, int len, int d, float scale, float *s,
+                           int ld, const void *pf, int64_t pf_lines);
+int fx_q_to_bf16_avx512bf16(const float *q, int n, uint16_t *qb);
 
 /* Thread pool.  fn(ctx, tid, nthreads) runs on the caller and on every worker that joins in time (a worker that
  * wakes after the caller has finished its own share does not join); participants share work through their own

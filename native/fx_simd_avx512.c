@@ -1,8 +1,7 @@
 /* AVX-512 kernels (F + BW + VL + DQ).  Compiled with the same flags as every other file: the target pragma below
  * enables the instructions for this file only, and fluxion.c calls in here only when the CPU reports them.
- * bf16 -> fp32 is an exact 16-bit shift and fp16 -> fp32 is vcvtph2ps (AVX-512F); the AVX512-BF16/FP16
- * extensions only add narrowing conversions and low-precision dot products, which fp32 accumulation does not
- * want, so they are not used. */
+ * bf16 -> fp32 is an exact 16-bit shift and fp16 -> fp32 is vcvtph2ps (AVX-512F).  AVX512-BF16 dot products are
+ * used by q.k only, on the FX_SIMD_AVX512_BF16 path (fx_simd_avx512bf16.c), when q is exactly bf16. */
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,fma,f16c,avx2"))), \
                              apply_to = function)
@@ -14,8 +13,7 @@
 #include <math.h>
 #include <string.h>
 #include "fx_internal.h"
-
-#define FX_INLINE static inline __attribute__((always_inline))
+#include "fx_simd_avx512.h"
 
 FX_INLINE __m512 load16(const uint16_t *p, int bf16) {
     __m256i h = _mm256_loadu_si256((const __m256i *)p);
@@ -62,17 +60,6 @@ FX_INLINE void merge32(float *x, int bf16, __m512 a, __m512 b) {
         _mm512_storeu_ps(x, a);
         _mm512_storeu_ps(x + 16, b);
     }
-}
-
-/* Horizontal sums of four vectors at once: [sum a, sum b, sum c, sum d]. */
-FX_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
-    __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b)); /* lane: a02 b02 a13 b13 */
-    __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
-    __m512 abcd = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))),
-                                _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(ab), _mm512_castps_pd(cd))));
-    __m256 h = _mm256_add_ps(_mm512_castps512_ps256(abcd),
-                             _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(abcd), 1)));
-    return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
 /* R (<= 4) heads x 4 tokens per step: each K chunk is converted once and feeds 2R FMAs; sums reduced 4 at a time. */
@@ -533,7 +520,15 @@ static void gap_max_avx512(const float *x, int64_t ld, const float *m, int r, in
 
 const fx_kernels fx_kernels_avx512 = {
     "avx512", qk_avx512, pv_avx512, exp_neg_avx512, row_max_avx512, exp_sum_avx512, stage_copy_avx512,
-    fence_avx512, bound_avx512, minmax_avx512, bound_heads_avx512, gap_max_avx512,
+    fence_avx512, bound_avx512, minmax_avx512, bound_heads_avx512, gap_max_avx512, NULL, NULL,
+};
+
+/* The same kernels plus q.k by bf16 dot products (fx_simd_avx512bf16.c, compiled for AVX512-BF16): fluxion.c
+ * selects this table only when the CPU has that extension. */
+const fx_kernels fx_kernels_avx512_bf16 = {
+    "avx512bf16", qk_avx512, pv_avx512, exp_neg_avx512, row_max_avx512, exp_sum_avx512, stage_copy_avx512,
+    fence_avx512, bound_avx512, minmax_avx512, bound_heads_avx512, gap_max_avx512, fx_qk_bf16_avx512bf16,
+    fx_q_to_bf16_avx512bf16,
 };
 
 #if defined(__clang__)

@@ -171,4 +171,5 @@ static void gap_max_portable(const float *x, int64_t ld, const float *m, int r, 
 const fx_kernels fx_kernels_portable = {
     "portable", qk_portable, pv_portable, exp_neg_portable, row_max_portable, exp_sum_portable,
     stage_copy_portable, fence_portable, bound_portable, minmax_portable, bound_heads_portable, gap_max_portable,
+    NULL, NULL, /* no bf16 dot products */
 };
