@@ -196,6 +196,12 @@ typedef struct {
 
 static inline int64_t chunks_of(int32_t count, int32_t cb) { return (count + cb - 1) / cb; }
 
+/* The blocks [*b0, *b1) of its task that item c covers: cb of them from chunk * cb, fewer at the task's end. */
+static inline void item_span(const cursor *c, const int32_t *counts, int32_t cb, int32_t *b0, int32_t *b1) {
+    *b0 = (int32_t)(c->chunk * cb);
+    *b1 = *b0 + cb < counts[c->task] ? *b0 + cb : counts[c->task];
+}
+
 static int cursor_seek(cursor *c, int64_t target, const int32_t *counts, int64_t n_tasks, int32_t cb) {
     while (c->task < n_tasks) {
         int64_t nc = chunks_of(counts[c->task], cb);
@@ -714,7 +720,8 @@ static void topk_worker(void *ctx, int tid, int nthreads) {
     for (;;) {
         int64_t item = atomic_fetch_add(&J->next, 1);
         if (!cursor_seek(&c, item, J->nb, J->n_tasks, J->cb)) return;
-        int64_t b0 = c.chunk * J->cb, b1 = b0 + J->cb < J->nb[c.task] ? b0 + J->cb : J->nb[c.task];
+        int32_t b0, b1;
+        item_span(&c, J->nb, J->cb, &b0, &b1);
         topk_score_chunk(J, c.task, b0, b1);
         if (atomic_fetch_add(&J->done[c.task], 1) == chunks_of(J->nb[c.task], J->cb) - 1) topk_select(J, c.task);
     }
@@ -954,8 +961,8 @@ static void attn_worker(void *ctx, int tid, int nthreads) {
 
         const int32_t *t = J->tasks + c.task * FX_TASK_FIELDS;
         const int32_t *ids = J->ids + c.task * J->k_cap;
-        int32_t b0 = (int32_t)(c.chunk * J->cb);
-        int32_t b1 = b0 + J->cb < J->counts[c.task] ? b0 + J->cb : J->counts[c.task];
+        int32_t b0, b1;
+        item_span(&c, J->counts, J->cb, &b0, &b1);
         float *part = J->ws + item * stride;
         attend_chunk(J, t, ids, b0, b1, part, part + (int64_t)r * D, after, after_lines);
         int64_t n_chunks = chunks_of(J->counts[c.task], J->cb);
@@ -1111,8 +1118,8 @@ static void gather_worker(void *ctx, int tid, int nthreads) {
         const int32_t *t = J->tasks + c.task * FX_TASK_FIELDS;
         const int32_t *ids = J->ids + c.task * J->k_cap;
         int slot = t[0], h = t[2], g = t[3];
-        int32_t b0 = (int32_t)(c.chunk * J->cb);
-        int32_t b1 = b0 + J->cb < J->counts[c.task] ? b0 + J->cb : J->counts[c.task];
+        int32_t b0, b1;
+        item_span(&c, J->counts, J->cb, &b0, &b1);
         int64_t row = J->out_offset[c.task];
         for (int32_t b = 0; b < b0; b++) row += block_len(kv, slot, g, ids[b]);
         for (int32_t b = b0; b < b1; b++) {
@@ -1245,8 +1252,8 @@ static void blocks_probe_worker(void *ctx, int tid, int nthreads) {
         const int32_t *t = J->tasks + c.task * FX_TASK_FIELDS;
         const int32_t *ids = J->ids + c.task * J->k_cap;
         int slot = t[0], h = t[2], g = t[3];
-        int32_t b0 = (int32_t)(c.chunk * J->cb);
-        int32_t b1 = b0 + J->cb < J->counts[c.task] ? b0 + J->cb : J->counts[c.task];
+        int32_t b0, b1;
+        item_span(&c, J->counts, J->cb, &b0, &b1);
         for (int32_t b = b0; b < b1; b++) {
             int64_t len = block_len(kv, slot, g, ids[b]);
             const uint16_t *src = k_row(kv, slot, h, (int64_t)ids[b] * g);

@@ -188,19 +188,6 @@ FX_INLINE void pv_group(const float *p, int R, int ld, const uint16_t *v, int le
     }
 }
 
-/* Dispatch a head count 1..MAXR to a compile-time R so the accumulator arrays live in registers. */
-#define FX_SWITCH_R(rj, CALL) \
-    switch (rj) {             \
-        case 1: CALL(1); break; \
-        case 2: CALL(2); break; \
-        case 3: CALL(3); break; \
-        case 4: CALL(4); break; \
-        case 5: CALL(5); break; \
-        case 6: CALL(6); break; \
-        case 7: CALL(7); break; \
-        default: CALL(8); break; \
-    }
-
 static void qk_avx512(const float *q, int r, const uint16_t *k, int len, int d, int bf16, float scale, float *s,
                       int ld, const void *pf, int64_t pf_lines) {
     if (d % 32 == 0) {
@@ -217,12 +204,7 @@ static void qk_avx512(const float *q, int r, const uint16_t *k, int len, int d, 
         for (int j0 = 0; j0 < r; j0 += 4) {
             int rj = r - j0 < 4 ? r - j0 : 4;
 #define QK_TILE(R) qk_tile(qs + j0 * d, R, k, len, d, bf16, scale, s + j0 * ld, ld, &pc)
-            switch (rj) {
-                case 1: QK_TILE(1); break;
-                case 2: QK_TILE(2); break;
-                case 3: QK_TILE(3); break;
-                default: QK_TILE(4); break;
-            }
+            FX_SWITCH_R4(rj, QK_TILE)
 #undef QK_TILE
         }
         return;
@@ -242,12 +224,7 @@ static void pv_avx512(const float *p, int r, int ld, const uint16_t *v, int len,
     if (d % 64 == 0 && r <= 4) { /* one pass, 64-wide strips: one prefetch step per (strip, token) */
         pf_cursor pc = pfc_init(pf, pf_lines, (int64_t)(d / 64) * len);
 #define PV_TILE2(R) pv_tile2(p, R, ld, v, len, d, bf16, acc, &pc)
-        switch (r) {
-            case 1: PV_TILE2(1); break;
-            case 2: PV_TILE2(2); break;
-            case 3: PV_TILE2(3); break;
-            default: PV_TILE2(4); break;
-        }
+        FX_SWITCH_R4(r, PV_TILE2)
 #undef PV_TILE2
         return;
     }

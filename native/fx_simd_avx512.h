@@ -18,4 +18,25 @@ FX_INLINE __m128 reduce4(__m512 a, __m512 b, __m512 c, __m512 d) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+/* Dispatch a head count to a compile-time R (1..8, or 1..4 for the 4-head tiles) so the accumulator arrays live in
+ * registers. */
+#define FX_SWITCH_R(rj, CALL)   \
+    switch (rj) {               \
+        case 1: CALL(1); break; \
+        case 2: CALL(2); break; \
+        case 3: CALL(3); break; \
+        case 4: CALL(4); break; \
+        case 5: CALL(5); break; \
+        case 6: CALL(6); break; \
+        case 7: CALL(7); break; \
+        default: CALL(8); break; \
+    }
+#define FX_SWITCH_R4(rj, CALL)  \
+    switch (rj) {               \
+        case 1: CALL(1); break; \
+        case 2: CALL(2); break; \
+        case 3: CALL(3); break; \
+        default: CALL(4); break; \
+    }
+
 #endif

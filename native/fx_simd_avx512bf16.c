@@ -92,12 +92,7 @@ void fx_qk_bf16_avx512bf16(const uint16_t *qb, int r, const uint16_t *k, int len
     for (int j0 = 0; j0 < r; j0 += 4) {
         int rj = r - j0 < 4 ? r - j0 : 4;
 #define QK_DOT_TILE(R) qk_dot_tile(qb + j0 * d, R, k, len, d, scale, s + j0 * ld, ld, &pc)
-        switch (rj) {
-            case 1: QK_DOT_TILE(1); break;
-            case 2: QK_DOT_TILE(2); break;
-            case 3: QK_DOT_TILE(3); break;
-            default: QK_DOT_TILE(4); break;
-        }
+        FX_SWITCH_R4(rj, QK_DOT_TILE)
 #undef QK_DOT_TILE
     }
 }
