@@ -21,7 +21,8 @@ window, which top-k never selects, so the host store may lag by a step.
 Static shapes for capture: each retrieval group's block count k_cap comes from the longest sequence's length rounded
 up to BUCKET_TOKENS, so the graph is captured again only when that bucket (or a buffer address) changes; each (row,
 group) then uses the first k of its k_cap ranked blocks, k from its own length as the eager path computes it (the
-extra <= k_cap - k blocks are read over PCIe but masked: counted in the PCIe bytes, not in the KV read fraction).
+extra <= k_cap - k blocks are masked: device_kernels skips their reads, the torch ops path reads them over PCIe and
+counts them in the PCIe bytes; neither counts them in the KV read fraction).
 A layer's kernels do not depend on how many groups or budgets it has: groups differ only in how many entries of
 the flat block list they own. Supports the static plan with one block size for all retrieval groups (what
 DeviceSummaries mirrors); anything else runs eagerly.
@@ -78,33 +79,33 @@ class DeviceStep:
         self.table_keys: list[tuple[int, int]] = [(-1, -1)] * n_layers
         # per layer: the flat block list, entry i = rank flat_j[i] of group flat_h[i] (k_cap entries per group)
         self.flat: list[tuple[int, torch.Tensor, torch.Tensor] | None] = []  # (top-k width, flat_h, flat_j)
+        caps = np.minimum(k_cap, n_blocks)  # [L, Hkv]: ranks each group fetches
         for layer in range(n_layers):
-            caps = np.minimum(k_cap[layer], n_blocks)
-            if not caps.any():
+            if not caps[layer].any():
                 self.flat.append(None)
                 continue
-            flat_h = np.repeat(np.arange(hkv), caps)
-            flat_j = np.concatenate([np.arange(c) for c in caps])
-            self.flat.append((int(caps.max()), torch.from_numpy(flat_h).to(dev), torch.from_numpy(flat_j).to(dev)))
-        self.fetched_blocks = int(np.minimum(k_cap, n_blocks).sum()) * batch  # per step, over PCIe
+            flat_h = np.repeat(np.arange(hkv), caps[layer])
+            flat_j = np.concatenate([np.arange(c) for c in caps[layer]])
+            self.flat.append((int(caps[layer].max()), torch.from_numpy(flat_h).to(dev),
+                              torch.from_numpy(flat_j).to(dev)))
+        self.fetched_blocks = int(caps.sum()) * batch  # per step, over PCIe, on the torch path (masked ranks too)
+        r = owner.r
         if fused:  # device_kernels: per layer each group's slice of the flat list, and buffers reused by all layers
-            caps = np.minimum(k_cap, n_blocks)  # [L, Hkv]
-            starts = np.cumsum(caps, axis=1) - caps
             self.caps = torch.from_numpy(caps.astype(np.int64)).to(dev)  # [L, Hkv]
-            self.starts = torch.from_numpy(starts.astype(np.int64)).to(dev)
+            self.starts = torch.from_numpy((np.cumsum(caps, axis=1) - caps).astype(np.int64)).to(dev)
             n_max = max(1, int(caps.sum(1).max()))
-            r = owner.r
             self.scores = torch.empty(batch, hkv, n_blocks, dtype=torch.float32, device=dev)
             self.part_o = torch.empty(batch, n_max, r, d, dtype=torch.float32, device=dev)  # [B, N, r, D]
             self.part_m = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
             self.part_l = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
             self.out = torch.empty(n_layers, batch, hkv, r, d, dtype=owner.dtype, device=dev)  # per layer: merged
-            self.o_s = torch.empty(batch, hkv, r, d, dtype=torch.float32, device=dev)  # streaming part, any layer
-            self.lse_s_f = torch.empty(batch, hkv, r, dtype=torch.float32, device=dev)
-        self.o_ret = torch.zeros(batch, hkv, owner.r, d, dtype=torch.float32, device=dev)  # retrieval part
-        self.lse_ret = torch.full((batch, hkv, owner.r), float("-inf"), dtype=torch.float32, device=dev)
-        self.out_s: list[torch.Tensor | None] = [None] * n_layers
-        self.lse_s: list[torch.Tensor | None] = [None] * n_layers
+            self.stream_o = torch.empty(batch, hkv, r, d, dtype=torch.float32, device=dev)  # any layer's
+            self.stream_lse = torch.empty(batch, hkv, r, dtype=torch.float32, device=dev)
+        else:  # the torch ops path: the retrieval part, merged in the epilogue with each layer's streaming part
+            self.o_ret = torch.zeros(batch, hkv, r, d, dtype=torch.float32, device=dev)
+            self.lse_ret = torch.full((batch, hkv, r), float("-inf"), dtype=torch.float32, device=dev)
+            self.out_s: list[torch.Tensor | None] = [None] * n_layers
+            self.lse_s: list[torch.Tensor | None] = [None] * n_layers
         # every layer's new K/V for the host store: staged on the device, one D2H per step into pinned rows
         self.stage = torch.zeros(n_layers, batch, 2, hkv, d, dtype=store.dtype, device=dev)  # [L, B, 2, Hkv, D]
         self.kv_host = torch.zeros(n_layers, batch, 2, hkv, d, dtype=store.dtype, pin_memory=cuda)
@@ -210,7 +211,9 @@ class DeviceGraphedDecode:
         k_row[layer_of, rows, heads] = np.minimum(tasks[:, 4], ds.k_cap[layer_of, heads])
         ds.k_row.copy_(torch.from_numpy(k_row))
         a._read_tokens += float(selected.sum())
-        nbytes = float(ds.fetched_blocks * self.g * a.cfg.head_dim * 2 * 2)  # K and V of every fetched block
+        # the kernels skip masked ranks; the torch path reads every rank up to k_cap and masks afterwards
+        fetched = int(k_row.sum()) if self.fused else ds.fetched_blocks
+        nbytes = float(fetched * self.g * a.cfg.head_dim * 2 * 2)  # K and V of every fetched block
         a._st.gpu_bytes += nbytes
         a._st.zero_copy_bytes += nbytes
 
@@ -250,8 +253,8 @@ class DeviceGraphedDecode:
             qg = q.view(ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim)
             device_kernels.append_token(k, v, a._near[layer], ds.stage[layer], self.dsum.layer(layer), ds.slots,
                                         ds.pos, ds.ring, self.g)  # summary capacity reserved in prepare()
-            device_kernels.stream_attention(qg, a._near[layer], ds.bias, a._gidx_dev[layer], ds.slots, ds.o_s,
-                                            ds.lse_s_f, a.scale)
+            device_kernels.stream_attention(qg, a._near[layer], ds.bias, a._gidx_dev[layer], ds.slots, ds.stream_o,
+                                            ds.stream_lse, a.scale)
             self._retrieve_fused(layer, qg, ds, flat)
             return
         qg, ds.out_s[layer], ds.lse_s[layer] = stream_layer(a, layer, ds.slots, ds.ring, ds.bias, q, k, v)
@@ -274,8 +277,8 @@ class DeviceGraphedDecode:
             device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
                                            span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
                                            self.a.scale, ds.part_o, ds.part_m, ds.part_l)
-        device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.o_s, ds.lse_s_f,
-                               ds.out[layer])
+        device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
+                               ds.stream_lse, ds.out[layer])
 
     def _retrieve(self, layer: int, qg: torch.Tensor, ds: DeviceStep, width: int, flat_h: torch.Tensor,
                   flat_j: torch.Tensor) -> None:
