@@ -133,16 +133,15 @@ def synthetic_pins(attn: SparseAttention, seq: int, context: int, seed: int) -> 
 
 
 def new_attention(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan) -> object:
-    # the mode names where selection runs: `fluxion` is the CPU-selection hybrid (the paper's design), whatever the
-    # serving default (engine.fluxion_selection) would pick; `fluxion-gpu` selects on the device
-    os.environ["FLUXION_SELECTION"] = "cpu"
     if mode.startswith("fluxion-gpu"):
         os.environ["FLUXION_DEVICE_GRAPHS"] = "layer" if mode == "fluxion-gpu-layers" else "step"
         attn: object = SparseAttention(model.cfg, plan, model.dtype, model.device, max_seqs=batch + 1, placement="gpu",
                                        selection="gpu")
     else:
+        # the mode names where selection runs: `fluxion` is the CPU-selection hybrid (the paper's design), whatever
+        # the serving default (engine.fluxion_selection) would pick; `fluxion-gpu` selects on the device
         attn = make_attention(mode, model.cfg, model.dtype, model.device, batch + 1, "synthetic",
-                              plan=plan if mode == "fluxion" else None)
+                              plan=plan if mode == "fluxion" else None, selection="cpu")
     fill_context(attn, model.cfg, batch, context, model.device, seed=context + batch)
     return attn
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from . import zero_copy
 from .attention import AttentionBackend, DenseAttention, SeqChunk
 from .config import ModelConfig
 from .errors import CapacityError, RequestError
@@ -362,10 +363,11 @@ class Engine:
 
 def make_attention(
     mode: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_seqs: int, model_name: str,
-    plan: SparsePlan | None = None, per_request_plans: bool = False,
+    plan: SparsePlan | None = None, per_request_plans: bool = False, selection: str | None = None,
 ) -> AttentionBackend:
     """The attention backend for a mode (ATTENTION_MODES). `plan` overrides the mode's default plan;
-    per_request_plans: the predictor will set plans per request (selection stays on the CPU then)."""
+    per_request_plans: the predictor will set plans per request (selection stays on the CPU then); selection:
+    where `fluxion` selects ("cpu" or "gpu"; None: fluxion_selection decides)."""
     if mode in ("full", "full-gpu"):
         return DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype, device)
     if mode == "full-host":
@@ -380,7 +382,7 @@ def make_attention(
                                selection="gpu")
     if mode == "fluxion":
         plan = plan or load_fluxion_plan(model_name, cfg)
-        if fluxion_selection(device, plan, per_request_plans) == "gpu":  # device_graph.py: no per-layer round trip
+        if (selection or fluxion_selection(device, plan, per_request_plans)) == "gpu":  # device_graph.py: no per-layer round trip
             return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="gpu", selection="gpu")
         return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="auto")
     raise RequestError(f"attention={mode!r}: supported modes are {', '.join(ATTENTION_MODES)}")
@@ -400,7 +402,6 @@ def fluxion_selection(device: torch.device, plan: SparsePlan, per_request_plans:
     group_scoring = (os.environ.get("FLUXION_TOPK") or plan.scoring) in ("group", "native")  # the device's bound
     if device.type != "cuda" or per_request_plans or not one_g or not group_scoring:
         return "cpu"
-    from . import zero_copy
     return "gpu" if zero_copy.check(device)[0] else "cpu"
 
 
