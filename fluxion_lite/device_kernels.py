@@ -75,6 +75,13 @@ if triton is not None:
         tl.store(out_ptr + tl.arange(0, N), tl.full((N,), 1.0, tl.float32))
 
     @triton.jit
+    def _group_queries(q_ptr, b, h, R, q_b, q_h, q_r, D: tl.constexpr, R_PAD: tl.constexpr):
+        """Row b's queries of group h as fp32 [R_PAD, D]; the padding rows beyond R are 0."""
+        rr, dd = tl.arange(0, R_PAD), tl.arange(0, D)
+        return tl.load(q_ptr + b * q_b + h * q_h + rr[:, None] * q_r + dd[None, :], mask=rr[:, None] < R,
+                       other=0.0).to(tl.float32)
+
+    @triton.jit
     def _append_token_kernel(k_ptr, v_ptr, near_ptr, stage_ptr, s_ptr, slots_ptr, pos_ptr, ring_ptr, HKV,
                              k_row, k_head, v_row, v_head, n_slot, n_part, n_head, n_tok, st_row, st_part, st_head,
                              s_slot, s_head, s_blk, G: tl.constexpr, D: tl.constexpr):
@@ -107,8 +114,7 @@ if triton is not None:
         rr, dd, tt0 = tl.arange(0, R_PAD), tl.arange(0, D), tl.arange(0, TILE)
         slot = tl.load(slots_ptr + b)
         bias_row = bias_ptr + (tl.load(gidx_ptr + h) * B + b) * LTOT  # the group's block size sets its bounds
-        q = tl.load(q_ptr + b * q_b + h * q_h + rr[:, None] * q_r + dd[None, :], mask=rr[:, None] < R,
-                    other=0.0).to(tl.float32)  # [R_PAD, D]
+        q = _group_queries(q_ptr, b, h, R, q_b, q_h, q_r, D, R_PAD)  # [R_PAD, D]
         m = tl.full((R_PAD,), float("-inf"), tl.float32)
         l_sum = tl.zeros((R_PAD,), tl.float32)
         acc = tl.zeros((R_PAD, D), tl.float32)
@@ -140,9 +146,8 @@ if triton is not None:
                              PINNED: tl.constexpr):
         pid = tl.program_id(0)  # = b * HKV + h
         b, h = pid // HKV, pid % HKV
-        rr, dd = tl.arange(0, R_PAD), tl.arange(0, D)
-        q = tl.load(q_ptr + b * q_b + h * q_h + rr[:, None] * q_r + dd[None, :], mask=rr[:, None] < R,
-                    other=0.0).to(tl.float32)  # [R_PAD, D]
+        dd = tl.arange(0, D)
+        q = _group_queries(q_ptr, b, h, R, q_b, q_h, q_r, D, R_PAD)  # [R_PAD, D]
         q_pos = tl.sum(tl.maximum(q, 0.0), axis=0)  # [D]: the bound summed over the group's heads
         q_neg = tl.sum(tl.minimum(q, 0.0), axis=0)
         nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -180,9 +185,9 @@ if triton is not None:
         v_off = k_off + HKV * CPH * CHUNK * D  # V chunks follow the page's K chunks
         k = tl.load(span_ptr + k_off[:, None] + dd[None, :], mask=live[:, None], other=0.0)  # [G, D]: PCIe read
         v = tl.load(span_ptr + v_off[:, None] + dd[None, :], mask=live[:, None], other=0.0)
-        q = tl.load(q_ptr + b * q_b + h * q_h + rr[:, None] * q_r + dd[None, :], mask=rr[:, None] < R, other=0.0)
+        q = _group_queries(q_ptr, b, h, R, q_b, q_h, q_r, D, R_PAD)  # [R_PAD, D]
         # fp32 products (the dots are [R_PAD, D] x [D, G]: tiny next to the PCIe read, so no tensor-core formats)
-        logits = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [R_PAD, G]
+        logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [R_PAD, G]
         m = tl.max(logits, axis=1)  # [R_PAD]
         p = tl.exp(logits - m[:, None])
         l_sum = tl.sum(p, axis=1)
