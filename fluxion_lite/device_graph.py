@@ -99,8 +99,10 @@ class DeviceStep:
             self.part_m = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
             self.part_l = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
             self.out = torch.empty(n_layers, batch, hkv, r, d, dtype=owner.dtype, device=dev)  # per layer: merged
-            self.stream_o = torch.empty(batch, hkv, r, d, dtype=torch.float32, device=dev)  # any layer's
-            self.stream_lse = torch.empty(batch, hkv, r, dtype=torch.float32, device=dev)
+            splits = device_kernels.stream_splits(owner.sink_cap + owner.ring_cap)  # any layer's streaming partials
+            self.stream_o = torch.empty(batch, hkv, splits, r, d, dtype=torch.float32, device=dev)
+            self.stream_m = torch.empty(batch, hkv, splits, r, dtype=torch.float32, device=dev)
+            self.stream_l = torch.empty(batch, hkv, splits, r, dtype=torch.float32, device=dev)
         else:  # the torch ops path: the retrieval part, merged in the epilogue with each layer's streaming part
             self.o_ret = torch.zeros(batch, hkv, r, d, dtype=torch.float32, device=dev)
             self.lse_ret = torch.full((batch, hkv, r), float("-inf"), dtype=torch.float32, device=dev)
@@ -254,7 +256,7 @@ class DeviceGraphedDecode:
             device_kernels.append_token(k, v, a._near[layer], ds.stage[layer], self.dsum.layer(layer), ds.slots,
                                         ds.pos, ds.ring, self.g)  # summary capacity reserved in prepare()
             device_kernels.stream_attention(qg, a._near[layer], ds.bias, a._gidx_dev[layer], ds.slots, ds.stream_o,
-                                            ds.stream_lse, a.scale)
+                                            ds.stream_m, ds.stream_l, a.scale)
             self._retrieve_fused(layer, qg, ds, flat)
             return
         qg, ds.out_s[layer], ds.lse_s[layer] = stream_layer(a, layer, ds.slots, ds.ring, ds.bias, q, k, v)
@@ -271,6 +273,8 @@ class DeviceGraphedDecode:
             width, flat_h, flat_j = flat
             scores = device_kernels.block_scores(qg, self.dsum.layer(layer), ds.slots, ds.bounds, ds.n_blocks,
                                                  ds.pinned[layer], ds.scores)
+            # torch.topk (~30 us per layer at 32K on the H200): a Triton bitonic sort of the packed (score, id) keys,
+            # one program per row, measured 85 us there (tpot's kernel profile, a4b12c0+split), so it stays
             vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
             span = self.feeder._span
             assert span is not None
@@ -278,7 +282,7 @@ class DeviceGraphedDecode:
                                            span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
                                            self.a.scale, ds.part_o, ds.part_m, ds.part_l)
         device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
-                               ds.stream_lse, ds.out[layer])
+                               ds.stream_m, ds.stream_l, ds.out[layer])
 
     def _retrieve(self, layer: int, qg: torch.Tensor, ds: DeviceStep, width: int, flat_h: torch.Tensor,
                   flat_j: torch.Tensor) -> None:

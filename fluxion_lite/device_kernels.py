@@ -6,7 +6,7 @@ inside a CUDA graph. The same work in five kernels:
 
   append_token      the new K/V into the device sink/ring slab and the host store's staging rows, the new key
                     into the fp32 min/max block summaries                     (was ~17 torch kernels)
-  stream_attention  sink + window of every group, online softmax              (was ~12)
+  stream_attention  sink + window of every group, online softmax, in one-tile splits merged by combine (was ~12)
   block_scores      Quest bound of every block, pins and the eligible range    (was ~20)
   block_attention   one program per (row, selected block): its g tokens read straight from the pinned host store
                     through the zero-copy alias, the group's r query heads -> partial (o, max, sum)   (was ~60,
@@ -106,10 +106,10 @@ if triton is not None:
         tl.store(base + D, tl.where(first, kf, tl.maximum(tl.load(base + D), kf)))
 
     @triton.jit
-    def _stream_attention_kernel(q_ptr, near_ptr, bias_ptr, gidx_ptr, slots_ptr, o_ptr, lse_ptr, B, HKV, R, LTOT,
-                                 scale, q_b, q_h, q_r, n_slot, n_part, n_head, n_tok,
+    def _stream_attention_kernel(q_ptr, near_ptr, bias_ptr, gidx_ptr, slots_ptr, o_ptr, m_ptr, l_ptr, B, HKV, R,
+                                 LTOT, SPAN, scale, q_b, q_h, q_r, n_slot, n_part, n_head, n_tok,
                                  D: tl.constexpr, R_PAD: tl.constexpr, TILE: tl.constexpr):
-        pid = tl.program_id(0)  # = b * HKV + h
+        pid, split = tl.program_id(0), tl.program_id(1)  # pid = b * HKV + h; split: slots [split * SPAN, + SPAN)
         b, h = pid // HKV, pid % HKV
         rr, dd, tt0 = tl.arange(0, R_PAD), tl.arange(0, D), tl.arange(0, TILE)
         slot = tl.load(slots_ptr + b)
@@ -119,9 +119,11 @@ if triton is not None:
         l_sum = tl.zeros((R_PAD,), tl.float32)
         acc = tl.zeros((R_PAD, D), tl.float32)
         slab = near_ptr + slot * n_slot + h * n_head
-        for t0 in range(0, LTOT, TILE):
+        lo = split * SPAN
+        hi = tl.minimum(lo + SPAN, LTOT)
+        for t0 in range(lo, hi, TILE):
             tt = t0 + tt0
-            bias = tl.load(bias_row + tt, mask=tt < LTOT, other=float("-inf"))  # [TILE]: 0 attended, -inf not
+            bias = tl.load(bias_row + tt, mask=tt < hi, other=float("-inf"))  # [TILE]: 0 attended, -inf not
             live = bias > float("-inf")
             # slots not attended may hold any bits (0 x NaN = NaN): they are never loaded
             k = tl.load(slab + tt[:, None] * n_tok + dd[None, :], mask=live[:, None], other=0.0).to(tl.float32)
@@ -135,9 +137,12 @@ if triton is not None:
             l_sum = l_sum * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
             m = new_m
-        row = pid * R + rr
-        tl.store(o_ptr + row[:, None] * D + dd[None, :], acc / l_sum[:, None], mask=rr[:, None] < R)
-        tl.store(lse_ptr + row, m + tl.log(l_sum), mask=rr < R)
+        # a partial like block_attention's: o not yet divided by l; a split without attended slots has m = -inf,
+        # l = 0, o = 0, which combine weighs 0
+        row = (pid * tl.num_programs(1) + split) * R + rr  # [B, Hkv, S, R]
+        tl.store(o_ptr + row[:, None] * D + dd[None, :], acc, mask=rr[:, None] < R)
+        tl.store(m_ptr + row, m, mask=rr < R)
+        tl.store(l_ptr + row, l_sum, mask=rr < R)
 
     @triton.jit
     def _block_scores_kernel(q_ptr, s_ptr, slots_ptr, bounds_ptr, pin_ptr, out_ptr, B, HKV, R, NB,
@@ -201,18 +206,27 @@ if triton is not None:
         tl.store(o_ptr + row[:, None] * D + dd[None, :], o, mask=rr[:, None] < R)
 
     @triton.jit
-    def _combine_kernel(o_ptr, m_ptr, l_ptr, starts_ptr, caps_ptr, os_ptr, lses_ptr, out_ptr, N, HKV, R,
+    def _combine_kernel(o_ptr, m_ptr, l_ptr, starts_ptr, caps_ptr, so_ptr, sm_ptr, sl_ptr, out_ptr, N, HKV, R, S,
                         D: tl.constexpr, TILE: tl.constexpr):
         pid = tl.program_id(0)  # = (b * HKV + h) * R + r
         r = pid % R
         bh = pid // R
         b, h = bh // HKV, bh % HKV
         dd, ee = tl.arange(0, D), tl.arange(0, TILE)
-        # the streaming part first: its lse is finite (sink and window always hold tokens), so the running max is
-        # never -inf and a group without retrieval entries simply keeps it
-        run_m = tl.load(lses_ptr + pid)
-        run_l = tl.full((), 1.0, tl.float32)
-        acc = tl.load(os_ptr + pid * D + dd)  # [D], normalised: weight exp(lse_s - run_m) = 1
+        run_m = tl.full((), float("-inf"), tl.float32)
+        run_l = tl.zeros((), tl.float32)
+        acc = tl.zeros((D,), tl.float32)
+        # the streaming splits first (at least one holds the sink, so run_m is finite after them), then the
+        # group's retrieval partials: entries starts[h] .. starts[h] + caps[h] - 1
+        for s in range(0, S):
+            row = (bh * S + s) * R + r
+            m = tl.load(sm_ptr + row)
+            new_m = tl.maximum(run_m, m)
+            safe = tl.where(new_m == float("-inf"), 0.0, new_m)
+            w, old = tl.exp(m - safe), tl.exp(run_m - safe)  # 0 for an empty split / nothing yet
+            run_l = run_l * old + w * tl.load(sl_ptr + row)
+            acc = acc * old + w * tl.load(so_ptr + row * D + dd)
+            run_m = new_m
         start = tl.load(starts_ptr + h)
         cap = tl.load(caps_ptr + h)
         for e0 in range(0, cap, TILE):
@@ -245,18 +259,34 @@ def append_token(k: torch.Tensor, v: torch.Tensor, near: torch.Tensor, stage: to
                                      s.stride(0), s.stride(1), s.stride(2), G=g, D=d)
 
 
+STREAM_TILE = 32  # slab slots per step of the streaming kernel's loop
+
+
+def stream_splits(ltot: int, tiles_per_split: int = 1) -> int:
+    """How many programs share one group's sink + window: one tile each by default. Why: a program per (row, group)
+    is only B * Hkv programs walking Ltot / TILE tiles in a row, which left the GPU nearly idle (H200, 8B shape,
+    b1: 85 us per layer for 208 slots, 2.7 ms of a 14 ms step); split, the tiles run side by side and combine
+    merges the splits like any other partial."""
+    return max(1, -(-ltot // (STREAM_TILE * tiles_per_split)))
+
+
 def stream_attention(q: torch.Tensor, near: torch.Tensor, bias: torch.Tensor, gidx: torch.Tensor,
-                     slots: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
-    """The streaming part (sink + window) of every (row, group): q [B, Hkv, r, D]; near [slots, 2, Hkv, Ltot, D];
-    bias fp32 [n_g, B, Ltot] (0 attended, -inf not; at least one 0 per row), group h uses bias[gidx[h]].
-    Writes out [B, Hkv, r, D] fp32 (normalised) and lse [B, Hkv, r], as hybrid.biased_attention returns them."""
+                     slots: torch.Tensor, out_o: torch.Tensor, out_m: torch.Tensor, out_l: torch.Tensor,
+                     scale: float, num_warps: int = 4) -> None:
+    """The streaming part (sink + window) of every (row, group) as S partials: q [B, Hkv, r, D]; near [slots, 2, Hkv,
+    Ltot, D]; bias fp32 [n_g, B, Ltot] (0 attended, -inf not; at least one 0 per row), group h
+    uses bias[gidx[h]]. Split s covers slab slots [s * ceil(Ltot / S), ...). Writes out_o [B, Hkv, S, r, D] fp32
+    (not divided by l), out_m, out_l [B, Hkv, S, r] (running max and sum), which combine merges."""
     B, hkv, r, d = q.shape
-    ltot = near.shape[3]
+    ltot, splits = near.shape[3], out_o.shape[2]
     assert q.stride(3) == 1 and near.stride(4) == 1 and bias.is_contiguous() and bias.shape[2] == ltot
-    assert out.is_contiguous() and lse.is_contiguous() and gidx.is_contiguous()
-    _stream_attention_kernel[(B * hkv,)](q, near, bias, gidx, slots, out, lse, B, hkv, r, ltot, scale,
-                                         q.stride(0), q.stride(1), q.stride(2), near.stride(0), near.stride(1),
-                                         near.stride(2), near.stride(3), D=d, R_PAD=_pow2(r, 16), TILE=32)
+    assert out_o.is_contiguous() and out_m.is_contiguous() and out_l.is_contiguous() and gidx.is_contiguous()
+    assert out_m.shape == (B, hkv, splits, r) and out_l.shape == out_m.shape
+    span = -(-ltot // splits)
+    _stream_attention_kernel[(B * hkv, splits)](q, near, bias, gidx, slots, out_o, out_m, out_l, B, hkv, r, ltot,
+                                                span, scale, q.stride(0), q.stride(1), q.stride(2), near.stride(0),
+                                                near.stride(1), near.stride(2), near.stride(3), D=d,
+                                                R_PAD=_pow2(r, 16), TILE=STREAM_TILE, num_warps=num_warps)
 
 
 def block_scores(q: torch.Tensor, s: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, n_blocks: int,
@@ -296,11 +326,12 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
 
 
 def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, starts: torch.Tensor,
-            caps: torch.Tensor, out_s: torch.Tensor, lse_s: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """LSE merge of the streaming part (out_s [B, Hkv, r, D] fp32 normalised, lse_s [B, Hkv, r]) with each group's
+            caps: torch.Tensor, stream_o: torch.Tensor, stream_m: torch.Tensor, stream_l: torch.Tensor,
+            out: torch.Tensor) -> torch.Tensor:
+    """LSE merge of the streaming partials (stream_attention's [B, Hkv, S, r(, D)]) with each group's retrieval
     partials (its entries are starts[h] .. starts[h] + caps[h] - 1 of the flat list) -> out [B, Hkv, r, D]."""
-    B, hkv, r, d = out_s.shape
-    assert out_s.is_contiguous() and lse_s.is_contiguous() and out.is_contiguous()
-    _combine_kernel[(B * hkv * r,)](part_o, part_m, part_l, starts, caps, out_s, lse_s, out, part_m.shape[1], hkv,
-                                    r, D=d, TILE=64)
+    B, hkv, splits, r, d = stream_o.shape
+    assert stream_o.is_contiguous() and stream_m.is_contiguous() and stream_l.is_contiguous() and out.is_contiguous()
+    _combine_kernel[(B * hkv * r,)](part_o, part_m, part_l, starts, caps, stream_o, stream_m, stream_l, out,
+                                    part_m.shape[1], hkv, r, splits, D=d, TILE=64)
     return out

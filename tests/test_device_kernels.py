@@ -55,29 +55,45 @@ def test_append_token(dk, g: int, d: int) -> None:  # type: ignore[no-untyped-de
     assert torch.equal(near_d.cpu(), want_near) and torch.equal(stage_d.cpu(), want_stage)
 
 
-@pytest.mark.parametrize("r,d,ltot", [(4, 32, 40), (7, 64, 100), (1, 32, 17)])
-def test_stream_attention(dk, r: int, d: int, ltot: int) -> None:  # type: ignore[no-untyped-def]
-    gen = torch.Generator().manual_seed(r * d + ltot)
+def merged_splits(o: torch.Tensor, m: torch.Tensor, l: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Partials o [..., S, r, D] (not divided by l), m, l [..., S, r] merged in float64 -> (out [..., r, D], lse)."""
+    o, m, l = o.double(), m.double(), l.double()
+    lse = torch.logsumexp(m + l.log(), dim=-2)  # an empty split: m = -inf, l = 0 -> weight 0
+    w = torch.exp(m - lse[..., None, :]).nan_to_num(0.0)  # [..., S, r]
+    return (w[..., None] * o).sum(-3), lse
+
+
+@pytest.mark.parametrize("r,d,ltot,splits", [(4, 32, 40, 1), (4, 32, 40, 3), (7, 64, 100, 4), (1, 32, 17, 1),
+                                             (4, 32, 208, 7)])
+def test_stream_attention(dk, r: int, d: int, ltot: int, splits: int) -> None:  # type: ignore[no-untyped-def]
+    gen = torch.Generator().manual_seed(r * d + ltot + splits)
     B, hkv, n_g = 2, 3, 4
     near = torch.randn(3, 2, hkv, ltot, d, generator=gen).to(torch.bfloat16)
     near[0, :, :, 3] = float("nan")  # a slot nobody attends may hold any bits
     bias = torch.where(torch.rand(n_g, B, ltot, generator=gen) < 0.6, 0.0, float("-inf"))
     bias[..., 0] = 0.0  # every row attends something
     bias[:, :, 3] = float("-inf")
-    gidx = torch.tensor([2, 0, 3])  # each group's block-size index picks its bias row
+    bias[1, 0, ltot // 2:] = float("-inf")  # one row's later splits attend nothing: they must weigh 0, not NaN
+    gidx = torch.tensor([2, 0, 1])  # each group's block-size index picks its bias row
     q = torch.randn(B, hkv, r, d, generator=gen).to(torch.bfloat16)
     slots, scale = torch.tensor([0, 2]), d ** -0.5
-    out, lse = on(torch.empty(B, hkv, r, d), torch.empty(B, hkv, r))
-    dk.stream_attention(*on(q, near, bias, gidx, slots), out, lse, scale)
+    o, m, l = on(torch.empty(B, hkv, splits, r, d), torch.empty(B, hkv, splits, r), torch.empty(B, hkv, splits, r))
+    dk.stream_attention(*on(q, near, bias, gidx, slots), o, m, l, scale)
+    out, lse = merged_splits(o.cpu(), m.cpu(), l.cpu())
+    assert torch.isfinite(out).all()
     for b in range(B):
         for h in range(hkv):
             keep = bias[int(gidx[h]), b] == 0
             keys = near[slots[b], 0, h][keep].double()
             values = near[slots[b], 1, h][keep].double()
             logits = q[b, h].double() @ keys.T * scale  # [r, T]
-            torch.testing.assert_close(lse[b, h].cpu().double(), torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(out[b, h].cpu().double(), torch.softmax(logits, -1) @ values,
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(lse[b, h], torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(out[b, h], torch.softmax(logits, -1) @ values, rtol=1e-5, atol=1e-5)
+
+
+def test_stream_splits_cover_the_slab_one_tile_each(dk) -> None:  # type: ignore[no-untyped-def]
+    assert dk.stream_splits(208) == 7 and dk.stream_splits(32) == 1 and dk.stream_splits(33) == 2
+    assert dk.stream_splits(208, tiles_per_split=4) == 2
 
 
 @pytest.mark.parametrize("r,d,nb,pins", [(4, 32, 40, False), (7, 64, 70, True), (1, 32, 33, True)])
@@ -147,10 +163,14 @@ def test_block_attention_and_combine(dk, r: int, d: int, g: int, dtype: torch.dt
     part_o, part_m, part_l = on(part_o, part_m, part_l)
     dk.block_attention(*on(q, ids, vals, flat_h, flat_j, k_row, slots, tables, span), page_tokens, g, scale,
                        part_o, part_m, part_l)
-    out_s = torch.randn(B, hkv, r, d, generator=gen)
-    lse_s = torch.randn(B, hkv, r, generator=gen)
+    # two streaming partials per (row, group), the second empty for row 1 group 0 (m = -inf, l = 0, o = 0)
+    s_o = torch.randn(B, hkv, 2, r, d, generator=gen)
+    s_m = torch.randn(B, hkv, 2, r, generator=gen)
+    s_l = torch.rand(B, hkv, 2, r, generator=gen) + 0.5
+    s_o[1, 0, 1], s_m[1, 0, 1], s_l[1, 0, 1] = 0.0, float("-inf"), 0.0
+    out_s, lse_s = merged_splits(s_o, s_m, s_l)
     starts = torch.cumsum(caps, 0) - caps
-    out = dk.combine(part_o, part_m, part_l, *on(starts, caps, out_s, lse_s, torch.empty(B, hkv, r, d, dtype=dtype)))
+    out = dk.combine(part_o, part_m, part_l, *on(starts, caps, s_o, s_m, s_l, torch.empty(B, hkv, r, d, dtype=dtype)))
     out = out.cpu()
     want = torch.empty(B, hkv, r, d, dtype=torch.float64)
     for b in range(B):
