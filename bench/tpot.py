@@ -51,8 +51,10 @@ SHAPES = {
                  vocab_size=1000, rope_theta=10000.0, rope_style="interleaved", qkv_bias=False),
 }
 # fluxion-gpu: fluxion's plan with selection and attention on the GPU (device_graph.py), blocks over PCIe, one graph
-# per step; fluxion-gpu-layers: the same with one graph per layer (FLUXION_DEVICE_GRAPHS=layer)
-MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-layers", "fixed", "gpu-sparse", "full-host")
+# per step; fluxion-gpu-layers: the same with one graph per layer (FLUXION_DEVICE_GRAPHS=layer); fluxion-gpu-pincache:
+# fluxion-gpu with the pinned blocks held in device memory (FLUXION_PIN_CACHE=1), so PCIe carries the dynamic ones only
+MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-layers", "fluxion-gpu-pincache", "fixed", "gpu-sparse",
+         "full-host")
 # llama.cpp on the same H200 host, Llama-3.1-8B shape, random F16 GGUF, batch 1, 16 threads (issue 5 / DESIGN.md 7)
 PEER_KV_GPU_MS = {8192: 5.33, 32768: 6.81, 65536: 8.65}
 PEER_KV_HOST_MS = {8192: 68.8, 32768: 230.0, 65536: 508.0}
@@ -135,6 +137,7 @@ def synthetic_pins(attn: SparseAttention, seq: int, context: int, seed: int) -> 
 def new_attention(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan) -> object:
     if mode.startswith("fluxion-gpu"):
         os.environ["FLUXION_DEVICE_GRAPHS"] = "layer" if mode == "fluxion-gpu-layers" else "step"
+        os.environ["FLUXION_PIN_CACHE"] = "1" if mode == "fluxion-gpu-pincache" else "0"  # read when the step is made
         attn: object = SparseAttention(model.cfg, plan, model.dtype, model.device, max_seqs=batch + 1, placement="gpu",
                                        selection="gpu")
     else:

@@ -14,6 +14,9 @@ time (bench/tpot.py: ~60% of the step is the GPU waiting). Here the retrieval pa
   after_replay()   (eager) one non-blocking D2H of every layer's new K/V
   end()            one sync (the logits are read next anyway), then those K/V go into the host store
 
+Pin cache (FLUXION_PIN_CACHE=1, kernel path only): the pinned blocks, which top-k takes at every step, are copied
+to device memory once per batch composition and read from there; PCIe then carries the dynamic blocks only.
+
 All layers are one graph (decode_graphs' whole_step), replayed once per step (FLUXION_DEVICE_GRAPHS=layer: one graph
 per layer, launched back to back with nothing in between). The newest tokens are in the device
 window, which top-k never selects, so the host store may lag by a step.
@@ -118,6 +121,13 @@ class DeviceStep:
             self.appenders.append(native.PreparedAppend(store.view(0), self.slots32, np.arange(batch) * 2,
                                                         rows[: 2 * batch - 1], rows[1:]))
         self.pins_key: tuple[object, ...] = ()
+        # the device pin cache (FLUXION_PIN_CACHE=1, kernel path): each row's pinned blocks kept in device memory.
+        # pin_kv [L, B, Hkv, P, 2, g, D] grows (rarely: new pins) in prepare(), before the graphs' key is taken
+        self.pin_slot = torch.full((n_layers, batch, hkv, n_blocks), -1, dtype=torch.int32, device=dev)
+        self.pin_kv: torch.Tensor | None = None
+        self.pin_serial = 0  # bumped when pin_kv is reallocated
+        self.pin_count = np.zeros((n_layers, batch, hkv), np.int64)  # blocks cached per (layer, row, group)
+        self.pin_cache_key: tuple[object, ...] = ()
 
 
 class DeviceGraphedDecode:
@@ -129,6 +139,11 @@ class DeviceGraphedDecode:
         # so launching layer i + 1 overlaps running layer i (host(i) does nothing); not measured yet.
         self.whole_step = os.environ.get("FLUXION_DEVICE_GRAPHS", "step") != "layer"
         self.fused = device_kernels.enabled(owner.device)  # a few Triton kernels per layer instead of ~100 torch ops
+        # Pinned blocks are chosen once, at the end of a prompt, and top-k takes them at every step: with
+        # FLUXION_PIN_CACHE=1 they are copied to device memory once and read from there, so the PCIe bytes per step
+        # are the dynamic share of the budget only. Off by default: it holds KV on the GPU beyond sink + window
+        # (~3% of the context with the shipped plan), which the memory bound of the plan does not count yet.
+        self.pin_cache = self.fused and os.environ.get("FLUXION_PIN_CACHE", "0") == "1"
         self.a = weakref.proxy(owner)  # graph sets hold this object: they must not keep a dropped backend alive
         self.serial = owner.serial
         assert owner._dsum is not None and owner.executor.feeder is not None
@@ -158,6 +173,28 @@ class DeviceGraphedDecode:
             if len(self.static) >= 4:  # an old bucket's buffers go with its graphs
                 self.static.pop(next(iter(self.static)))
             self.static[self._shape] = DeviceStep(a, len(chunks), k_cap, nb // self.g, page_cap, self.fused)
+        if self.pin_cache:
+            self._reserve_pin_cache(self.static[self._shape], np.array([a._slot[c.seq_id] for c in chunks]))
+
+    def _reserve_pin_cache(self, ds: DeviceStep, slots: np.ndarray) -> None:
+        """Room in ds.pin_kv for the rows' pinned blocks (a new tensor, and so new graphs, only when it must grow)."""
+        pins = self.a.pins
+        if pins is None:
+            return
+        need = int(pins.mask(slots, ds.n_blocks).sum(-1).max(initial=0))
+        have = 0 if ds.pin_kv is None else ds.pin_kv.shape[3]
+        if need > have:
+            cfg = self.a.cfg
+            cap = -(-need // 16) * 16
+            ds.pin_kv = torch.empty(cfg.n_layers, ds.batch, cfg.n_kv_heads, cap, 2, self.g, cfg.head_dim,
+                                    dtype=self.a.store.dtype, device=self.a.device)
+            ds.pin_serial += 1
+            ds.pin_cache_key = ()  # refill
+
+    def pin_cache_bytes(self) -> int:
+        """Device memory the pin caches of the kept step structures hold."""
+        return sum(ds.pin_kv.numel() * ds.pin_kv.element_size() for ds in self.static.values()
+                   if ds.pin_kv is not None)
 
     def owner_id(self) -> int:
         return self.serial
@@ -166,8 +203,9 @@ class DeviceGraphedDecode:
         """Changes whenever a buffer the captured graphs address was reallocated, or the step's structure changed."""
         a = self.a
         self.feeder._refresh(0)  # the span alias follows the store's slabs
+        ds = self.static[self._shape]
         return ("device", a.serial, self._shape, a._near.data_ptr(), self.dsum.version, a.store.slab_version,
-                self.static[self._shape].serial)
+                ds.serial, ds.pin_serial)
 
     # ---- per step -------------------------------------------------------------------------------------------------
     def begin(self, chunks: list[SeqChunk]) -> None:
@@ -187,8 +225,8 @@ class DeviceGraphedDecode:
         lo, hi = st.sink_hi[gi] // self.g, st.win_lo[gi] // self.g  # [B] eligible blocks, as the eager path's
         ds.bounds.copy_(torch.from_numpy(np.stack([lo, hi])))
         self._load_tables(ds)
-        self._load_tasks(ds, st)
         self._load_pins(ds, st)
+        self._load_tasks(ds, st)
         self._t0 = time.perf_counter()
 
     def _load_tables(self, ds: DeviceStep) -> None:
@@ -215,6 +253,8 @@ class DeviceGraphedDecode:
         a._read_tokens += float(selected.sum())
         # the kernels skip masked ranks; the torch path reads every rank up to k_cap and masks afterwards
         fetched = int(k_row.sum()) if self.fused else ds.fetched_blocks
+        if self.pin_cache:  # pinned blocks rank first and come from the device cache
+            fetched -= int(np.minimum(k_row, ds.pin_count).sum())
         nbytes = float(fetched * self.g * a.cfg.head_dim * 2 * 2)  # K and V of every fetched block
         a._st.gpu_bytes += nbytes
         a._st.zero_copy_bytes += nbytes
@@ -228,6 +268,40 @@ class DeviceGraphedDecode:
         ds.pins_key = key
         mask = np.zeros(ds.pinned.shape, bool) if pins is None else pins.mask(st.slots, ds.n_blocks)
         ds.pinned.copy_(torch.from_numpy(mask))
+        if self.pin_cache and ds.pin_kv is not None and ds.pin_cache_key != key:
+            self._fill_pin_cache(ds, mask)
+            ds.pin_cache_key = key
+
+    def _fill_pin_cache(self, ds: DeviceStep, mask: np.ndarray) -> None:
+        """Copy every pinned block (mask [L, B, Hkv, NB]) from the host store into ds.pin_kv, through the zero-copy
+        span (one PCIe read of each, when the rows or their pins change), and index it in ds.pin_slot."""
+        a, g, pin_kv = self.a, self.g, ds.pin_kv
+        assert pin_kv is not None
+        hkv, d = a.cfg.n_kv_heads, a.cfg.head_dim
+        P = a.store.page_tokens
+        cph, cpb = P // CHUNK_TOKENS, g // CHUNK_TOKENS
+        span = self.feeder._span
+        assert span is not None
+        span = span.view(a.store.dtype)  # [chunks, CHUNK_TOKENS * D]
+        dev = pin_kv.device
+        ds.pin_slot.fill_(-1)
+        ds.pin_count[:] = mask.sum(-1)
+        for layer in range(a.cfg.n_layers):
+            b_i, h_i, blk_i = np.nonzero(mask[layer])  # row-major: a (row, group)'s blocks are consecutive
+            if not len(blk_i):
+                continue
+            first = np.searchsorted(b_i * hkv + h_i, b_i * hkv + h_i)  # index of each (row, group)'s first block
+            c_i = np.arange(len(blk_i)) - first  # its place in the cache
+            b_t, h_t, blk_t, c_t = (torch.from_numpy(x.astype(np.int64)).to(dev) for x in (b_i, h_i, blk_i, c_i))
+            tok = blk_t[:, None] * g + torch.arange(cpb, device=dev) * CHUNK_TOKENS  # [M, cpb] a chunk's first token
+            page_first = ds.tables[layer][ds.slots[b_t][:, None], torch.div(tok, P, rounding_mode="floor")]
+            k_rows = page_first + h_t[:, None] * cph + (tok % P) // CHUNK_TOKENS  # [M, cpb]; V: + hkv * cph rows
+            rows = span.index_select(0, torch.cat([k_rows.reshape(-1), k_rows.reshape(-1) + hkv * cph]))
+            pin_kv[layer][b_t, h_t, c_t] = rows.view(2, len(blk_i), g, d).transpose(0, 1)  # [M, 2, g, D]
+            ds.pin_slot[layer][b_t, h_t, blk_t] = c_t.to(torch.int32)
+            nbytes = float(rows.numel() * rows.element_size())
+            a._st.gpu_bytes += nbytes
+            a._st.zero_copy_bytes += nbytes
 
     def end(self) -> None:
         a, ds = self.a, self.ds
@@ -280,7 +354,9 @@ class DeviceGraphedDecode:
             assert span is not None
             device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
                                            span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
-                                           self.a.scale, ds.part_o, ds.part_m, ds.part_l)
+                                           self.a.scale, ds.part_o, ds.part_m, ds.part_l,
+                                           *((ds.pin_slot[layer], ds.pin_kv[layer]) if self.pin_cache and
+                                             ds.pin_kv is not None else ()))
         device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
                                ds.stream_m, ds.stream_l, ds.out[layer])
 

@@ -172,9 +172,10 @@ if triton is not None:
 
     @triton.jit
     def _block_attention_kernel(q_ptr, ids_ptr, vals_ptr, flat_h_ptr, flat_j_ptr, krow_ptr, slots_ptr, tab_ptr,
-                                span_ptr, o_ptr, m_ptr, l_ptr, N, HKV, R, WIDTH, PAGES, PAGE_TOKENS, CPH, scale,
-                                q_b, q_h, q_r, tab_slot,
-                                D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr):
+                                span_ptr, pslot_ptr, pkv_ptr, o_ptr, m_ptr, l_ptr, N, HKV, R, WIDTH, PAGES,
+                                PAGE_TOKENS, CPH, NBS, PCAP, scale, q_b, q_h, q_r, tab_slot,
+                                D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                                HAS_CACHE: tl.constexpr):
         i, b = tl.program_id(0), tl.program_id(1)  # flat entry i of batch row b
         h = tl.load(flat_h_ptr + i)
         j = tl.load(flat_j_ptr + i)
@@ -185,11 +186,26 @@ if triton is not None:
         page = tl.minimum(tok // PAGE_TOKENS, PAGES - 1)
         slot = tl.load(slots_ptr + b)
         live = (tt * 0 + valid.to(tl.int32)) > 0  # [G]: a masked entry reads nothing
-        first = tl.load(tab_ptr + slot * tab_slot + page, mask=live, other=0)  # [G]
+        if HAS_CACHE:  # a pinned block held in device memory (pin cache [B, Hkv, PCAP, 2, G, D]) is read from there
+            cached_slot = tl.load(pslot_ptr + (b * HKV + h) * NBS + blk, mask=valid, other=-1)
+            slot_row = tt * 0 + cached_slot  # [G]
+            on_host = live & (slot_row < 0)
+            on_dev = live & (slot_row >= 0)
+            dev_k = ((((b * HKV + h) * PCAP + cached_slot) * 2) * G + tt) * D  # [G] K row starts in the cache
+            k = tl.load(pkv_ptr + dev_k[:, None] + dd[None, :], mask=on_dev[:, None], other=0.0)
+            v = tl.load(pkv_ptr + (dev_k + G * D)[:, None] + dd[None, :], mask=on_dev[:, None], other=0.0)
+        else:
+            on_host = live
+        first = tl.load(tab_ptr + slot * tab_slot + page, mask=on_host, other=0)  # [G]
         k_off = ((first + h * CPH + (tok % PAGE_TOKENS) // CHUNK) * CHUNK + tok % CHUNK) * D  # [G] K row starts
         v_off = k_off + HKV * CPH * CHUNK * D  # V chunks follow the page's K chunks
-        k = tl.load(span_ptr + k_off[:, None] + dd[None, :], mask=live[:, None], other=0.0)  # [G, D]: PCIe read
-        v = tl.load(span_ptr + v_off[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+        # [G, D]: the PCIe read (nothing for a masked or cached entry; exactly one of the two loads is live)
+        host_k = tl.load(span_ptr + k_off[:, None] + dd[None, :], mask=on_host[:, None], other=0.0)
+        host_v = tl.load(span_ptr + v_off[:, None] + dd[None, :], mask=on_host[:, None], other=0.0)
+        if HAS_CACHE:
+            k, v = k + host_k, v + host_v
+        else:
+            k, v = host_k, host_v
         q = _group_queries(q_ptr, b, h, R, q_b, q_h, q_r, D, R_PAD)  # [R_PAD, D]
         # fp32 products (the dots are [R_PAD, D] x [D, G]: tiny next to the PCIe read, so no tensor-core formats)
         logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [R_PAD, G]
@@ -308,21 +324,31 @@ def block_scores(q: torch.Tensor, s: torch.Tensor, slots: torch.Tensor, bounds: 
 def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat_h: torch.Tensor,
                     flat_j: torch.Tensor, k_row: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                     span: torch.Tensor, page_tokens: int, g: int, scale: float,
-                    part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor) -> None:
+                    part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor,
+                    pin_slot: torch.Tensor | None = None, pin_kv: torch.Tensor | None = None) -> None:
     """Partial attention of each (row, flat entry): q [B, Hkv, r, D]; ids, vals [B, Hkv, width] (top-k of the
     scores); flat_h, flat_j [N] int64; k_row [B, Hkv] int64 (entries with rank >= k are masked); tables [slots,
     pages]; span [chunks, CHUNK_TOKENS * D] in the store dtype. Writes part_o [B, >= N, r, D], part_m, part_l
-    [B, >= N, r] fp32, entries 0..N-1 (m = -inf, l = 0, o = 0 for a masked entry)."""
+    [B, >= N, r] fp32, entries 0..N-1 (m = -inf, l = 0, o = 0 for a masked entry).
+    Optional pin cache: pin_slot int32 [B, Hkv, NB] (a block's index in the cache, -1 when not cached) and pin_kv
+    [B, Hkv, P, 2, g, D] in the store dtype; a cached block is read from device memory instead of over PCIe."""
     B, hkv, r, d = q.shape
     n, width = flat_h.shape[0], ids.shape[2]
     assert ids.is_contiguous() and vals.is_contiguous() and k_row.is_contiguous() and tables.stride(1) == 1
     assert span.is_contiguous() and span.shape[1] == CHUNK_TOKENS * d and g % CHUNK_TOKENS == 0
     cph = page_tokens // CHUNK_TOKENS
     assert part_m.shape[1] >= n and part_o.is_contiguous() and part_m.is_contiguous() and part_l.is_contiguous()
+    has_cache = pin_slot is not None and pin_kv is not None
+    if has_cache:
+        assert pin_slot.dtype == torch.int32 and pin_slot.is_contiguous() and pin_slot.shape[:2] == (B, hkv)
+        assert pin_kv.is_contiguous() and pin_kv.shape[:3] == (B, hkv, pin_kv.shape[2])
+        assert pin_kv.shape[3:] == (2, g, d) and pin_kv.dtype == span.dtype
+    nbs, pcap = (pin_slot.shape[2], pin_kv.shape[2]) if has_cache else (0, 0)
     _block_attention_kernel[(n, B)](  # the partials' row stride is their capacity (shared by all layers), not n
-        q, ids, vals, flat_h, flat_j, k_row, slots, tables, span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
-        tables.shape[1], page_tokens, cph, scale, q.stride(0), q.stride(1), q.stride(2), tables.stride(0),
-        D=d, G=g, R_PAD=_pow2(r, 16), CHUNK=CHUNK_TOKENS)
+        q, ids, vals, flat_h, flat_j, k_row, slots, tables, span, pin_slot if has_cache else k_row,
+        pin_kv if has_cache else span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
+        tables.shape[1], page_tokens, cph, nbs, pcap, scale, q.stride(0), q.stride(1), q.stride(2),
+        tables.stride(0), D=d, G=g, R_PAD=_pow2(r, 16), CHUNK=CHUNK_TOKENS, HAS_CACHE=has_cache)
 
 
 def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, starts: torch.Tensor,

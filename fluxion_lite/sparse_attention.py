@@ -237,6 +237,8 @@ class SparseAttention(AttentionBackend):
         device_bytes = self.scratch.bytes_used() + per_seq * len(self._slot)
         if self._dsum is not None:
             device_bytes += self._dsum.bytes_used()
+        if self._device_graphed is not None:  # its pin cache (FLUXION_PIN_CACHE=1)
+            device_bytes += self._device_graphed.pin_cache_bytes()
         if self.device.type == "cuda":
             return self.store.bytes_used, device_bytes
         return self.store.bytes_used + device_bytes, 0

@@ -39,11 +39,12 @@ def _backends(plan: SparsePlan, cfg: object) -> list[SparseAttention]:
                             selection="gpu", costs=COSTS, zero_copy=True) for _ in range(2)]
 
 
-@pytest.mark.parametrize("pin_fraction,short_scale,graphs,fused", [
-    (0.0, 1.0, "step", False), (0.5, 1.0, "step", False), (0.5, 1.6, "step", False), (0.5, 1.0, "layer", False),
-    (0.5, 1.6, "step", True)])
+@pytest.mark.parametrize("pin_fraction,short_scale,graphs,fused,pin_cache", [
+    (0.0, 1.0, "step", False, False), (0.5, 1.0, "step", False, False), (0.5, 1.6, "step", False, False),
+    (0.5, 1.0, "layer", False, False), (0.5, 1.6, "step", True, False), (0.5, 1.6, "step", True, True)])
 def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, pin_fraction: float,
-                                                           short_scale: float, graphs: str, fused: bool) -> None:
+                                                           short_scale: float, graphs: str, fused: bool,
+                                                           pin_cache: bool) -> None:
     if fused:  # device_kernels' Triton kernels (the interpreter's, without CUDA) instead of the torch ops
         pytest.importorskip("triton")
         if torch.cuda.is_available():
@@ -51,6 +52,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     monkeypatch.setenv("FLUXION_TRITON", "1" if fused else "0")
     monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)  # k_cap above the rows' own k: the masking is exercised
     monkeypatch.setenv("FLUXION_DEVICE_GRAPHS", graphs)  # one graph per step, or one per layer
+    monkeypatch.setenv("FLUXION_PIN_CACHE", "1" if pin_cache else "0")  # pinned blocks read from device memory
     eager, runner = _models(seed=7)
     cfg = eager.cfg
     # one block size (what the device summaries mirror), budgets that differ inside a layer, a streaming group
@@ -75,6 +77,16 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     assert hooked.whole_step == (graphs == "step") and hooked.fused == fused
     assert hooked.ds.k_cap.max() > hooked.ds.k_row.max().item()  # padded top-k, masked to each row's k
     assert bool(hooked.ds.pinned.any()) == bool(pin_fraction)  # the pins reached the device mask
+    if pin_cache:  # every pinned block has a place in the device cache holding its K/V
+        ds = hooked.ds
+        assert hooked.pin_cache and ds.pin_kv is not None
+        assert torch.equal(ds.pin_slot >= 0, ds.pinned) and int(ds.pin_count.sum()) == int(ds.pinned.sum())
+        layer, b, h, blk = (int(x) for x in torch.nonzero(ds.pinned)[-1])
+        k, v = backends[1].store.read(layer, int(ds.slots[b]))  # [n, Hkv, D] each
+        c = int(ds.pin_slot[layer, b, h, blk])
+        g = hooked.g
+        assert torch.equal(ds.pin_kv[layer, b, h, c, 0], k[blk * g:(blk + 1) * g, h].to(ds.pin_kv.dtype))
+        assert torch.equal(ds.pin_kv[layer, b, h, c, 1], v[blk * g:(blk + 1) * g, h].to(ds.pin_kv.dtype))
     s_eager, s_hooked = backends[0].stats(), backends[1].stats()
     assert s_hooked["kv_read_fraction"] == pytest.approx(s_eager["kv_read_fraction"])
     assert s_hooked["cpu_topk_ms"] == 0.0 and s_hooked["cpu_attn_ms"] == 0.0  # nothing ran on the host

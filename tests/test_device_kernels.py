@@ -141,7 +141,8 @@ def _paged_store(gen: torch.Generator, slots: int, hkv: int, d: int, page_tokens
 
 @pytest.mark.parametrize("r,d,g,dtype", [(4, 32, 16, torch.float32), (7, 64, 32, torch.bfloat16), (4, 32, 32, torch.float32), (4, 32, 16, torch.bfloat16),
                                          (1, 32, 16, torch.bfloat16)])
-def test_block_attention_and_combine(dk, r: int, d: int, g: int, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("pin_cache", [False, True])
+def test_block_attention_and_combine(dk, r: int, d: int, g: int, dtype: torch.dtype, pin_cache: bool) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(r + d + g)
     B, hkv, page_tokens, pages, slot_cap = 2, 3, 64, 4, 3
     span, tables, kv = _paged_store(gen, slot_cap, hkv, d, page_tokens, pages, dtype)
@@ -161,8 +162,26 @@ def test_block_attention_and_combine(dk, r: int, d: int, g: int, dtype: torch.dt
     cap = n + 3  # the partial buffers are shared by all layers: sized for the widest, rows strided by that size
     part_o, part_m, part_l = torch.empty(B, cap, r, d), torch.empty(B, cap, r), torch.empty(B, cap, r)
     part_o, part_m, part_l = on(part_o, part_m, part_l)
+    cache: list[torch.Tensor | None] = [None, None]
+    if pin_cache:  # the first two ranks of every (row, group) live in a device pin cache; their host copies are NaN
+        n_pin = 2
+        pin_slot = torch.full((B, hkv, nb), -1, dtype=torch.int32)
+        pin_kv = torch.full((B, hkv, n_pin + 1, 2, g, d), float("nan"), dtype=dtype)  # one spare entry
+        cph, cpb = page_tokens // CHUNK_TOKENS, g // CHUNK_TOKENS
+        for b in range(B):
+            for h in range(hkv):
+                for c, blk in enumerate(ids[b, h, :n_pin].tolist()):
+                    pin_slot[b, h, blk] = c
+                    pin_kv[b, h, c, :] = kv[slots[b], :, h, blk * g:(blk + 1) * g]
+                    for part in range(2):  # poison the host rows: a read of them would give NaN
+                        for t in range(cpb):
+                            tok = blk * g + t * CHUNK_TOKENS
+                            row = (int(tables[slots[b], tok // page_tokens]) + part * hkv * cph + h * cph
+                                   + (tok % page_tokens) // CHUNK_TOKENS)
+                            span[row] = float("nan")
+        cache = on(pin_slot, pin_kv)
     dk.block_attention(*on(q, ids, vals, flat_h, flat_j, k_row, slots, tables, span), page_tokens, g, scale,
-                       part_o, part_m, part_l)
+                       part_o, part_m, part_l, *cache)
     # two streaming partials per (row, group), the second empty for row 1 group 0 (m = -inf, l = 0, o = 0)
     s_o = torch.randn(B, hkv, 2, r, d, generator=gen)
     s_m = torch.randn(B, hkv, 2, r, generator=gen)
