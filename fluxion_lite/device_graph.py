@@ -127,7 +127,8 @@ class DeviceStep:
         self.pin_kv: torch.Tensor | None = None
         self.pin_serial = 0  # bumped when pin_kv is reallocated
         self.pin_count = np.zeros((n_layers, batch, hkv), np.int64)  # blocks cached per (layer, row, group)
-        self.pin_cache_key: tuple[object, ...] = ()
+        self.pin_cache_key: tuple[object, ...] = ()  # (rows' slots, pins version) the cache was filled for
+        self.pin_reserve_key: tuple[object, ...] = ()  # ... and sized for
 
 
 class DeviceGraphedDecode:
@@ -179,8 +180,10 @@ class DeviceGraphedDecode:
     def _reserve_pin_cache(self, ds: DeviceStep, slots: np.ndarray) -> None:
         """Room in ds.pin_kv for the rows' pinned blocks (a new tensor, and so new graphs, only when it must grow)."""
         pins = self.a.pins
-        if pins is None:
+        key = (tuple(slots.tolist()), None if pins is None else pins.version)
+        if pins is None or key == ds.pin_reserve_key:  # a step's usual case: nothing new since the last one
             return
+        ds.pin_reserve_key = key
         need = int(pins.mask(slots, ds.n_blocks).sum(-1).max(initial=0))
         have = 0 if ds.pin_kv is None else ds.pin_kv.shape[3]
         if need > have:
