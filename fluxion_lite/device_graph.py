@@ -266,12 +266,14 @@ class DeviceGraphedDecode:
         """The rows' pinned blocks as a mask [L, B, Hkv, NB]; rebuilt only when the rows or their pins changed."""
         pins = self.a.pins
         key = (tuple(st.slots.tolist()), None if pins is None else pins.version)
-        if key == ds.pins_key:
+        refill = self.pin_cache and ds.pin_kv is not None and ds.pin_cache_key != key  # also after a regrowth
+        if key == ds.pins_key and not refill:
             return
-        ds.pins_key = key
         mask = np.zeros(ds.pinned.shape, bool) if pins is None else pins.mask(st.slots, ds.n_blocks)
-        ds.pinned.copy_(torch.from_numpy(mask))
-        if self.pin_cache and ds.pin_kv is not None and ds.pin_cache_key != key:
+        if key != ds.pins_key:
+            ds.pinned.copy_(torch.from_numpy(mask))
+            ds.pins_key = key
+        if refill:
             self._fill_pin_cache(ds, mask)
             ds.pin_cache_key = key
 
