@@ -1,11 +1,12 @@
 """Online cost of the per-request plan, per layer: features (head_features.layer_features) + predictor MLP + selector,
 i.e. what RequestPlanner.prefill_done does once per layer when a sequence's prefill ends.
 
-Shapes of the three catalog models, random tensors (the cost depends on shapes only), fp32 on the CPU, one thread.
-Reports thread CPU time (time.thread_time: the cost on an idle core; the 2-core VM is shared, so wall time there
-mostly measures other people's jobs) and wall time, median over reps.
-  python bench/predictor_cost.py [--threads 1] [--contexts 1024 4096 16384 32768]
-Prints a table and writes bench/results/predictor_cost.json.
+Shapes of the three catalog models, random tensors (the cost depends on shapes only), fp32, on the CPU (one thread by
+default) or with --device cuda on the GPU, where a served prefill leaves its K/V and the features run. Reports
+thread CPU time (time.thread_time: the cost on an idle core; the 2-core VM is shared, so wall time there mostly
+measures other people's jobs) and wall time, median over reps; on CUDA the wall time (synchronised) is the cost.
+  python bench/predictor_cost.py [--threads 1] [--contexts 1024 4096 16384 32768] [--device cuda]
+Prints a table and writes bench/results/predictor_cost.json (predictor_cost_cuda.json with --device cuda).
 """
 from __future__ import annotations
 
@@ -27,18 +28,21 @@ SHAPES = {  # n_layers, n_heads, n_kv_heads, head_dim, d_model
 }
 
 
-def time_layer(shape: tuple[int, int, int, int, int], n: int, pred: object, reps: int) -> tuple[float, float, float]:
+def time_layer(shape: tuple[int, int, int, int, int], n: int, pred: object, reps: int,
+               device: torch.device) -> tuple[float, float, float]:
     n_layers, hq, hkv, d, dm = shape
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(FEATURE_QUERIES, hkv, hq // hkv, d, generator=gen)
-    keys, values = torch.randn(hkv, n, d, generator=gen), torch.randn(hkv, n, d, generator=gen)
-    wo = torch.randn(dm, hq * d, generator=gen)
+    q = torch.randn(FEATURE_QUERIES, hkv, hq // hkv, d, generator=gen).to(device)
+    keys = torch.randn(hkv, n, d, generator=gen).to(device)
+    values = torch.randn(hkv, n, d, generator=gen).to(device)
+    wo = torch.randn(dm, hq * d, generator=gen).to(device)
+    layer_features(q, keys, values, wo, 3, n_layers, 16, 64)  # warm-up (CUDA: kernels, allocator)
     costs = config_costs(n, 16, 64, d)
     pred.weights["prior"] = np.full((n_layers, hkv, 21), 0.05, np.float32)  # type: ignore[attr-defined]
     feat_s, pred_s, wall_s = [], [], []
     for _ in range(reps):
         w0, t0 = time.perf_counter(), time.thread_time()
-        f = layer_features(q, keys, values, wo, 3, n_layers, 16, 64).numpy()
+        f = layer_features(q, keys, values, wo, 3, n_layers, 16, 64).numpy()  # on the host: synchronised
         t1 = time.thread_time()
         p, err = pred.predict_layer(f, 3)  # type: ignore[attr-defined]
         select_groups(p, err, costs, 0.1)
@@ -54,7 +58,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384, 32768])
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
+    device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     rng = np.random.default_rng(0)
     e = rng.uniform(0, 1, (64, 21)).astype(np.float32)
@@ -64,12 +70,13 @@ def main() -> None:
     print(f"{'model':<20} {'context':>8} {'features ms':>12} {'MLP+select ms':>14} {'total ms/layer':>15} {'wall ms':>8}")
     for name, shape in SHAPES.items():
         for n in args.contexts:
-            f, p, w = time_layer(shape, n, pred, args.reps)
+            f, p, w = time_layer(shape, n, pred, args.reps, device)
             rows.append({"model": name, "context": n, "features_cpu_ms": 1e3 * f, "predict_select_cpu_ms": 1e3 * p,
                          "total_cpu_ms": 1e3 * (f + p), "total_wall_ms": 1e3 * w})
             print(f"{name:<20} {n:>8} {1e3 * f:>12.3f} {1e3 * p:>14.3f} {1e3 * (f + p):>15.3f} {1e3 * w:>8.2f}")
-    out = Path(__file__).parent / "results" / "predictor_cost.json"
-    out.write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+    name = "predictor_cost.json" if device.type == "cpu" else f"predictor_cost_{device.type}.json"
+    out = Path(__file__).parent / "results" / name
+    out.write_text(json.dumps({"threads": args.threads, "device": str(device), "rows": rows}, indent=1))
     print(f"wrote {out}")
 
 
