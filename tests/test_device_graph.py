@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from fluxion_lite import device_graph
+from fluxion_lite.attention import SeqChunk
 from fluxion_lite.decode_graphs import DecodeGraphs
 from fluxion_lite.device_graph import DeviceGraphedDecode
 from fluxion_lite.device_select import PINNED_SCORE
@@ -178,3 +179,56 @@ def test_auto_selection_keeps_the_cpu_where_the_device_step_cannot_run(monkeypat
     monkeypatch.setenv("FLUXION_SELECTION", "fast")
     with pytest.raises(RequestError, match="FLUXION_SELECTION"):
         engine.fluxion_selection(cuda, one_g, per_request_plans=False)
+
+
+def test_pin_cache_follows_the_batch_as_sequences_end_and_arrive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With FLUXION_PIN_CACHE=1 the captured step keeps the eager path's logits while the batch changes: a sequence
+    ends (its slot leaves the rows), a new one is prefilled (new pins: the cache is refilled, and grown if needed)."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("this test's device is the CPU: compiled Triton kernels need CUDA tensors")
+    monkeypatch.setenv("FLUXION_TRITON", "1")
+    monkeypatch.setenv("FLUXION_PIN_CACHE", "1")
+    monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)
+    eager, runner = _models(seed=11)
+    cfg = eager.cfg
+    groups = [[GroupPlan(False, 16, 0.1), GroupPlan(False, 16, 0.2), GroupPlan(True)],
+              [GroupPlan(False, 16, 0.05), GroupPlan(False, 16, 0.1), GroupPlan(False, 16, 0.3)]]
+    plan = SparsePlan(sink=20, window=33, groups=groups, source="test", pin_fraction=0.6, obs_window=8, pin_span=2)
+    backends = _backends(plan, cfg)
+    g = torch.Generator().manual_seed(5)
+    prompts = {sid: torch.randint(0, cfg.vocab_size, (n,), generator=g) for sid, n in [(0, 400), (1, 300), (2, 520)]}
+    prefill((eager, runner), backends, list(prompts.values()))
+    pos = {sid: len(p) for sid, p in prompts.items()}
+
+    def step(sids: list[int]) -> None:
+        toks = torch.randint(0, cfg.vocab_size, (len(sids),), generator=g)
+        chunks = [SeqChunk(s, pos[s], 1) for s in sids]
+        positions = torch.tensor([pos[s] for s in sids])
+        want = eager.forward(toks, positions, chunks, backends[0])
+        got = runner.forward(toks, positions, chunks, backends[1])
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+        for s in sids:
+            pos[s] += 1
+
+    for _ in range(3):
+        step([0, 1, 2])
+    for a in backends:  # sequence 1 ends
+        a.free(1)
+    for _ in range(3):
+        step([0, 2])
+    longer = torch.randint(0, cfg.vocab_size, (700,), generator=g)  # sequence 3 arrives with more blocks to pin
+    for m, a in zip((eager, runner), backends):
+        a.allocate(3)
+        m.forward(longer, torch.arange(len(longer)), [SeqChunk(3, 0, len(longer))], a)
+    pos[3] = len(longer)
+    for _ in range(3):
+        step([0, 2, 3])
+    hooked = backends[1]._device_graphed
+    assert isinstance(hooked, DeviceGraphedDecode) and hooked.pin_cache
+    ds = hooked.ds
+    assert ds is not None and ds.pin_kv is not None
+    assert torch.equal(ds.pin_slot >= 0, ds.pinned) and bool(ds.pinned.any())
+    assert hooked.pin_cache_bytes() > 0
+    for a in backends:
+        a.executor.close()
