@@ -50,10 +50,11 @@ SHAPES = {
     "tiny": dict(arch="llama", n_layers=4, d_model=512, d_ff=1024, n_heads=8, n_kv_heads=2, head_dim=64,
                  vocab_size=1000, rope_theta=10000.0, rope_style="interleaved", qkv_bias=False),
 }
-# fluxion-gpu: fluxion's plan with selection and attention on the GPU (device_graph.py), blocks over PCIe, one graph
-# per step; fluxion-gpu-layers: the same with one graph per layer (FLUXION_DEVICE_GRAPHS=layer); fluxion-gpu-pincache:
-# fluxion-gpu with the pinned blocks held in device memory (FLUXION_PIN_CACHE=1), so PCIe carries the dynamic ones only
-MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-layers", "fluxion-gpu-pincache", "fixed", "gpu-sparse",
+# fluxion-gpu: fluxion's plan with selection and attention on the GPU (device_graph.py), one graph per step, the
+# pinned blocks held in device memory (the pin cache, serving's default) and the dynamic ones read over PCIe;
+# fluxion-gpu-nocache: the same with every block over PCIe (FLUXION_PIN_CACHE=0: no KV on the GPU beyond sink +
+# window; called fluxion-gpu before the ninth session); fluxion-gpu-layers: one graph per layer
+MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-nocache", "fluxion-gpu-layers", "fixed", "gpu-sparse",
          "full-host")
 # llama.cpp on the same H200 host, Llama-3.1-8B shape, random F16 GGUF, batch 1, 16 threads (issue 5 / DESIGN.md 7)
 PEER_KV_GPU_MS = {8192: 5.33, 32768: 6.81, 65536: 8.65}
@@ -108,6 +109,12 @@ def fill_context(attn: object, cfg: ModelConfig, batch: int, context: int, dev: 
     """Random K/V for positions 0..context-1 of sequences 0..batch-1 (no attention computed)."""
     gen = torch.Generator(device=dev).manual_seed(seed)
     chunk = 4096
+    # The host store's copy goes through pinned buffers: import_kv's own .cpu() of a CUDA tensor is a pageable copy
+    # (measured on the H200 host: 1.8 s of a 32K fill's 2.2 s, before this staging)
+    staged = dev.type == "cuda" and not isinstance(attn, DenseAttention)
+    if staged:
+        k_host, v_host = (torch.empty(chunk, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16, pin_memory=True)
+                          for _ in range(2))
     for b in range(batch):
         attn.allocate(b)  # type: ignore[attr-defined]
         for s in range(0, context, chunk):  # positions in order in every layer (the dense cache checks for gaps)
@@ -117,8 +124,13 @@ def fill_context(attn: object, cfg: ModelConfig, batch: int, context: int, dev: 
                 v = torch.randn(n, cfg.n_kv_heads, cfg.head_dim, generator=gen, device=dev).to(torch.bfloat16)
                 if isinstance(attn, DenseAttention):
                     attn.cache.append(layer, b, s, k, v)
-                else:
-                    attn.import_kv(layer, b, s, k, v)  # type: ignore[attr-defined]
+                    continue
+                if staged:
+                    k_host[:n].copy_(k, non_blocking=True)
+                    v_host[:n].copy_(v, non_blocking=True)
+                    torch.cuda.current_stream(dev).synchronize()  # before import_kv reads them
+                    k, v = k_host[:n], v_host[:n]
+                attn.import_kv(layer, b, s, k, v)  # type: ignore[attr-defined]
         if isinstance(attn, SparseAttention) and attn.pins is not None:
             synthetic_pins(attn, b, context, seed + b)
 
@@ -137,7 +149,7 @@ def synthetic_pins(attn: SparseAttention, seq: int, context: int, seed: int) -> 
 def new_attention(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan) -> object:
     if mode.startswith("fluxion-gpu"):
         os.environ["FLUXION_DEVICE_GRAPHS"] = "layer" if mode == "fluxion-gpu-layers" else "step"
-        os.environ["FLUXION_PIN_CACHE"] = "1" if mode == "fluxion-gpu-pincache" else "0"  # read when the step is made
+        os.environ["FLUXION_PIN_CACHE"] = "0" if mode == "fluxion-gpu-nocache" else "1"  # read when the step is made
         attn: object = SparseAttention(model.cfg, plan, model.dtype, model.device, max_seqs=batch + 1, placement="gpu",
                                        selection="gpu")
     else:

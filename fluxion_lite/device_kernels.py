@@ -173,7 +173,7 @@ if triton is not None:
     @triton.jit
     def _block_attention_kernel(q_ptr, ids_ptr, vals_ptr, flat_h_ptr, flat_j_ptr, krow_ptr, slots_ptr, tab_ptr,
                                 span_ptr, pslot_ptr, pkv_ptr, o_ptr, m_ptr, l_ptr, N, HKV, R, WIDTH, PAGES,
-                                PAGE_TOKENS, CPH, NBS, PCAP, scale, q_b, q_h, q_r, tab_slot,
+                                PAGE_TOKENS, CPH, NBS, scale, q_b, q_h, q_r, tab_slot,
                                 D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr,
                                 HAS_CACHE: tl.constexpr):
         i, b = tl.program_id(0), tl.program_id(1)  # flat entry i of batch row b
@@ -186,12 +186,12 @@ if triton is not None:
         page = tl.minimum(tok // PAGE_TOKENS, PAGES - 1)
         slot = tl.load(slots_ptr + b)
         live = (tt * 0 + valid.to(tl.int32)) > 0  # [G]: a masked entry reads nothing
-        if HAS_CACHE:  # a pinned block held in device memory (pin cache [B, Hkv, PCAP, 2, G, D]) is read from there
-            cached_slot = tl.load(pslot_ptr + (b * HKV + h) * NBS + blk, mask=valid, other=-1)
+        if HAS_CACHE:  # a pinned block held in device memory (the layer's pin pool [P, 2, G, D]) is read from there
+            cached_slot = tl.load(pslot_ptr + (b * HKV + h) * NBS + blk, mask=valid, other=-1).to(tl.int64)
             slot_row = tt * 0 + cached_slot  # [G]
             on_host = live & (slot_row < 0)
             on_dev = live & (slot_row >= 0)
-            dev_k = ((((b * HKV + h) * PCAP + cached_slot) * 2) * G + tt) * D  # [G] K row starts in the cache
+            dev_k = ((cached_slot * 2) * G + tt) * D  # [G] K row starts in the pool; V follows at + G * D
             k = tl.load(pkv_ptr + dev_k[:, None] + dd[None, :], mask=on_dev[:, None], other=0.0)
             v = tl.load(pkv_ptr + (dev_k + G * D)[:, None] + dd[None, :], mask=on_dev[:, None], other=0.0)
         else:
@@ -330,8 +330,9 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
     scores); flat_h, flat_j [N] int64; k_row [B, Hkv] int64 (entries with rank >= k are masked); tables [slots,
     pages]; span [chunks, CHUNK_TOKENS * D] in the store dtype. Writes part_o [B, >= N, r, D], part_m, part_l
     [B, >= N, r] fp32, entries 0..N-1 (m = -inf, l = 0, o = 0 for a masked entry).
-    Optional pin cache: pin_slot int32 [B, Hkv, NB] (a block's index in the cache, -1 when not cached) and pin_kv
-    [B, Hkv, P, 2, g, D] in the store dtype; a cached block is read from device memory instead of over PCIe."""
+    Optional pin cache: pin_slot int32 [B, Hkv, NB] (a block's entry in the layer's pool, -1 when not cached) and
+    the pool pin_kv [P, 2, g, D] in the store dtype, shared by all rows and groups of the layer (no padding to the
+    (row, group) with the most pins); a cached block is read from device memory instead of over PCIe."""
     B, hkv, r, d = q.shape
     n, width = flat_h.shape[0], ids.shape[2]
     assert ids.is_contiguous() and vals.is_contiguous() and k_row.is_contiguous() and tables.stride(1) == 1
@@ -341,13 +342,12 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
     has_cache = pin_slot is not None and pin_kv is not None
     if has_cache:
         assert pin_slot.dtype == torch.int32 and pin_slot.is_contiguous() and pin_slot.shape[:2] == (B, hkv)
-        assert pin_kv.is_contiguous() and pin_kv.shape[:3] == (B, hkv, pin_kv.shape[2])
-        assert pin_kv.shape[3:] == (2, g, d) and pin_kv.dtype == span.dtype
-    nbs, pcap = (pin_slot.shape[2], pin_kv.shape[2]) if has_cache else (0, 0)
+        assert pin_kv.is_contiguous() and pin_kv.shape[1:] == (2, g, d) and pin_kv.dtype == span.dtype
+    nbs = pin_slot.shape[2] if has_cache else 0
     _block_attention_kernel[(n, B)](  # the partials' row stride is their capacity (shared by all layers), not n
         q, ids, vals, flat_h, flat_j, k_row, slots, tables, span, pin_slot if has_cache else k_row,
         pin_kv if has_cache else span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
-        tables.shape[1], page_tokens, cph, nbs, pcap, scale, q.stride(0), q.stride(1), q.stride(2),
+        tables.shape[1], page_tokens, cph, nbs, scale, q.stride(0), q.stride(1), q.stride(2),
         tables.stride(0), D=d, G=g, R_PAD=_pow2(r, 16), CHUNK=CHUNK_TOKENS, HAS_CACHE=has_cache)
 
 

@@ -82,12 +82,15 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
         ds = hooked.ds
         assert hooked.pin_cache and ds.pin_kv is not None
         assert torch.equal(ds.pin_slot >= 0, ds.pinned) and int(ds.pin_count.sum()) == int(ds.pinned.sum())
-        layer, b, h, blk = (int(x) for x in torch.nonzero(ds.pinned)[-1])
-        k, v = backends[1].store.read(layer, int(ds.slots[b]))  # [n, Hkv, D] each
-        c = int(ds.pin_slot[layer, b, h, blk])
         g = hooked.g
-        assert torch.equal(ds.pin_kv[layer, b, h, c, 0], k[blk * g:(blk + 1) * g, h].to(ds.pin_kv.dtype))
-        assert torch.equal(ds.pin_kv[layer, b, h, c, 1], v[blk * g:(blk + 1) * g, h].to(ds.pin_kv.dtype))
+        for layer, b, h, blk in torch.nonzero(ds.pinned).tolist():  # each in its own entry of the layer's pool
+            k, v = backends[1].store.read(layer, int(ds.slots[b]))  # [n, Hkv, D] each
+            c = int(ds.pin_slot[layer, b, h, blk])
+            assert torch.equal(ds.pin_kv[layer, c, 0], k[blk * g:(blk + 1) * g, h].to(ds.pin_kv.dtype))
+            assert torch.equal(ds.pin_kv[layer, c, 1], v[blk * g:(blk + 1) * g, h].to(ds.pin_kv.dtype))
+        for layer in range(cfg.n_layers):  # no two blocks of a layer share an entry
+            used = ds.pin_slot[layer][ds.pin_slot[layer] >= 0]
+            assert used.unique().numel() == used.numel()
     s_eager, s_hooked = backends[0].stats(), backends[1].stats()
     assert s_hooked["kv_read_fraction"] == pytest.approx(s_eager["kv_read_fraction"])
     assert s_hooked["cpu_topk_ms"] == 0.0 and s_hooked["cpu_attn_ms"] == 0.0  # nothing ran on the host
@@ -181,14 +184,19 @@ def test_auto_selection_keeps_the_cpu_where_the_device_step_cannot_run(monkeypat
         engine.fluxion_selection(cuda, one_g, per_request_plans=False)
 
 
-def test_pin_cache_follows_the_batch_as_sequences_end_and_arrive(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With FLUXION_PIN_CACHE=1 the captured step keeps the eager path's logits while the batch changes: a sequence
-    ends (its slot leaves the rows), a new one is prefilled (new pins: the cache is refilled, and grown if needed)."""
+@pytest.mark.parametrize("room", [True, False])
+def test_pin_cache_follows_the_batch_as_sequences_end_and_arrive(monkeypatch: pytest.MonkeyPatch, room: bool) -> None:
+    """With the pin cache the captured step keeps the eager path's logits while the batch changes: a sequence
+    ends (its slot leaves the rows), a new one is prefilled (new pins: the cache is refilled, and grown if needed).
+    Without room for it (room=False: no share of device memory allowed) the backend reads every block over PCIe,
+    with the same logits."""
     pytest.importorskip("triton")
     if torch.cuda.is_available():
         pytest.skip("this test's device is the CPU: compiled Triton kernels need CUDA tensors")
     monkeypatch.setenv("FLUXION_TRITON", "1")
-    monkeypatch.setenv("FLUXION_PIN_CACHE", "1")
+    monkeypatch.delenv("FLUXION_PIN_CACHE", raising=False)  # the default: on
+    if not room:
+        monkeypatch.setattr(device_graph, "PIN_CACHE_SHARE", 0.0)
     monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)
     eager, runner = _models(seed=11)
     cfg = eager.cfg
@@ -225,10 +233,13 @@ def test_pin_cache_follows_the_batch_as_sequences_end_and_arrive(monkeypatch: py
     for _ in range(3):
         step([0, 2, 3])
     hooked = backends[1]._device_graphed
-    assert isinstance(hooked, DeviceGraphedDecode) and hooked.pin_cache
+    assert isinstance(hooked, DeviceGraphedDecode) and hooked.pin_cache == room
     ds = hooked.ds
-    assert ds is not None and ds.pin_kv is not None
-    assert torch.equal(ds.pin_slot >= 0, ds.pinned) and bool(ds.pinned.any())
-    assert hooked.pin_cache_bytes() > 0
+    assert ds is not None and bool(ds.pinned.any())
+    if room:
+        assert ds.pin_kv is not None and torch.equal(ds.pin_slot >= 0, ds.pinned)
+        assert hooked.pin_cache_bytes() > 0
+    else:  # nothing held, nothing indexed
+        assert ds.pin_kv is None and hooked.pin_cache_bytes() == 0 and not bool((ds.pin_slot >= 0).any())
     for a in backends:
         a.executor.close()

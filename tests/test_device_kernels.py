@@ -166,13 +166,16 @@ def test_block_attention_and_combine(dk, r: int, d: int, g: int, dtype: torch.dt
     if pin_cache:  # the first two ranks of every (row, group) live in a device pin cache; their host copies are NaN
         n_pin = 2
         pin_slot = torch.full((B, hkv, nb), -1, dtype=torch.int32)
-        pin_kv = torch.full((B, hkv, n_pin + 1, 2, g, d), float("nan"), dtype=dtype)  # one spare entry
+        # one pool for the layer, entries in a shuffled order (a block's entry is whatever pin_slot says), one spare
+        order = torch.randperm(B * hkv * n_pin + 1, generator=gen).tolist()
+        pin_kv = torch.full((len(order), 2, g, d), float("nan"), dtype=dtype)
         cph, cpb = page_tokens // CHUNK_TOKENS, g // CHUNK_TOKENS
         for b in range(B):
             for h in range(hkv):
-                for c, blk in enumerate(ids[b, h, :n_pin].tolist()):
+                for blk in ids[b, h, :n_pin].tolist():
+                    c = order.pop()
                     pin_slot[b, h, blk] = c
-                    pin_kv[b, h, c, :] = kv[slots[b], :, h, blk * g:(blk + 1) * g]
+                    pin_kv[c, :] = kv[slots[b], :, h, blk * g:(blk + 1) * g]
                     for part in range(2):  # poison the host rows: a read of them would give NaN
                         for t in range(cpb):
                             tok = blk * g + t * CHUNK_TOKENS
