@@ -16,7 +16,7 @@ time (bench/tpot.py: ~60% of the step is the GPU waiting). Here the retrieval pa
 
 Pin cache (kernel path; on unless FLUXION_PIN_CACHE=0): the pinned blocks, which top-k takes at every step, are
 copied to device memory once per batch composition and read from there; PCIe then carries the dynamic blocks only.
-It is KV on the GPU beyond sink + window (the pinned share of each budget, ~2-3% of the context with the shipped
+It is KV on the GPU beyond sink + window (the pinned share of each budget, ~3% of the context with the shipped
 plan), so it is counted in SparseAttention.bytes_used and left out when it would take more than PIN_CACHE_SHARE of
 the free device memory.
 
@@ -140,8 +140,9 @@ class DeviceStep:
             self.appenders.append(native.PreparedAppend(store.view(0), self.slots32, np.arange(batch) * 2,
                                                         rows[: 2 * batch - 1], rows[1:]))
         self.pins_key: tuple[object, ...] = ()
-        # the device pin cache (kernel path): the rows' pinned blocks kept in device memory, one pool per layer
-        # (a block's entry in pin_slot, -1 when not cached). pin_kv [L, P, 2, g, D], P the most pins of any layer:
+        # the device pin cache (kernel path): the rows' pinned blocks kept in device memory, one pool for all layers
+        # (a block's entry in pin_slot, -1 when not cached; budgets differ by layer, so per-layer pools sized for
+        # the busiest layer held 3.6x the pins on the 8B shape). pin_kv [P, 2, g, D], P >= the pins of all layers:
         # grows (rarely: new pins) in prepare(), before the graphs' key is taken
         self.pin_slot = torch.full((n_layers, batch, hkv, n_blocks), -1, dtype=torch.int32, device=dev)
         self.pin_kv: torch.Tensor | None = None
@@ -208,13 +209,13 @@ class DeviceGraphedDecode:
             return
         ds.pin_reserve_key = key
         ds.pin_mask = pins.mask(slots, ds.n_blocks)  # [L, B, Hkv, NB]; begin() loads it
-        need = int(ds.pin_mask.sum(axis=(1, 2, 3)).max(initial=0))  # the layer with the most pins sizes the pools
-        have = 0 if ds.pin_kv is None else ds.pin_kv.shape[1]
+        need = int(ds.pin_mask.sum())
+        have = 0 if ds.pin_kv is None else ds.pin_kv.shape[0]
         if need <= have:
             return
         cfg, dev = self.a.cfg, self.a.device
-        cap = -(-need * 5 // 4 // 64) * 64  # a quarter spare: a few more pins (a new row) do not recapture
-        nbytes = cfg.n_layers * cap * 2 * self.g * cfg.head_dim * self.a.store.dtype.itemsize
+        cap = -(-need // 256) * 256
+        nbytes = cap * 2 * self.g * cfg.head_dim * self.a.store.dtype.itemsize
         free = (torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda"  # a CPU "device" (tests): the host's RAM
                 else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
         free += 0 if ds.pin_kv is None else ds.pin_kv.nbytes  # the old pool goes
@@ -223,7 +224,7 @@ class DeviceGraphedDecode:
             if nbytes > PIN_CACHE_SHARE * free:
                 raise torch.cuda.OutOfMemoryError(f"{nbytes / 2**20:.0f} MiB > {PIN_CACHE_SHARE:.0%} of "
                                                   f"{free / 2**20:.0f} MiB free")
-            ds.pin_kv = torch.empty(cfg.n_layers, cap, 2, self.g, cfg.head_dim, dtype=self.a.store.dtype, device=dev)
+            ds.pin_kv = torch.empty(cap, 2, self.g, cfg.head_dim, dtype=self.a.store.dtype, device=dev)
         except torch.cuda.OutOfMemoryError as e:
             log.warning("device pin cache left out (every block over PCIe from now on): %s", e)
             self.pin_cache = False
@@ -332,15 +333,17 @@ class DeviceGraphedDecode:
         dev = pin_kv.device
         ds.pin_slot.fill_(-1)
         ds.pin_count[:] = mask.sum(-1)
+        used = 0
         for layer in range(a.cfg.n_layers):
             b_t, h_t, blk_t = (torch.from_numpy(x.astype(np.int64)).to(dev) for x in np.nonzero(mask[layer]))
-            m = blk_t.shape[0]  # the layer's pinned blocks fill its pool's entries 0..m-1
+            m = blk_t.shape[0]  # the layer's pinned blocks take the pool's next m entries
             if not m:
                 continue
             k_rows = span_rows(ds.tables[layer], ds.slots[b_t], h_t, blk_t, g, a.store.page_tokens).reshape(-1)
             rows = span.index_select(0, torch.cat([k_rows, k_rows + hkv * cph]))  # [2 * M * cpb, CHUNK * D]
-            pin_kv[layer, :m] = rows.view(2, m, g, d).transpose(0, 1)  # [M, 2, g, D]
-            ds.pin_slot[layer][b_t, h_t, blk_t] = torch.arange(m, dtype=torch.int32, device=dev)
+            pin_kv[used : used + m] = rows.view(2, m, g, d).transpose(0, 1)  # [M, 2, g, D]
+            ds.pin_slot[layer][b_t, h_t, blk_t] = torch.arange(used, used + m, dtype=torch.int32, device=dev)
+            used += m
             nbytes = float(rows.numel() * rows.element_size())
             a._st.gpu_bytes += nbytes
             a._st.zero_copy_bytes += nbytes
@@ -397,7 +400,7 @@ class DeviceGraphedDecode:
             device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
                                            span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
                                            self.a.scale, ds.part_o, ds.part_m, ds.part_l,
-                                           *((ds.pin_slot[layer], ds.pin_kv[layer]) if self.pin_cache and
+                                           *((ds.pin_slot[layer], ds.pin_kv) if self.pin_cache and
                                              ds.pin_kv is not None else ()))
         device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
                                ds.stream_m, ds.stream_l, ds.out[layer])

@@ -186,7 +186,7 @@ if triton is not None:
         page = tl.minimum(tok // PAGE_TOKENS, PAGES - 1)
         slot = tl.load(slots_ptr + b)
         live = (tt * 0 + valid.to(tl.int32)) > 0  # [G]: a masked entry reads nothing
-        if HAS_CACHE:  # a pinned block held in device memory (the layer's pin pool [P, 2, G, D]) is read from there
+        if HAS_CACHE:  # a pinned block held in device memory (the pin pool [P, 2, G, D]) is read from there
             cached_slot = tl.load(pslot_ptr + (b * HKV + h) * NBS + blk, mask=valid, other=-1).to(tl.int64)
             slot_row = tt * 0 + cached_slot  # [G]
             on_host = live & (slot_row < 0)
@@ -330,9 +330,9 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
     scores); flat_h, flat_j [N] int64; k_row [B, Hkv] int64 (entries with rank >= k are masked); tables [slots,
     pages]; span [chunks, CHUNK_TOKENS * D] in the store dtype. Writes part_o [B, >= N, r, D], part_m, part_l
     [B, >= N, r] fp32, entries 0..N-1 (m = -inf, l = 0, o = 0 for a masked entry).
-    Optional pin cache: pin_slot int32 [B, Hkv, NB] (a block's entry in the layer's pool, -1 when not cached) and
-    the pool pin_kv [P, 2, g, D] in the store dtype, shared by all rows and groups of the layer (no padding to the
-    (row, group) with the most pins); a cached block is read from device memory instead of over PCIe."""
+    Optional pin cache: pin_slot int32 [B, Hkv, NB] (a block's entry in the pool, -1 when not cached) and the pool
+    pin_kv [P, 2, g, D] in the store dtype, shared by all rows and groups (and layers: the caller's choice); a cached
+    block is read from device memory instead of over PCIe."""
     B, hkv, r, d = q.shape
     n, width = flat_h.shape[0], ids.shape[2]
     assert ids.is_contiguous() and vals.is_contiguous() and k_row.is_contiguous() and tables.stride(1) == 1
