@@ -168,6 +168,12 @@ def close_attention(attn: object, batch: int) -> None:
         attn.executor.close()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+        # torch keeps freed pinned blocks (the store's slabs) for reuse: hand them back, or the next case's store
+        # comes on top of this one's (a 32K b16 case after another: 2 x 68 GiB on the 128 GiB H200 host, killed)
+        for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+            if hasattr(torch._C, name):
+                getattr(torch._C, name)()
+                break
 
 
 def decode_step(model: Transformer, attn: object, batch: int, token: int, pos: int) -> torch.Tensor:
