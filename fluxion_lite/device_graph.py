@@ -14,8 +14,8 @@ time (bench/tpot.py: ~60% of the step is the GPU waiting). Here the retrieval pa
   after_replay()   (eager) one non-blocking D2H of every layer's new K/V
   end()            one sync (the logits are read next anyway), then those K/V go into the host store
 
-Pin cache (kernel path; on unless FLUXION_PIN_CACHE=0): the pinned blocks, which top-k takes at every step, are
-copied to device memory once per batch composition and read from there; PCIe then carries the dynamic blocks only.
+Pin cache (kernel path; on unless FLUXION_PIN_CACHE=0; pin_pool.py): the pinned blocks, which top-k takes at every
+step, are copied to device memory once per sequence and read from there; PCIe then carries the dynamic blocks only.
 It is KV on the GPU beyond sink + window (the pinned share of each budget, ~3% of the context with the shipped
 plan), so it is counted in SparseAttention.bytes_used and left out when it would take more than PIN_CACHE_SHARE of
 the free device memory.
@@ -36,7 +36,6 @@ DeviceSummaries mirrors); anything else runs eagerly.
 from __future__ import annotations
 
 import itertools
-import logging
 import os
 import time
 import weakref
@@ -49,6 +48,7 @@ from . import device_kernels, native
 from .attention import SeqChunk
 from .host_kv import CHUNK_TOKENS
 from .hybrid import lse_merge
+from .pin_pool import DevicePinPool, span_rows
 from .sparse_graph import step_tasks, stream_layer
 from .sparse_step import DecodeStep, GVALS
 
@@ -57,25 +57,11 @@ if TYPE_CHECKING:
 
 BUCKET_TOKENS = 1024  # k_cap follows the longest sequence in steps of this many tokens (a capture per bucket)
 PIN_CACHE_SHARE = 0.5  # the pin cache may take at most this share of the free device memory when it (re)grows
-log = logging.getLogger(__name__)
 _serials = itertools.count()  # names a DeviceStep in graph keys (an id() could be reused after one is dropped)
 
 
 def bucket_tokens(n_max: int) -> int:
     return -(-n_max // BUCKET_TOKENS) * BUCKET_TOKENS
-
-
-def span_rows(tables: torch.Tensor, slot_of: torch.Tensor, heads: torch.Tensor, blocks: torch.Tensor, g: int,
-              page_tokens: int) -> torch.Tensor:
-    """Rows of the zero-copy span (CHUNK_TOKENS tokens of one head each) holding the K of g-token blocks:
-    tables [S, pages] (each page's first row in the span, zero_copy.py); slot_of, heads, blocks: the same shape
-    [...] (a block's sequence slot, KV head, block id) -> [..., g // CHUNK_TOKENS]. A page keeps its K chunks
-    head-major ([Hkv][P / CHUNK_TOKENS] rows), its V chunks after them: V rows are these + Hkv * P / CHUNK_TOKENS.
-    device_kernels._block_attention_kernel computes the same offsets for the rows it reads."""
-    cph, cpb = page_tokens // CHUNK_TOKENS, g // CHUNK_TOKENS  # chunks per head in a page, per block
-    tok = blocks[..., None] * g + torch.arange(cpb, device=blocks.device) * CHUNK_TOKENS  # [..., cpb] chunk starts
-    page = torch.div(tok, page_tokens, rounding_mode="floor").clamp_(max=tables.shape[1] - 1)
-    return tables[slot_of[..., None], page] + heads[..., None] * cph + (tok % page_tokens) // CHUNK_TOKENS
 
 
 class DeviceStep:
@@ -140,17 +126,10 @@ class DeviceStep:
             self.appenders.append(native.PreparedAppend(store.view(0), self.slots32, np.arange(batch) * 2,
                                                         rows[: 2 * batch - 1], rows[1:]))
         self.pins_key: tuple[object, ...] = ()
-        # the device pin cache (kernel path): the rows' pinned blocks kept in device memory, one pool for all layers
-        # (a block's entry in pin_slot, -1 when not cached; budgets differ by layer, so per-layer pools sized for
-        # the busiest layer held 3.6x the pins on the 8B shape). pin_kv [P, 2, g, D], P >= the pins of all layers:
-        # grows (rarely: new pins) in prepare(), before the graphs' key is taken
+        self.pin_count = np.zeros((n_layers, batch, hkv), np.int64)  # pinned blocks per (layer, row, group)
+        # with the pin cache: each pinned block's entry in the pool (pin_pool.py), -1 when not cached
         self.pin_slot = torch.full((n_layers, batch, hkv, n_blocks), -1, dtype=torch.int32, device=dev)
-        self.pin_kv: torch.Tensor | None = None
-        self.pin_serial = 0  # bumped when pin_kv is reallocated
-        self.pin_count = np.zeros((n_layers, batch, hkv), np.int64)  # blocks cached per (layer, row, group)
-        self.pin_cache_key: tuple[object, ...] = ()  # (rows' slots, pins version) the cache was filled for
-        self.pin_reserve_key: tuple[object, ...] = ()  # ... and sized for
-        self.pin_mask: np.ndarray | None = None  # bool [L, B, Hkv, NB] of pin_reserve_key, for _load_pins
+        self.pin_index_key: tuple[object, ...] = ()  # what pin_slot was last built for (DevicePinPool.index)
 
 
 class DeviceGraphedDecode:
@@ -166,12 +145,14 @@ class DeviceGraphedDecode:
         # copies them to device memory once and reads them from there, so the PCIe bytes per step are the dynamic
         # share of the budget only (H200, 8B shape, 32K: 12.1 -> 9.2 ms at b1, 41.3 -> 20.4 ms at b8). It is KV on
         # the GPU beyond sink + window: FLUXION_PIN_CACHE=0 leaves it out (what issue 5's 13.6 ms target assumes).
-        self.pin_cache = self.fused and os.environ.get("FLUXION_PIN_CACHE", "1") != "0"
         self.a = weakref.proxy(owner)  # graph sets hold this object: they must not keep a dropped backend alive
         self.serial = owner.serial
         assert owner._dsum is not None and owner.executor.feeder is not None
         self.dsum, self.feeder = owner._dsum, owner.executor.feeder
         self.g = self.dsum.g
+        self.pool = (DevicePinPool(self.g, owner.cfg.n_kv_heads, owner.cfg.head_dim, owner.store.page_tokens,
+                                   owner.store.dtype, owner.device, PIN_CACHE_SHARE)
+                     if self.fused and os.environ.get("FLUXION_PIN_CACHE", "1") != "0" else None)
         self.static: dict[tuple[object, ...], DeviceStep] = {}
         self.ds: DeviceStep | None = None
         self.st: DecodeStep | None = None
@@ -196,46 +177,17 @@ class DeviceGraphedDecode:
             if len(self.static) >= 4:  # an old bucket's buffers go with its graphs
                 self.static.pop(next(iter(self.static)))
             self.static[self._shape] = DeviceStep(a, len(chunks), k_cap, nb // self.g, page_cap, self.fused)
-        if self.pin_cache:
-            self._reserve_pin_cache(self.static[self._shape], np.array([a._slot[c.seq_id] for c in chunks]))
+        if self.pool is not None and a.pins is not None:  # may grow the pool: before the graphs' key is taken
+            self.pool.reserve(a.pins, np.array([a._slot[c.seq_id] for c in chunks]))
 
-    def _reserve_pin_cache(self, ds: DeviceStep, slots: np.ndarray) -> None:
-        """Room in ds.pin_kv for the rows' pinned blocks (a new tensor, and so new graphs, only when it must grow).
-        A cache that would take more than PIN_CACHE_SHARE of the free device memory is not made: this backend
-        then reads every block over PCIe, as with FLUXION_PIN_CACHE=0 (logged once)."""
-        pins = self.a.pins
-        key = (tuple(slots.tolist()), None if pins is None else pins.version)
-        if pins is None or key == ds.pin_reserve_key:  # a step's usual case: nothing new since the last one
-            return
-        ds.pin_reserve_key = key
-        ds.pin_mask = pins.mask(slots, ds.n_blocks)  # [L, B, Hkv, NB]; begin() loads it
-        need = int(ds.pin_mask.sum())
-        have = 0 if ds.pin_kv is None else ds.pin_kv.shape[0]
-        if need <= have:
-            return
-        cfg, dev = self.a.cfg, self.a.device
-        cap = -(-need // 256) * 256
-        nbytes = cap * 2 * self.g * cfg.head_dim * self.a.store.dtype.itemsize
-        free = (torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda"  # a CPU "device" (tests): the host's RAM
-                else os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
-        free += 0 if ds.pin_kv is None else ds.pin_kv.nbytes  # the old pool goes
-        ds.pin_kv = None
-        try:
-            if nbytes > PIN_CACHE_SHARE * free:
-                raise torch.cuda.OutOfMemoryError(f"{nbytes / 2**20:.0f} MiB > {PIN_CACHE_SHARE:.0%} of "
-                                                  f"{free / 2**20:.0f} MiB free")
-            ds.pin_kv = torch.empty(cap, 2, self.g, cfg.head_dim, dtype=self.a.store.dtype, device=dev)
-        except torch.cuda.OutOfMemoryError as e:
-            log.warning("device pin cache left out (every block over PCIe from now on): %s", e)
-            self.pin_cache = False
-            ds.pin_slot.fill_(-1)
-        ds.pin_serial += 1  # new graphs: they address the new pool (or none)
-        ds.pin_cache_key = ()  # refill
+    @property
+    def pin_cache(self) -> bool:
+        """Whether pinned blocks are read from the device pool (on, fitting in device memory, kernel path)."""
+        return self.pool is not None and self.pool.enabled
 
     def pin_cache_bytes(self) -> int:
-        """Device memory the pin caches of the kept step structures hold."""
-        return sum(ds.pin_kv.numel() * ds.pin_kv.element_size() for ds in self.static.values()
-                   if ds.pin_kv is not None)
+        """Device memory the pin cache holds."""
+        return 0 if self.pool is None else self.pool.nbytes()
 
     def owner_id(self) -> int:
         return self.serial
@@ -246,7 +198,7 @@ class DeviceGraphedDecode:
         self.feeder._refresh(0)  # the span alias follows the store's slabs
         ds = self.static[self._shape]
         return ("device", a.serial, self._shape, a._near.data_ptr(), self.dsum.version, a.store.slab_version,
-                ds.serial, ds.pin_serial)
+                ds.serial, 0 if self.pool is None else self.pool.serial)
 
     # ---- per step -------------------------------------------------------------------------------------------------
     def begin(self, chunks: list[SeqChunk]) -> None:
@@ -301,52 +253,24 @@ class DeviceGraphedDecode:
         a._st.zero_copy_bytes += nbytes
 
     def _load_pins(self, ds: DeviceStep, st: DecodeStep) -> None:
-        """The rows' pinned blocks as a mask [L, B, Hkv, NB]; rebuilt only when the rows or their pins changed."""
-        pins = self.a.pins
+        """The rows' pinned blocks as a mask [L, B, Hkv, NB] (rebuilt only when the rows or their pins changed);
+        with the pin cache, the new sequences' pinned blocks copied to the pool and the step's index into it."""
+        a, pins = self.a, self.a.pins
         key = (tuple(st.slots.tolist()), None if pins is None else pins.version)
-        refill = self.pin_cache and ds.pin_kv is not None and ds.pin_cache_key != key  # also after a regrowth
-        if key == ds.pins_key and not refill:
-            return
-        if pins is None:
-            mask = np.zeros(ds.pinned.shape, bool)
-        elif ds.pin_mask is not None and ds.pin_reserve_key == key:  # prepare() built it for these rows and pins
-            mask = ds.pin_mask
-        else:
-            mask = pins.mask(st.slots, ds.n_blocks)
         if key != ds.pins_key:
+            mask = np.zeros(ds.pinned.shape, bool) if pins is None else pins.mask(st.slots, ds.n_blocks)
             ds.pinned.copy_(torch.from_numpy(mask))
+            ds.pin_count[:] = mask.sum(-1)
             ds.pins_key = key
-        if refill:
-            self._fill_pin_cache(ds, mask)
-            ds.pin_cache_key = key
-
-    def _fill_pin_cache(self, ds: DeviceStep, mask: np.ndarray) -> None:
-        """Copy every pinned block (mask [L, B, Hkv, NB]) from the host store into ds.pin_kv, through the zero-copy
-        span (one PCIe read of each, when the rows or their pins change), and index it in ds.pin_slot."""
-        a, g, pin_kv = self.a, self.g, ds.pin_kv
-        assert pin_kv is not None
-        hkv, d = a.cfg.n_kv_heads, a.cfg.head_dim
-        cph = a.store.page_tokens // CHUNK_TOKENS
-        span = self.feeder._span
-        assert span is not None
-        span = span.view(a.store.dtype)  # [chunks, CHUNK_TOKENS * D]
-        dev = pin_kv.device
-        ds.pin_slot.fill_(-1)
-        ds.pin_count[:] = mask.sum(-1)
-        used = 0
-        for layer in range(a.cfg.n_layers):
-            b_t, h_t, blk_t = (torch.from_numpy(x.astype(np.int64)).to(dev) for x in np.nonzero(mask[layer]))
-            m = blk_t.shape[0]  # the layer's pinned blocks take the pool's next m entries
-            if not m:
-                continue
-            k_rows = span_rows(ds.tables[layer], ds.slots[b_t], h_t, blk_t, g, a.store.page_tokens).reshape(-1)
-            rows = span.index_select(0, torch.cat([k_rows, k_rows + hkv * cph]))  # [2 * M * cpb, CHUNK * D]
-            pin_kv[used : used + m] = rows.view(2, m, g, d).transpose(0, 1)  # [M, 2, g, D]
-            ds.pin_slot[layer][b_t, h_t, blk_t] = torch.arange(used, used + m, dtype=torch.int32, device=dev)
-            used += m
-            nbytes = float(rows.numel() * rows.element_size())
+        if self.pool is not None and self.pool.enabled:
+            span = self.feeder._span
+            assert span is not None
+            copied = self.pool.blocks_copied
+            self.pool.fill(span.view(a.store.dtype), ds.tables)  # after _load_tables: the step's page tables
+            nbytes = float((self.pool.blocks_copied - copied) * self.g * a.cfg.head_dim * 2 * 2)
             a._st.gpu_bytes += nbytes
             a._st.zero_copy_bytes += nbytes
+            ds.pin_index_key = self.pool.index(ds.pin_slot, st.slots, ds.pin_index_key)
 
     def end(self) -> None:
         a, ds = self.a, self.ds
@@ -400,8 +324,8 @@ class DeviceGraphedDecode:
             device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
                                            span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
                                            self.a.scale, ds.part_o, ds.part_m, ds.part_l,
-                                           *((ds.pin_slot[layer], ds.pin_kv) if self.pin_cache and
-                                             ds.pin_kv is not None else ()))
+                                           *((ds.pin_slot[layer], self.pool.kv) if self.pool is not None and
+                                             self.pool.kv is not None else ()))
         device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
                                ds.stream_m, ds.stream_l, ds.out[layer])
 

@@ -83,6 +83,7 @@ class PinnedBlocks:
         self._ids = np.full((n_layers, 0, n_kv_heads, 0), _NONE, np.int32)
         self._counts = np.zeros((n_layers, 0, n_kv_heads), np.int32)
         self.version = 0  # bumped whenever a slot's pins change (device_graph.py keeps a device copy)
+        self._slot_version: dict[int, int] = {}  # slot -> self.version when its pins last changed
 
     def observe(self, layer: int, seq_id: int, start: int, q: torch.Tensor) -> None:
         """Keep the last obs_window rows of a prefill chunk's q ([n, Hq, D] at positions start..)."""
@@ -128,6 +129,7 @@ class PinnedBlocks:
             self._ids, self._counts = ids, counts = grown, grown_counts
         ids[layer, slot] = _NONE
         self.version += 1
+        self._slot_version[slot] = self.version
         for h, p in enumerate(pins):
             ids[layer, slot, h, : len(p)] = p
             counts[layer, slot, h] = len(p)
@@ -141,6 +143,22 @@ class PinnedBlocks:
             self._ids[:, slot] = _NONE
             self._counts[:, slot] = 0
             self.version += 1
+            self._slot_version[slot] = self.version
+
+    def slot_version(self, slot: int) -> int:
+        """Changes whenever the slot's pins do (0: never pinned): a device copy of one slot's pins is current while
+        this stays the same, whatever happens to the other slots."""
+        return self._slot_version.get(slot, 0)
+
+    def slot_blocks(self, slot: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every pin of a slot as three int64 arrays [M]: layer, KV head, block id (layer-major, then head)."""
+        if slot >= self._ids.shape[1]:
+            empty = np.zeros(0, np.int64)
+            return empty, empty, empty
+        counts = self._counts[:, slot]  # [L, Hkv]
+        live = np.arange(self._ids.shape[3]) < counts[..., None]  # [L, Hkv, P]
+        layer, head, j = np.nonzero(live)
+        return layer.astype(np.int64), head.astype(np.int64), self._ids[layer, slot, head, j].astype(np.int64)
 
     def mask(self, slots: np.ndarray, n_blocks: int, layer: int | None = None) -> np.ndarray:
         """The pinned blocks of the given slots as a bool mask for the device-side top-k (device_select.py):

@@ -80,14 +80,15 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     assert bool(hooked.ds.pinned.any()) == bool(pin_fraction)  # the pins reached the device mask
     if pin_cache:  # every pinned block has a place in the device cache holding its K/V
         ds = hooked.ds
-        assert hooked.pin_cache and ds.pin_kv is not None
+        kv = hooked.pool.kv if hooked.pool is not None else None
+        assert hooked.pin_cache and kv is not None
         assert torch.equal(ds.pin_slot >= 0, ds.pinned) and int(ds.pin_count.sum()) == int(ds.pinned.sum())
         g = hooked.g
         for layer, b, h, blk in torch.nonzero(ds.pinned).tolist():  # each in its own entry of the layer's pool
             k, v = backends[1].store.read(layer, int(ds.slots[b]))  # [n, Hkv, D] each
             c = int(ds.pin_slot[layer, b, h, blk])
-            assert torch.equal(ds.pin_kv[c, 0], k[blk * g:(blk + 1) * g, h].to(ds.pin_kv.dtype))
-            assert torch.equal(ds.pin_kv[c, 1], v[blk * g:(blk + 1) * g, h].to(ds.pin_kv.dtype))
+            assert torch.equal(kv[c, 0], k[blk * g:(blk + 1) * g, h].to(kv.dtype))
+            assert torch.equal(kv[c, 1], v[blk * g:(blk + 1) * g, h].to(kv.dtype))
         used = ds.pin_slot[ds.pin_slot >= 0]
         assert used.unique().numel() == used.numel()  # no two blocks share an entry
     s_eager, s_hooked = backends[0].stats(), backends[1].stats()
@@ -218,27 +219,40 @@ def test_pin_cache_follows_the_batch_as_sequences_end_and_arrive(monkeypatch: py
         for s in sids:
             pos[s] += 1
 
+    def copied() -> int:  # blocks the pin cache has read over PCIe so far
+        hooked = backends[1]._device_graphed
+        return 0 if hooked is None or hooked.pool is None else hooked.pool.blocks_copied
+
     for _ in range(3):
         step([0, 1, 2])
+    before = copied()
     for a in backends:  # sequence 1 ends
         a.free(1)
     for _ in range(3):
         step([0, 2])
+    assert copied() == before  # the others keep their entries: nothing is read again
     longer = torch.randint(0, cfg.vocab_size, (700,), generator=g)  # sequence 3 arrives with more blocks to pin
     for m, a in zip((eager, runner), backends):
         a.allocate(3)
         m.forward(longer, torch.arange(len(longer)), [SeqChunk(3, 0, len(longer))], a)
     pos[3] = len(longer)
+    step([0, 2, 3])  # its first decode step (eager) pins its blocks
+    before = copied()
     for _ in range(3):
         step([0, 2, 3])
+    pins = backends[1].pins
+    assert pins is not None
+    new_pins = len(pins.slot_blocks(backends[1]._slot[3])[0])
+    assert new_pins > 0 and copied() - before == (new_pins if room else 0)  # only the new sequence's pins
     hooked = backends[1]._device_graphed
     assert isinstance(hooked, DeviceGraphedDecode) and hooked.pin_cache == room
     ds = hooked.ds
     assert ds is not None and bool(ds.pinned.any())
+    assert hooked.pool is not None
     if room:
-        assert ds.pin_kv is not None and torch.equal(ds.pin_slot >= 0, ds.pinned)
+        assert hooked.pool.kv is not None and torch.equal(ds.pin_slot >= 0, ds.pinned)
         assert hooked.pin_cache_bytes() > 0
-    else:  # nothing held, nothing indexed
-        assert ds.pin_kv is None and hooked.pin_cache_bytes() == 0 and not bool((ds.pin_slot >= 0).any())
+    else:  # nothing held
+        assert hooked.pool.kv is None and hooked.pin_cache_bytes() == 0
     for a in backends:
         a.executor.close()
