@@ -161,11 +161,13 @@ def new_attention(model: Transformer, mode: str, context: int, batch: int, plan:
     return attn
 
 
-def close_attention(attn: object, batch: int) -> None:
+def close_attention(model: Transformer, attn: object, batch: int) -> None:
     for b in range(batch):
         attn.free(b)  # type: ignore[attr-defined]
     if isinstance(attn, SparseAttention):
         attn.executor.close()
+    if model.graphs is not None:  # graph sets captured with this backend keep its host store alive (a 72 GiB
+        model.graphs.release_backends()  # store under the next case's: the H200 host's fixed 32K b16 run died so)
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         # torch keeps freed pinned blocks (the store's slabs) for reuse: hand them back, or the next case's store
@@ -192,7 +194,7 @@ def check_graphs(model: Transformer, mode: str, context: int, batch: int, plan: 
         outs = []
         for i in range(steps):
             outs.append(decode_step(model, attn, batch, 7 + i, context + i).cpu())
-        close_attention(attn, batch)
+        close_attention(model, attn, batch)
         runs.append(outs)
     model.graphs = graphs
     for a, b in zip(*runs):
@@ -262,7 +264,7 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
             f.write(events.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
             if dev.type == "cuda":  # the device side: which kernels take the step's time (itemised without graphs)
                 f.write(events.table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
-    close_attention(attn, batch)
+    close_attention(model, attn, batch)
     del attn
     return {"tpot_ms": 1000 * statistics.median(times[2:]), "tpot_all_ms": [1000 * t for t in times],
             "fill_s": fill_s, "kv_host_bytes": host, "kv_device_bytes": gpu, **stats,

@@ -179,6 +179,14 @@ class DecodeGraphs:
         self.sets: OrderedDict[Hashable, _GraphSet] = OrderedDict()
         self.table_ptr = -1
 
+    def release_backends(self) -> None:
+        """Drop every graph set captured with a backend's hooks. Their hooks hold the backend's buffers (the
+        device-selection step's feeder keeps an alias of every host-store slab): without this an old backend's host
+        KV stays pinned until another hooked backend decodes, after the new one has allocated its own. Call it
+        when a backend is retired (Engine.set_attention, benchmarks between cases)."""
+        for key in [k for k, gs in self.sets.items() if gs.hooks is not None]:
+            del self.sets[key]
+
     def handles(self, chunks: list[SeqChunk]) -> bool:
         """A pure decode batch (every row's logits wanted) of a size worth graphing."""
         return (0 < len(chunks) <= MAX_GRAPH_BATCH and all(c.length == 1 for c in chunks)

@@ -154,6 +154,8 @@ class Engine:
         if self.running or self.waiting:
             raise RequestError("set_attention: requests are still running")
         self._prefix_cache.clear()
+        if self.model.graphs is not None:  # captured steps hold the old backend's buffers (its host store too)
+            self.model.graphs.release_backends()
         self.attn = None  # type: ignore[assignment]  # free the old backend's KV before the new one allocates
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -237,7 +237,7 @@ class SparseAttention(AttentionBackend):
         device_bytes = self.scratch.bytes_used() + per_seq * len(self._slot)
         if self._dsum is not None:
             device_bytes += self._dsum.bytes_used()
-        if self._device_graphed is not None:  # its pin cache (FLUXION_PIN_CACHE=1)
+        if self._device_graphed is not None:  # its pin cache (on unless FLUXION_PIN_CACHE=0)
             device_bytes += self._device_graphed.pin_cache_bytes()
         if self.device.type == "cuda":
             return self.store.bytes_used, device_bytes

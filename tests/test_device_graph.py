@@ -256,3 +256,33 @@ def test_pin_cache_follows_the_batch_as_sequences_end_and_arrive(monkeypatch: py
         assert hooked.pool.kv is None and hooked.pin_cache_bytes() == 0
     for a in backends:
         a.executor.close()
+
+
+def test_released_graph_sets_let_a_retired_backend_go(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A graph set captured with a backend's hooks holds that backend's host store (through the zero-copy span):
+    DecodeGraphs.release_backends() drops it, so retiring a backend frees its host KV before the next allocates."""
+    import gc
+    import weakref
+
+    monkeypatch.setenv("FLUXION_TRITON", "0")
+    eager, runner = _models(seed=13)
+    cfg = eager.cfg
+    plan = SparsePlan(sink=20, window=33, groups=[[GroupPlan(False, 16, 0.1)] * 3] * 2, source="test")
+    backend = _backends(plan, cfg)[1]
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, cfg.vocab_size, (300,), generator=g)
+    backend.allocate(0)
+    runner.forward(prompt, torch.arange(300), [SeqChunk(0, 0, 300)], backend)
+    for pos in (300, 301, 302):  # the first decode step runs eagerly, the next ones through the graph runner
+        runner.forward(torch.randint(0, cfg.vocab_size, (1,), generator=g), torch.tensor([pos]),
+                       [SeqChunk(0, pos, 1)], backend)
+    assert runner.graphs is not None and any(gs.hooks is not None for gs in runner.graphs.sets.values())
+    slabs = weakref.ref(backend.store.slabs[0])
+    backend.free(0)
+    backend.executor.close()
+    del backend
+    gc.collect()
+    assert slabs() is not None  # still held by the captured set's hooks
+    runner.graphs.release_backends()
+    gc.collect()
+    assert slabs() is None and not any(gs.hooks is not None for gs in runner.graphs.sets.values())
