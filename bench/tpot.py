@@ -18,6 +18,7 @@ Usage (H200): python bench/tpot.py --shape llama3.1-8b --contexts 8192 32768 655
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -168,11 +169,16 @@ def close_attention(model: Transformer, attn: object, batch: int) -> None:
         attn.executor.close()
     if model.graphs is not None:  # graph sets captured with this backend keep its host store alive (a 72 GiB
         model.graphs.release_backends()  # store under the next case's: the H200 host's fixed 32K b16 run died so)
+
+
+def release_pinned_cache() -> None:
+    """Hand torch's cached pinned blocks (freed host-store slabs) back to the system. Between modes of one case they
+    are kept: the next store takes the same slab sizes from the cache instead of pinning new memory (~2 GB/s on the
+    H200 host, most of a fill); a case of another size could not use them."""
+    gc.collect()  # a backend in a reference cycle frees its slabs only here
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-        # torch keeps freed pinned blocks (the store's slabs) for reuse: hand them back, or the next case's store
-        # comes on top of this one's (a 32K b16 case after another: 2 x 68 GiB on the 128 GiB H200 host, killed)
-        for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):
+        for name in ("_host_emptyCache", "_accelerator_emptyHostCache"):  # the name differs across torch versions
             if hasattr(torch._C, name):
                 getattr(torch._C, name)()
                 break
@@ -266,6 +272,7 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
                 f.write(events.table(sort_by="self_cuda_time_total", row_limit=30) + "\n")
     close_attention(model, attn, batch)
     del attn
+    gc.collect()  # its slabs back to torch's pinned cache before the next store allocates (no 2 x 72 GiB)
     return {"tpot_ms": 1000 * statistics.median(times[2:]), "tpot_all_ms": [1000 * t for t in times],
             "fill_s": fill_s, "kv_host_bytes": host, "kv_device_bytes": gpu, **stats,
             "kv_read_fraction": stats.get("kv_read_fraction", 1.0)}
@@ -392,6 +399,7 @@ def main() -> None:
     modes = ["full-gpu" if m == "full" else m for m in args.modes]
     for context in sorted(args.contexts):
         for batch in sorted(args.batches):
+            release_pinned_cache()  # the last case's slabs: another size
             for mode, graphed in [(m, g) for m in modes for g in
                                   {"on": [True], "off": [False], "both": [False, True],
                                    "uncaptured": [True]}[args.graphs]]:
