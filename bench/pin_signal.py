@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -87,7 +89,9 @@ def main() -> None:
         print(f"{row['task']:<17}{row['index']:>3}{row['top']:>7.3f}{row['top_all']:>8.3f}{row['entropy']:>8.3f}"
               f"{row['eligible']:>9.3f}   ({time.perf_counter() - t0:.0f} s)", flush=True)
     out = Path(args.out or f"bench/results/pin_signal_{args.length}.json")
+    machine = f"{platform.node()} ({os.cpu_count()} CPUs, CPU bf16)"
     out.write_text(json.dumps({"model": args.model, "length": args.length, "plan": engine.attn.plan.source,
+                               "machine": machine,
                                "command": "python " + " ".join(sys.argv), "rows": rows}, indent=1))
     print(f"wrote {out}")
 
