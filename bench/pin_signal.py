@@ -36,10 +36,8 @@ from fluxion_lite.sampling import SamplingParams  # noqa: E402
 def group_signal(plan: Any, gp: Any, mass: np.ndarray, n: int) -> dict[str, float]:
     """One retrieval group's numbers from its observed mass [n_prompt] (the blocks pick_pins may choose)."""
     g = gp.g
-    sink_hi = min(-(-plan.sink // g) * g, n)
-    win_lo = max((max(n - plan.window, 0) // g) * g, sink_hi)
-    usable = (win_lo - sink_hi) // g * g
-    blocks = mass[sink_hi : sink_hi + usable].reshape(-1, g).sum(1)  # [eligible blocks]
+    first, last = pinned.eligible_blocks(g, n, plan.sink, plan.window)
+    blocks = mass[first * g : last * g].reshape(-1, g).sum(1)  # [eligible blocks]
     total = max(float(blocks.sum()), 1e-12)
     ranked = np.sort(blocks)[::-1]
     budget = plan.block_count(gp, n)

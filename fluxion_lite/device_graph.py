@@ -46,9 +46,8 @@ import torch
 
 from . import device_kernels, native
 from .attention import SeqChunk
-from .host_kv import CHUNK_TOKENS
 from .hybrid import lse_merge
-from .pin_pool import DevicePinPool, span_rows
+from .pin_pool import DevicePinPool, span_kv_rows
 from .sparse_graph import step_tasks, stream_layer
 from .sparse_step import DecodeStep, GVALS
 
@@ -248,7 +247,12 @@ class DeviceGraphedDecode:
         fetched = int(k_row.sum()) if self.fused else ds.fetched_blocks
         if self.pin_cache:  # pinned blocks rank first and come from the device cache
             fetched -= int(np.minimum(k_row, ds.pin_count).sum())
-        nbytes = float(fetched * self.g * a.cfg.head_dim * 2 * 2)  # K and V of every fetched block
+        self._count_pcie(fetched)
+
+    def _count_pcie(self, blocks: int) -> None:
+        """Blocks read from the host store over PCIe (K and V, 16-bit), in the backend's byte counters."""
+        a = self.a
+        nbytes = float(blocks * self.g * a.cfg.head_dim * 2 * 2)
         a._st.gpu_bytes += nbytes
         a._st.zero_copy_bytes += nbytes
 
@@ -262,14 +266,12 @@ class DeviceGraphedDecode:
             ds.pinned.copy_(torch.from_numpy(mask))
             ds.pin_count[:] = mask.sum(-1)
             ds.pins_key = key
-        if self.pool is not None and self.pool.enabled:
+        if self.pool is not None and self.pin_cache:
             span = self.feeder._span
             assert span is not None
             copied = self.pool.blocks_copied
             self.pool.fill(span.view(a.store.dtype), ds.tables)  # after _load_tables: the step's page tables
-            nbytes = float((self.pool.blocks_copied - copied) * self.g * a.cfg.head_dim * 2 * 2)
-            a._st.gpu_bytes += nbytes
-            a._st.zero_copy_bytes += nbytes
+            self._count_pcie(self.pool.blocks_copied - copied)
             ds.pin_index_key = self.pool.index(ds.pin_slot, st.slots, ds.pin_index_key)
 
     def end(self) -> None:
@@ -343,10 +345,9 @@ class DeviceGraphedDecode:
         span = self.feeder._span
         assert span is not None
         n = flat_h.shape[0]
-        cph = a.store.page_tokens // CHUNK_TOKENS
-        k_idx = span_rows(ds.tables[layer], ds.slots[:, None].expand(B, n), flat_h[None, :].expand(B, n), ids, g,
-                          a.store.page_tokens).reshape(-1)  # [B * N * cpb] K rows in the span; V: + hkv * cph
-        rows = span.index_select(0, torch.cat([k_idx, k_idx + hkv * cph]))  # the PCIe read
+        rows = span.index_select(0, span_kv_rows(ds.tables[layer], ds.slots[:, None].expand(B, n),
+                                                 flat_h[None, :].expand(B, n), ids, g, a.store.page_tokens,
+                                                 hkv))  # the PCIe read
         kv = rows.view(a.store.dtype).view(2, B, n, g, d).float()  # [2, B, N, g, D]
         q = qg.float()[:, flat_h]  # [B, N, r, D]: each block with its group's queries
         logits = torch.einsum("bnrd,bntd->bnrt", q, kv[0]) * a.scale  # [B, N, r, g]

@@ -44,17 +44,20 @@ class SlotEntries:
     filled: bool = False
 
 
-def span_rows(tables: torch.Tensor, slot_of: torch.Tensor, heads: torch.Tensor, blocks: torch.Tensor, g: int,
-              page_tokens: int) -> torch.Tensor:
-    """Rows of the zero-copy span (CHUNK_TOKENS tokens of one head each) holding the K of g-token blocks:
-    tables [S, pages] (each page's first row in the span, zero_copy.py); slot_of, heads, blocks: the same shape
-    [...] (a block's sequence slot, KV head, block id) -> [..., g // CHUNK_TOKENS]. A page keeps its K chunks
-    head-major ([Hkv][P / CHUNK_TOKENS] rows), its V chunks after them: V rows are these + Hkv * P / CHUNK_TOKENS.
-    device_kernels._block_attention_kernel computes the same offsets for the rows it reads."""
+def span_kv_rows(tables: torch.Tensor, slot_of: torch.Tensor, heads: torch.Tensor, blocks: torch.Tensor, g: int,
+                 page_tokens: int, n_kv_heads: int) -> torch.Tensor:
+    """Rows of the zero-copy span (CHUNK_TOKENS tokens of one head each) holding g-token blocks: tables [S, pages]
+    (each page's first row in the span, zero_copy.py); slot_of, heads, blocks: the same shape [...] (a block's
+    sequence slot, KV head, block id) -> int64 [2 * numel * g / CHUNK_TOKENS]: every block's K rows in order, then
+    their V rows, so `span.index_select(0, rows).view(2, *blocks.shape, g, D)` reads them. A page keeps its K
+    chunks head-major ([Hkv][P / CHUNK_TOKENS] rows), its V chunks after them. device_kernels'
+    _block_attention_kernel computes the same offsets for the rows it reads."""
     cph, cpb = page_tokens // CHUNK_TOKENS, g // CHUNK_TOKENS  # chunks per head in a page, per block
     tok = blocks[..., None] * g + torch.arange(cpb, device=blocks.device) * CHUNK_TOKENS  # [..., cpb] chunk starts
     page = torch.div(tok, page_tokens, rounding_mode="floor").clamp_(max=tables.shape[1] - 1)
-    return tables[slot_of[..., None], page] + heads[..., None] * cph + (tok % page_tokens) // CHUNK_TOKENS
+    k_rows = tables[slot_of[..., None], page] + heads[..., None] * cph + (tok % page_tokens) // CHUNK_TOKENS
+    k_rows = k_rows.reshape(-1)  # [numel * cpb]
+    return torch.cat([k_rows, k_rows + n_kv_heads * cph])
 
 
 class DevicePinPool:
@@ -125,16 +128,15 @@ class DevicePinPool:
         if self.kv is None:
             return
         dev, g = self.kv.device, self.g
-        cph = self.page_tokens // CHUNK_TOKENS
+        by_layer = tables.reshape(-1, tables.shape[2])  # [L * S, pages]: row layer * S + slot
         for slot, e in self.held.items():
             if e.filled or not len(e.entry):
                 e.filled = True
                 continue
             layer_t, head_t, block_t, entry_t = (torch.from_numpy(x).to(dev) for x in (e.layer, e.head, e.block,
                                                                                          e.entry))
-            k_rows = _rows_by_layer(tables, layer_t, torch.full_like(block_t, slot), head_t, block_t, g,
-                                    self.page_tokens)  # [M * cpb] K rows; V rows follow at + Hkv * cph
-            rows = span.index_select(0, torch.cat([k_rows, k_rows + self.hkv * cph]))  # [2 * M * cpb, CHUNK * D]
+            rows = span.index_select(0, span_kv_rows(by_layer, layer_t * tables.shape[1] + slot, head_t, block_t,
+                                                     g, self.page_tokens, self.hkv))  # [2 * M * cpb, CHUNK * D]
             self.kv[entry_t] = rows.view(2, len(e.entry), g, self.d).transpose(0, 1)  # [M, 2, g, D]
             self.blocks_copied += len(e.entry)
             e.filled = True
@@ -157,9 +159,3 @@ class DevicePinPool:
             pin_slot[idx] = torch.from_numpy(entry[keep].astype(np.int32)).to(pin_slot.device)
         return now
 
-
-def _rows_by_layer(tables: torch.Tensor, layer: torch.Tensor, slot: torch.Tensor, head: torch.Tensor,
-                   block: torch.Tensor, g: int, page_tokens: int) -> torch.Tensor:
-    """span_rows for blocks of several layers: tables [L, S, pages]; layer, slot, head, block [M] -> [M * cpb]."""
-    flat = tables.reshape(-1, tables.shape[2])  # [L * S, pages]: row layer * S + slot
-    return span_rows(flat, layer * tables.shape[1] + slot, head, block, g, page_tokens).reshape(-1)

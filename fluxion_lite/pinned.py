@@ -42,6 +42,14 @@ def attention_mass(q_obs: torch.Tensor, keys: torch.Tensor, first_pos: int, scal
     return mass
 
 
+def eligible_blocks(g: int, n: int, sink: int, window: int) -> tuple[int, int]:
+    """Block ids [first, last) of granularity g wholly between the sink (rounded up to g) and the recent window
+    (its start rounded down to g) for a step with n tokens: the blocks pins may take."""
+    sink_hi = min(-(-sink // g) * g, n)
+    win_lo = max((max(n - window, 0) // g) * g, sink_hi)
+    return sink_hi // g, win_lo // g
+
+
 def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: int, span: int = 1,
               decay: float = 1.0) -> np.ndarray:
     """`count` blocks of granularity g picked by mass (mass: [n_prompt] per key), among blocks wholly inside
@@ -53,9 +61,7 @@ def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: i
     the next blocks at g=16, which draw little mass of their own and look alike to the per-step bound. decay 1: each
     heavy block comes with its span - 1 successors before any lighter block; decay < 1: a successor competes with
     the other needles' keys at a discount (a many-needle prompt keeps a pin per key)."""
-    sink_hi = min(-(-sink // g) * g, n)
-    win_lo = max((max(n - window, 0) // g) * g, sink_hi)
-    first, last = sink_hi // g, win_lo // g  # eligible block ids [first, last)
+    first, last = eligible_blocks(g, n, sink, window)
     if count <= 0 or last <= first:
         return np.zeros(0, np.int32)
     padded = np.zeros(last * g, np.float64)

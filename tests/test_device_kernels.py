@@ -11,6 +11,7 @@ import torch
 
 from fluxion_lite.device_select import PINNED_SCORE
 from fluxion_lite.host_kv import CHUNK_TOKENS
+from paged_span import paged_store
 
 pytest.importorskip("triton")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on a GPU, else interpreted
@@ -117,35 +118,13 @@ def test_block_scores(dk, r: int, d: int, nb: int, pins: bool) -> None:  # type:
     torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-4)
 
 
-def _paged_store(gen: torch.Generator, slots: int, hkv: int, d: int, page_tokens: int, pages: int,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """A span of shuffled pages: span [chunks, CHUNK_TOKENS * D]; tables [slots, pages] (each page's first chunk);
-    the logical cache kv [slots, 2, Hkv, pages * page_tokens, D] it holds."""
-    cph = page_tokens // CHUNK_TOKENS
-    per_page = 2 * hkv * cph  # chunks: K of every head, then V
-    order = torch.randperm(slots * pages, generator=gen)
-    tables = (order.view(slots, pages) * per_page + 1).long()  # + 1: row 0 of the span belongs to no page
-    n = pages * page_tokens
-    kv = torch.randn(slots, 2, hkv, n, d, generator=gen).to(dtype)
-    span = torch.full((slots * pages * per_page + 1, CHUNK_TOKENS * d), float("nan"), dtype=dtype)
-    for s in range(slots):
-        for p in range(pages):
-            for part in range(2):
-                for h in range(hkv):
-                    for c in range(cph):
-                        tok = p * page_tokens + c * CHUNK_TOKENS
-                        row = int(tables[s, p]) + part * hkv * cph + h * cph + c
-                        span[row] = kv[s, part, h, tok: tok + CHUNK_TOKENS].reshape(-1)
-    return span, tables, kv
-
-
 @pytest.mark.parametrize("r,d,g,dtype", [(4, 32, 16, torch.float32), (7, 64, 32, torch.bfloat16), (4, 32, 32, torch.float32), (4, 32, 16, torch.bfloat16),
                                          (1, 32, 16, torch.bfloat16)])
 @pytest.mark.parametrize("pin_cache", [False, True])
 def test_block_attention_and_combine(dk, r: int, d: int, g: int, dtype: torch.dtype, pin_cache: bool) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(r + d + g)
     B, hkv, page_tokens, pages, slot_cap = 2, 3, 64, 4, 3
-    span, tables, kv = _paged_store(gen, slot_cap, hkv, d, page_tokens, pages, dtype)
+    span, tables, kv = paged_store(gen, slot_cap, hkv, d, page_tokens, pages, dtype)
     nb = pages * page_tokens // g
     caps = torch.tensor([3, 0, 5])  # per group: entries in the flat list (group 1 streams)
     flat_h = torch.repeat_interleave(torch.arange(hkv), caps)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fluxion_lite.host_kv import CHUNK_TOKENS
 from fluxion_lite.pin_pool import DevicePinPool
 from fluxion_lite.pinned import PinnedBlocks
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from paged_span import paged_store
 
 L, HKV, D, G, P = 2, 3, 8, 16, 64  # layers, KV heads, head dim, block tokens, page tokens
 
@@ -23,32 +23,14 @@ def make_pins(n_slots: int, n_tokens: int, seed: int) -> PinnedBlocks:
     return pins
 
 
-def fake_store(n_slots: int, n_tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K/V [L, S, n, Hkv, D] laid out as zero_copy's span: per page, K chunks head-major, then V chunks; tables
-    [L, S, pages] give each page's first row (pages in a shuffled order)."""
-    gen = torch.Generator().manual_seed(seed)
-    kv = torch.randn(2, L, n_slots, n_tokens, HKV, D, generator=gen)
-    pages = n_tokens // P
-    cph = P // CHUNK_TOKENS
-    order = torch.randperm(L * n_slots * pages, generator=gen)
-    tables = (order.view(L, n_slots, pages) * 2 * HKV * cph).long()
-    span = torch.full((L * n_slots * pages * 2 * HKV * cph, CHUNK_TOKENS * D), float("nan"))
-    for layer in range(L):
-        for s in range(n_slots):
-            for p in range(pages):
-                for part in range(2):
-                    for h in range(HKV):
-                        for c in range(cph):
-                            t0 = p * P + c * CHUNK_TOKENS
-                            row = int(tables[layer, s, p]) + part * HKV * cph + h * cph + c
-                            span[row] = kv[part, layer, s, t0 : t0 + CHUNK_TOKENS, h].reshape(-1)
-    return kv, span, tables
-
-
 def test_pool_entries_follow_slots_and_batch_changes_copy_only_new_pins() -> None:
     n_tokens, n_slots = 256, 4
     pins = make_pins(n_slots, n_tokens, seed=1)
-    kv, span, tables = fake_store(n_slots, n_tokens, seed=2)
+    # every (layer, slot) one "slot" of the helper's span: its tables [L * S, pages] viewed [L, S, pages]
+    span, tables, kv = paged_store(torch.Generator().manual_seed(2), L * n_slots, HKV, D, P, n_tokens // P,
+                                   torch.float32)
+    tables = tables.view(L, n_slots, -1)
+    kv = kv.view(L, n_slots, 2, HKV, n_tokens, D)  # [L, S, K/V, Hkv, n, D]
     pool = DevicePinPool(G, HKV, D, P, torch.float32, torch.device("cpu"), share=0.5)
     nb = n_tokens // G
     count = {s: len(pins.slot_blocks(s)[0]) for s in range(n_slots)}
@@ -71,8 +53,8 @@ def test_pool_entries_follow_slots_and_batch_changes_copy_only_new_pins() -> Non
         slot = [0, 1, 2][row]
         c = int(pin_slot[layer, row, h, blk])
         assert pool.kv is not None
-        torch.testing.assert_close(pool.kv[c, 0], kv[0, layer, slot, blk * G:(blk + 1) * G, h], rtol=0, atol=0)
-        torch.testing.assert_close(pool.kv[c, 1], kv[1, layer, slot, blk * G:(blk + 1) * G, h], rtol=0, atol=0)
+        torch.testing.assert_close(pool.kv[c, 0], kv[layer, slot, 0, h, blk * G:(blk + 1) * G], rtol=0, atol=0)
+        torch.testing.assert_close(pool.kv[c, 1], kv[layer, slot, 1, h, blk * G:(blk + 1) * G], rtol=0, atol=0)
     assert len(np.unique(np.concatenate([e.entry for e in pool.held.values()]))) == sum(count[s] for s in (0, 1, 2))
 
     copied = pool.blocks_copied
@@ -87,7 +69,7 @@ def test_pool_entries_follow_slots_and_batch_changes_copy_only_new_pins() -> Non
     assert pool.serial == serial or count[3] > count[0]  # no regrowth when the freed entries suffice
     for layer, row, h, blk in torch.nonzero(pin_slot[:, 2:] >= 0).tolist():
         c = int(pin_slot[layer, 2, h, blk])
-        torch.testing.assert_close(pool.kv[c, 0], kv[0, layer, 3, blk * G:(blk + 1) * G, h], rtol=0, atol=0)
+        torch.testing.assert_close(pool.kv[c, 0], kv[layer, 3, 0, h, blk * G:(blk + 1) * G], rtol=0, atol=0)
 
     rng = np.random.default_rng(9)  # slot 2's pins change: its blocks are read again, the others' are not
     for layer in range(L):
