@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from . import device_kernels, native
+from . import device_kernels, device_topk, native
 from .attention import SeqChunk
 from .hybrid import lse_merge
 from .pin_pool import DevicePinPool, span_kv_rows
@@ -102,6 +102,9 @@ class DeviceStep:
             self.starts = torch.from_numpy((np.cumsum(caps, axis=1) - caps).astype(np.int64)).to(dev)
             n_max = max(1, int(caps.sum(1).max()))
             self.scores = torch.empty(batch, hkv, n_blocks, dtype=torch.float32, device=dev)
+            width_max = max(1, int(caps.max()))  # each layer's chosen blocks: a [B, Hkv, width] view of these
+            self.top_ids = torch.zeros(batch * hkv * width_max, dtype=torch.long, device=dev)
+            self.top_vals = torch.empty(batch * hkv * width_max, dtype=torch.float32, device=dev)
             self.part_o = torch.empty(batch, n_max, r, d, dtype=torch.float32, device=dev)  # [B, N, r, D]
             self.part_m = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
             self.part_l = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
@@ -140,6 +143,8 @@ class DeviceGraphedDecode:
         # so launching layer i + 1 overlaps running layer i (host(i) does nothing); not measured yet.
         self.whole_step = os.environ.get("FLUXION_DEVICE_GRAPHS", "step") != "layer"
         self.fused = device_kernels.enabled(owner.device)  # a few Triton kernels per layer instead of ~100 torch ops
+        # the fused step's block choice: device_topk's select (default) or torch.topk (FLUXION_TOPK=torch, for A/B)
+        self.torch_topk = os.environ.get("FLUXION_TOPK", "select") == "torch"
         # Pinned blocks are chosen once, at the end of a prompt, and top-k takes them at every step: the pin cache
         # copies them to device memory once and reads them from there, so the PCIe bytes per step are the dynamic
         # share of the budget only (H200, 8B shape, 32K: 12.1 -> 9.2 ms at b1, 41.3 -> 20.4 ms at b8). It is KV on
@@ -318,9 +323,13 @@ class DeviceGraphedDecode:
             width, flat_h, flat_j = flat
             scores = device_kernels.block_scores(qg, self.dsum.layer(layer), ds.slots, ds.bounds, ds.n_blocks,
                                                  ds.pinned[layer], ds.scores)
-            # torch.topk (~30 us per layer at 32K on the H200): a Triton bitonic sort of the packed (score, id) keys,
-            # one program per row, measured 85 us there (tpot's kernel profile, a4b12c0+split), so it stays
-            vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
+            if self.torch_topk:
+                vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
+            else:  # the same blocks, unordered, without a sort (device_topk's docstring says why)
+                n = ds.batch * self.a.cfg.n_kv_heads * width
+                ids = ds.top_ids[:n].view(ds.batch, -1, width)  # [B, Hkv, width]
+                vals = ds.top_vals[:n].view(ds.batch, -1, width)
+                device_topk.select_top(scores, ds.k_row[layer], ids, vals)
             span = self.feeder._span
             assert span is not None
             device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
