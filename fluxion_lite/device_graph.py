@@ -143,8 +143,9 @@ class DeviceGraphedDecode:
         # so launching layer i + 1 overlaps running layer i (host(i) does nothing); not measured yet.
         self.whole_step = os.environ.get("FLUXION_DEVICE_GRAPHS", "step") != "layer"
         self.fused = device_kernels.enabled(owner.device)  # a few Triton kernels per layer instead of ~100 torch ops
-        # the fused step's block choice: device_topk's select (default) or torch.topk (FLUXION_TOPK=torch, for A/B)
-        self.torch_topk = os.environ.get("FLUXION_TOPK", "select") == "torch"
+        # the fused step's block choice: device_topk's select (default) or torch.topk (FLUXION_DEVICE_TOPK=torch:
+        # the A/B in bench/results/tpot_llama3.1-8b_32k_topk_h200_*)
+        self.torch_topk = os.environ.get("FLUXION_DEVICE_TOPK", "select") == "torch"
         # Pinned blocks are chosen once, at the end of a prompt, and top-k takes them at every step: the pin cache
         # copies them to device memory once and reads them from there, so the PCIe bytes per step are the dynamic
         # share of the budget only (H200, 8B shape, 32K: 12.1 -> 9.2 ms at b1, 41.3 -> 20.4 ms at b8). It is KV on

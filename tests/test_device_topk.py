@@ -11,6 +11,7 @@ from fluxion_lite import device_topk
 from fluxion_lite.device_select import PINNED_SCORE
 
 pytestmark = pytest.mark.skipif(device_topk.triton is None, reason="Triton not installed")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on a GPU, else interpreted
 
 
 def reference_top(row: np.ndarray, k: int) -> set[int]:
@@ -33,9 +34,10 @@ def random_scores(gen: torch.Generator, b: int, h: int, nb: int) -> torch.Tensor
 
 def check(scores: torch.Tensor, k_row: torch.Tensor, width: int) -> None:
     b, h, _ = scores.shape
-    ids = torch.full((b, h, width), -7, dtype=torch.long)
-    vals = torch.full((b, h, width), 123.0)
-    device_topk.select_top(scores, k_row, ids, vals)
+    ids = torch.full((b, h, width), -7, dtype=torch.long, device=DEV)
+    vals = torch.full((b, h, width), 123.0, device=DEV)
+    device_topk.select_top(scores.to(DEV), k_row.to(DEV), ids, vals)
+    ids, vals = ids.cpu(), vals.cpu()
     for i in range(b):
         for j in range(h):
             k = min(int(k_row[i, j]), width)
@@ -70,9 +72,10 @@ def test_rows_with_fewer_eligible_blocks_than_k() -> None:
     gen = torch.Generator().manual_seed(5)
     scores = torch.full((2, 2, 64), float("-inf"))
     scores[..., 10:14] = torch.randn(2, 2, 4, generator=gen)  # four eligible blocks, eight wanted
-    ids = torch.empty(2, 2, 8, dtype=torch.long)
-    vals = torch.empty(2, 2, 8)
-    device_topk.select_top(scores, torch.full((2, 2), 8), ids, vals)
+    ids = torch.empty(2, 2, 8, dtype=torch.long, device=DEV)
+    vals = torch.empty(2, 2, 8, device=DEV)
+    device_topk.select_top(scores.to(DEV), torch.full((2, 2), 8, device=DEV), ids, vals)
+    ids, vals = ids.cpu(), vals.cpu()
     finite = torch.isfinite(vals)
     assert (finite.sum(-1) == 4).all()
     assert torch.equal(ids[finite].view(2, 2, 4).sort(-1).values, torch.arange(10, 14).expand(2, 2, 4))
