@@ -31,7 +31,7 @@ def _round_bf16(x: torch.Tensor, up: bool) -> torch.Tensor:
     bits = x.float().contiguous().view(torch.int32)
     cut = bits & -65536  # 0xFFFF0000: toward zero
     away = (bits >= 0) if up else (bits < 0)
-    step = torch.where(((bits & 0xFFFF) != 0) & away, 65536, 0).to(torch.int32)
+    step = (((bits & 0xFFFF) != 0) & away).to(torch.int32) << 16  # one bf16 unit where inexact and away
     out = (cut + step).view(torch.float32)  # exact in bf16: the cast below does not round
     return torch.where(torch.isnan(x), x.float(), out).to(SUMMARY_DTYPE)  # a NaN stays NaN (its cut could be inf)
 

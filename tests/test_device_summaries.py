@@ -6,6 +6,7 @@ tests run in Triton's interpreter without a GPU (conftest.py), compiled on CUDA.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import torch
@@ -109,7 +110,7 @@ def keys_with_tight_blocks(gen: torch.Generator, n: int, hkv: int, d: int, g: in
     return keys.to(dtype)
 
 
-def scenario(gen: torch.Generator, g: int, hkv: int, d: int, dtype: torch.dtype) -> dict:  # type: ignore[type-arg]
+def scenario(gen: torch.Generator, g: int, hkv: int, d: int, dtype: torch.dtype) -> dict[str, Any]:
     """Two sequences (slots 1 and 0): a prefill in chunks that end inside blocks, then decode tokens."""
     lens = [(5 * g + 3, [2 * g + 1, 3 * g + 2]), (4 * g + 7, [4 * g + 7])]  # (prefill length, chunk sizes)
     decode = g + 3  # crosses a block boundary in both sequences
@@ -117,7 +118,7 @@ def scenario(gen: torch.Generator, g: int, hkv: int, d: int, dtype: torch.dtype)
     return {"slots": [1, 0], "lens": lens, "decode": decode, "keys": keys}
 
 
-def prefill(ds: DeviceSummaries, sc: dict) -> None:  # type: ignore[type-arg]
+def prefill(ds: DeviceSummaries, sc: dict[str, Any]) -> None:
     for slot, (_, chunks), keys in zip(sc["slots"], sc["lens"], sc["keys"]):
         start = 0
         for c in chunks:
@@ -125,7 +126,7 @@ def prefill(ds: DeviceSummaries, sc: dict) -> None:  # type: ignore[type-arg]
             start += c
 
 
-def check_summaries(ds: DeviceSummaries, sc: dict, g: int, q: torch.Tensor) -> None:  # type: ignore[type-arg]
+def check_summaries(ds: DeviceSummaries, sc: dict[str, Any], g: int, q: torch.Tensor) -> None:
     """Stored min <= exact min, stored max >= exact max (tightest bf16 each); the per-head bound from the stored
     summaries >= max q.k over each block's keys, fp32 keys and their bf16 copies in the host store alike."""
     s = ds.layer(0).cpu()
@@ -151,7 +152,8 @@ def check_summaries(ds: DeviceSummaries, sc: dict, g: int, q: torch.Tensor) -> N
         assert broken_by_nearest > 0
 
 
-def reference_scores(ds: DeviceSummaries, sc: dict, q: torch.Tensor, n_blocks: int) -> torch.Tensor:  # type: ignore[type-arg]
+def reference_scores(ds: DeviceSummaries, sc: dict[str, Any], q: torch.Tensor,
+                     n_blocks: int) -> torch.Tensor:
     """Quest score in float64 from the stored bf16 summaries: per-head bounds summed over the group's heads."""
     s = ds.layer(0).cpu().double()
     return torch.stack([per_head_bound(s[slot, :, :n_blocks, 0], s[slot, :, :n_blocks, 1], q[b]).sum(1)
