@@ -5,7 +5,8 @@ torch kernels per layer (index arithmetic, masks, segment softmax, LSE merge), e
 inside a CUDA graph. The same work in five kernels:
 
   append_token      the new K/V into the device sink/ring slab and the host store's staging rows, the new key
-                    into the fp32 min/max block summaries                     (was ~17 torch kernels)
+                    into the bf16 min/max block summaries (min rounded down, max up: the bound holds)
+                                                                              (was ~17 torch kernels)
   stream_attention  sink + window of every group, online softmax, in one-tile splits merged by combine (was ~12)
   block_scores      Quest bound of every block, pins and the eligible range    (was ~20)
   block_attention   one program per (row, selected block): its g tokens read straight from the pinned host store
@@ -15,7 +16,7 @@ inside a CUDA graph. The same work in five kernels:
                     model dtype
 
 torch.topk stays between block_scores and block_attention. Layouts are device_graph's and device_select's:
-  q           [B, Hkv, r, D] (any strides)               summaries [slots, Hkv, blocks, 2, D] fp32 (min, max)
+  q           [B, Hkv, r, D] (any strides)               summaries [slots, Hkv, blocks, 2, D] bf16 (min, max)
   span        [chunks, CHUNK_TOKENS * D] store dtype: a page is Hkv * cph chunks of K then Hkv * cph chunks of V
   tables      [slots, pages] int64: the span row of each page's first chunk
   flat list   entry i = rank flat_j[i] of group flat_h[i]; a group's entries are contiguous (starts/caps)
@@ -82,9 +83,24 @@ if triton is not None:
                        other=0.0).to(tl.float32)
 
     @triton.jit
+    def _bf16_directed(x, UP: tl.constexpr):
+        """fp32 x -> the bf16 value nearest x toward +inf (UP) or -inf, returned as fp32 (exact in bf16). Triton's
+        casts round to nearest or toward zero only: cutting the low 16 bits rounds toward zero, which is the wanted
+        direction for x < 0 rounding up and x >= 0 rounding down; otherwise an inexact x steps one bf16 unit away
+        from zero (+1 on the kept bits, sign-magnitude). Same as device_select.round_up_bf16 / round_down_bf16."""
+        bits = x.to(tl.int32, bitcast=True)
+        cut = bits & -65536  # 0xFFFF0000
+        if UP:
+            away = bits >= 0
+        else:
+            away = bits < 0
+        step = tl.where(((bits & 65535) != 0) & away, 65536, 0)
+        return tl.where(x == x, (cut + step).to(tl.float32, bitcast=True), x)  # a NaN stays NaN
+
+    @triton.jit
     def _append_token_kernel(k_ptr, v_ptr, near_ptr, stage_ptr, s_ptr, slots_ptr, pos_ptr, ring_ptr, HKV,
                              k_row, k_head, v_row, v_head, n_slot, n_part, n_head, n_tok, st_row, st_part, st_head,
-                             s_slot, s_head, s_blk, G: tl.constexpr, D: tl.constexpr):
+                             s_slot, s_head, s_blk, G: tl.constexpr, D: tl.constexpr, DIRECTED: tl.constexpr):
         pid = tl.program_id(0)  # = b * HKV + h
         b, h = pid // HKV, pid % HKV
         dd = tl.arange(0, D)
@@ -102,8 +118,13 @@ if triton is not None:
         kf = key.to(tl.float32)
         base = s_ptr + slot * s_slot + h * s_head + (pos // G) * s_blk + dd
         first = (pos % G) == 0  # a new block: its old contents are stale
-        tl.store(base, tl.where(first, kf, tl.minimum(tl.load(base), kf)))
-        tl.store(base + D, tl.where(first, kf, tl.maximum(tl.load(base + D), kf)))
+        lo = tl.where(first, kf, tl.minimum(tl.load(base).to(tl.float32), kf))
+        hi = tl.where(first, kf, tl.maximum(tl.load(base + D).to(tl.float32), kf))
+        if DIRECTED:  # bf16 summaries: the stored bounds are bf16 values, so min(stored, k) rounded down is the
+            lo = _bf16_directed(lo, False)  # block's exact min rounded down, however its tokens arrived
+            hi = _bf16_directed(hi, True)
+        tl.store(base, lo.to(s_ptr.dtype.element_ty))
+        tl.store(base + D, hi.to(s_ptr.dtype.element_ty))
 
     @triton.jit
     def _stream_attention_kernel(q_ptr, near_ptr, bias_ptr, gidx_ptr, slots_ptr, o_ptr, m_ptr, l_ptr, B, HKV, R,
@@ -159,8 +180,8 @@ if triton is not None:
         inside = nn < NB
         slot = tl.load(slots_ptr + b)
         base = s_ptr + slot * s_slot + h * s_head + nn[:, None] * s_blk + dd[None, :]
-        mins = tl.load(base, mask=inside[:, None], other=0.0)  # [BLOCK_N, D]
-        maxs = tl.load(base + D, mask=inside[:, None], other=0.0)
+        mins = tl.load(base, mask=inside[:, None], other=0.0).to(tl.float32)  # [BLOCK_N, D]
+        maxs = tl.load(base + D, mask=inside[:, None], other=0.0).to(tl.float32)
         score = tl.sum(maxs * q_pos[None, :] + mins * q_neg[None, :], axis=1)  # [BLOCK_N]
         if HAS_PINS:
             pinned = tl.load(pin_ptr + b * pin_b + h * pin_h + nn, mask=inside, other=0)
@@ -264,15 +285,20 @@ def append_token(k: torch.Tensor, v: torch.Tensor, near: torch.Tensor, stage: to
                  slots: torch.Tensor, pos: torch.Tensor, ring: torch.Tensor, g: int) -> None:
     """A decode step's new K/V, in one kernel: into the device sink/ring slab (near [slots, 2, Hkv, Ltot, D], slot
     ring[b] of row slots[b]), into the host store's staging rows (stage [B, 2, Hkv, D]) and into the block
-    summaries s [slots, Hkv, blocks, 2, D] fp32 (room reserved; a block's first token resets it). k, v [B, Hkv, D]; slots, pos, ring [B] int64."""
+    summaries s [slots, Hkv, blocks, 2, D] (room reserved; a block's first token resets it): bf16 (DeviceSummaries)
+    with the min rounded toward -inf and the max toward +inf, or fp32 kept exact. k, v [B, Hkv, D]; slots, pos,
+    ring [B] int64."""
     B, hkv, d = k.shape
     assert k.stride(2) == 1 and v.stride(2) == 1 and near.stride(4) == 1 and stage.stride(3) == 1
     assert s.stride(4) == 1 and s.stride(3) == d
+    if s.dtype not in (torch.bfloat16, torch.float32):
+        raise TypeError(f"append_token: summaries must be bfloat16 or float32, got {s.dtype}")
     _append_token_kernel[(B * hkv,)](k, v, near, stage, s, slots, pos, ring, hkv, k.stride(0), k.stride(1),
                                      v.stride(0), v.stride(1),
                                      near.stride(0), near.stride(1), near.stride(2), near.stride(3),
                                      stage.stride(0), stage.stride(1), stage.stride(2),
-                                     s.stride(0), s.stride(1), s.stride(2), G=g, D=d)
+                                     s.stride(0), s.stride(1), s.stride(2), G=g, D=d,
+                                     DIRECTED=s.dtype == torch.bfloat16)
 
 
 STREAM_TILE = 32  # slab slots per step of the streaming kernel's loop
@@ -307,7 +333,8 @@ def stream_attention(q: torch.Tensor, near: torch.Tensor, bias: torch.Tensor, gi
 
 def block_scores(q: torch.Tensor, s: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, n_blocks: int,
                  pinned: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
-    """device_select.DeviceSummaries.scores in one kernel: q [B, Hkv, r, D]; s the layer's summaries; bounds [2, B]
+    """device_select.DeviceSummaries.scores in one kernel: q [B, Hkv, r, D]; s the layer's summaries (bf16 or fp32,
+    read as fp32; the bound accumulates in fp32); bounds [2, B]
     int64 eligible blocks [lo, hi); pinned bool [B, Hkv, >= n_blocks] or None; out fp32 [B, Hkv, n_blocks]."""
     B, hkv, r, d = q.shape
     assert q.stride(3) == 1 and s.stride(4) == 1 and bounds.is_contiguous() and out.is_contiguous()

@@ -1,7 +1,16 @@
 """Block selection on the compute device (the `gpu-sparse` baseline, Quest-style): block summaries mirrored there.
 
-Per layer, K's per-dimension min/max over blocks of g tokens, [slots, Hkv, blocks, 2, D] fp32, kept up to date from
-the new keys as they are produced (no host round trip). The score is the same Quest bound the native top-k computes,
+Per layer, K's per-dimension min/max over blocks of g tokens, [slots, Hkv, blocks, 2, D] bf16, kept up to date from
+the new keys as they are produced (no host round trip).
+
+Why bf16, and with directed rounding: the summaries are the device path's largest allocation after the pin cache
+(1/8 of the K/V in fp32: 0.54 GB at 32K batch 1 on the Llama-3.1-8B shape), and bf16 halves them. The score must stay
+an upper bound of q.k for every key of a block, so a stored min is rounded toward -inf and a stored max toward +inf
+(round_down_bf16 / round_up_bf16), never to nearest. Keys that are bf16 already (the model dtype on the GPU) are
+exact; fp32 keys (fp32 models, CPU tests) loosen the bound by at most one bf16 step per dimension. No fp32 option:
+the host store keeps K in bf16 (round to nearest), and since rounding is monotone, RD(min k) <= RN(min k) =
+min RN(k) (and likewise for max): the bf16 bound also covers the stored keys that attention actually reads, so fp32
+summaries would buy precision the retrieved keys no longer have. The score is the same Quest bound the native top-k computes,
 summed over the group's query heads: sum_d Q+_d max_d + Q-_d min_d with Q+ = sum_j max(q_j, 0), Q- = sum_j min(q_j, 0).
 Pinned blocks (pinned.py) score above every other eligible block, so top-k takes them and fills the rest of its k
 with the best unpinned blocks: the union the native pinned top-k makes.
@@ -11,22 +20,47 @@ from __future__ import annotations
 import torch
 
 PINNED_SCORE = 3.0e38  # above any bound of real keys, finite: -inf still marks blocks that must not be chosen
+SUMMARY_DTYPE = torch.bfloat16
+
+
+def _round_bf16(x: torch.Tensor, up: bool) -> torch.Tensor:
+    """x (any float dtype, cast to fp32) -> bf16, rounded toward +inf (up) or -inf: the bf16 value nearest x on that
+    side. fp32 -> bf16 keeps the upper 16 bits; cutting the lower 16 rounds toward zero, which is already the wanted
+    direction for x < 0 when rounding up and x >= 0 when rounding down; otherwise an inexact x steps one bf16 unit
+    away from zero (+1 on the kept bits, sign-magnitude: also right across exponents, and max finite -> inf)."""
+    bits = x.float().contiguous().view(torch.int32)
+    cut = bits & -65536  # 0xFFFF0000: toward zero
+    away = (bits >= 0) if up else (bits < 0)
+    step = (((bits & 0xFFFF) != 0) & away).to(torch.int32) << 16  # one bf16 unit where inexact and away
+    out = (cut + step).view(torch.float32)  # exact in bf16: the cast below does not round
+    return torch.where(torch.isnan(x), x.float(), out).to(SUMMARY_DTYPE)  # a NaN stays NaN (its cut could be inf)
+
+
+def round_down_bf16(x: torch.Tensor) -> torch.Tensor:
+    """The largest bf16 value <= x (elementwise)."""
+    return _round_bf16(x, up=False)
+
+
+def round_up_bf16(x: torch.Tensor) -> torch.Tensor:
+    """The smallest bf16 value >= x (elementwise)."""
+    return _round_bf16(x, up=True)
 
 
 class DeviceSummaries:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, g: int, device: torch.device):
         self.n_layers, self.hkv, self.d, self.g, self.device = n_layers, n_kv_heads, head_dim, g, device
-        # per layer: [slot_cap, Hkv, block_cap, 2, D] fp32; grown (slots doubled, blocks by a quarter), never shrunk
-        self._s: list[torch.Tensor] = [torch.empty(0, n_kv_heads, 0, 2, head_dim, device=device)
+        # per layer: [slot_cap, Hkv, block_cap, 2, D] bf16; grown (slots doubled, blocks by a quarter), never shrunk
+        self._s: list[torch.Tensor] = [torch.empty(0, n_kv_heads, 0, 2, head_dim, dtype=SUMMARY_DTYPE, device=device)
                                        for _ in range(n_layers)]
         self.version = 0  # bumped when a layer's tensor is reallocated (captured graphs address them)
 
     def layer(self, layer: int) -> torch.Tensor:
-        """The layer's summaries [slot_cap, Hkv, block_cap, 2, D] fp32 (device_kernels reads and updates them)."""
+        """The layer's summaries [slot_cap, Hkv, block_cap, 2, D] bf16 (device_kernels reads and updates them)."""
         return self._s[layer]
 
     def bytes_used(self) -> int:
-        return sum(t.numel() * 4 for t in self._s)
+        """Device bytes allocated for the summaries (capacity, not only the blocks in use)."""
+        return sum(t.numel() * t.element_size() for t in self._s)
 
     def _ensure(self, layer: int, slot: int, n_blocks: int) -> torch.Tensor:
         s = self._s[layer]
@@ -34,11 +68,11 @@ class DeviceSummaries:
             return s
         slots = max(slot + 1, s.shape[0] if slot < s.shape[0] else 2 * s.shape[0], 1)
         # blocks grow by a quarter, not doubled: a 32K context that decodes past 2048 blocks (g=16) doubled to 4096,
-        # 1.07 GB of fp32 summaries on the 8B shape where 0.54 GB were in use (a regrowth is a copy and a new graph
-        # capture, once per quarter more context)
+        # 1.07 GB of (then fp32) summaries on the 8B shape where 0.54 GB were in use (a regrowth is a copy and a new
+        # graph capture, once per quarter more context)
         blocks = max(n_blocks, s.shape[2] + s.shape[2] // 4 if n_blocks > s.shape[2] else s.shape[2], 64)
         blocks = -(-blocks // 64) * 64
-        grown = torch.zeros(slots, self.hkv, blocks, 2, self.d, device=self.device)
+        grown = torch.zeros(slots, self.hkv, blocks, 2, self.d, dtype=SUMMARY_DTYPE, device=self.device)
         grown[: s.shape[0], :, : s.shape[2]] = s
         self._s[layer] = grown
         self.version += 1
@@ -61,10 +95,10 @@ class DeviceSummaries:
         lo[off : off + n], hi[off : off + n] = kk, kk
         mins = lo.view(nb, g, self.hkv, self.d).amin(1)  # [nb, Hkv, D]
         maxs = hi.view(nb, g, self.hkv, self.d).amax(1)
-        if off:  # the first block already holds earlier tokens
-            mins[0] = torch.minimum(mins[0], s[slot, :, b0, 0])
-            maxs[0] = torch.maximum(maxs[0], s[slot, :, b0, 1])
-        s[slot, :, b0 : b0 + nb] = torch.stack([mins, maxs], dim=2).transpose(0, 1)  # [Hkv, nb, 2, D]
+        if off:  # the first block already holds earlier tokens (bf16 values, exact in fp32)
+            mins[0] = torch.minimum(mins[0], s[slot, :, b0, 0].float())
+            maxs[0] = torch.maximum(maxs[0], s[slot, :, b0, 1].float())
+        s[slot, :, b0 : b0 + nb] = torch.stack([round_down_bf16(mins), round_up_bf16(maxs)], dim=2).transpose(0, 1)
 
     def append_tokens(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, max_slot: int, max_pos: int,
                       k: torch.Tensor) -> None:
@@ -72,18 +106,20 @@ class DeviceSummaries:
         s = self._ensure(layer, max_slot, max_pos // self.g + 1)
         blk = pos // self.g
         first = (pos % self.g == 0)[:, None, None]  # [B, 1, 1]: a new block starts, old contents are stale
-        cur = s[slots, :, blk]  # [B, Hkv, 2, D]
+        cur = s[slots, :, blk].float()  # [B, Hkv, 2, D]
         kk = k.float()
+        # the stored bounds are bf16 values, so rounding min(stored, k) = min(stored, rounded k): the block's summary
+        # stays the directed rounding of its exact min/max however its tokens arrived
         mins = torch.where(first, kk, torch.minimum(cur[:, :, 0], kk))
         maxs = torch.where(first, kk, torch.maximum(cur[:, :, 1], kk))
-        s[slots, :, blk] = torch.stack([mins, maxs], dim=2)
+        s[slots, :, blk] = torch.stack([round_down_bf16(mins), round_up_bf16(maxs)], dim=2)
 
     def scores(self, layer: int, qg: torch.Tensor, slots: torch.Tensor, lo_blk: torch.Tensor, hi_blk: torch.Tensor,
                n_blocks: int, pinned: torch.Tensor | None = None) -> torch.Tensor:
         """qg [B, Hkv, r, D]; slots [B]; lo_blk, hi_blk [B] or [B, Hkv]: eligible blocks are [lo, hi); pinned bool
         [B, Hkv, >= n_blocks] or None. Returns fp32 [B, Hkv, NB]: the bound, PINNED_SCORE for an eligible pinned
         block, -inf for an ineligible one. No host sync: usable inside a captured graph."""
-        s = self._s[layer][:, :, :n_blocks].index_select(0, slots)  # [B, Hkv, NB, 2, D]
+        s = self._s[layer][:, :, :n_blocks].index_select(0, slots).float()  # [B, Hkv, NB, 2, D]
         q = qg.float()
         q_pos, q_neg = q.clamp(min=0).sum(2), q.clamp(max=0).sum(2)  # [B, Hkv, D]
         scores = torch.einsum("bhd,bhnd->bhn", q_pos, s[..., 1, :]) + torch.einsum("bhd,bhnd->bhn", q_neg, s[..., 0, :])

@@ -122,7 +122,7 @@ def test_structure_changes_only_per_bucket(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_pinned_blocks_score_first_but_stay_inside_the_eligible_range() -> None:
-    from fluxion_lite.device_select import DeviceSummaries
+    from fluxion_lite.device_select import DeviceSummaries, round_down_bf16, round_up_bf16
 
     ds = DeviceSummaries(1, 2, 8, 16, torch.device("cpu"))
     k = torch.randn(160, 2, 8, generator=torch.Generator().manual_seed(2))
@@ -135,9 +135,10 @@ def test_pinned_blocks_score_first_but_stay_inside_the_eligible_range() -> None:
     assert s[0, 0, 4] == PINNED_SCORE and torch.isneginf(s[0, 0, [0, 1, 9]]).all()
     top = ds.select(0, qg, torch.tensor([0]), lo, hi, 10, 3, pinned)
     assert top[0, 0, 0] == 4
-    # the bound itself: sum over heads of sum_d max(q_d min_d, q_d max_d), checked in float64
-    blocks = k.double().view(10, 16, 2, 8)
-    mn, mx = blocks.amin(1), blocks.amax(1)  # [10, Hkv, D]
+    # the bound itself: sum over heads of sum_d max(q_d min_d, q_d max_d), checked in float64 over the stored bf16
+    # summaries: min rounded down, max up (tests/test_device_summaries.py checks that rounding and the bound)
+    blocks = k.view(10, 16, 2, 8)
+    mn, mx = round_down_bf16(blocks.amin(1)).double(), round_up_bf16(blocks.amax(1)).double()  # [10, Hkv, D]
     q64 = qg.double()[0]  # [Hkv, r, D]
     want = torch.maximum(q64[:, :, None, :] * mn.transpose(0, 1)[:, None], q64[:, :, None, :] * mx.transpose(0, 1)[:, None])
     want = want.sum(-1).sum(1)  # [Hkv, 10]
