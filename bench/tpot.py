@@ -54,9 +54,11 @@ SHAPES = {
 # fluxion-gpu: fluxion's plan with selection and attention on the GPU (device_graph.py), one graph per step, the
 # pinned blocks held in device memory (the pin cache, serving's default) and the dynamic ones read over PCIe;
 # fluxion-gpu-nocache: the same with every block over PCIe (FLUXION_PIN_CACHE=0: no KV on the GPU beyond sink +
-# window; called fluxion-gpu before the ninth session); fluxion-gpu-layers: one graph per layer
-MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-nocache", "fluxion-gpu-layers", "fixed", "gpu-sparse",
-         "full-host")
+# window; called fluxion-gpu before the ninth session); fluxion-gpu-layers: one graph per layer. Since the tenth
+# session fluxion-gpu also keeps the blocks read over PCIe for the next steps (reuse_cache.py);
+# fluxion-gpu-noreuse: the pin cache without the reuse cache (fluxion-gpu before the tenth session)
+MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-noreuse", "fluxion-gpu-nocache", "fluxion-gpu-layers",
+         "fixed", "gpu-sparse", "full-host")
 # llama.cpp on the same H200 host, Llama-3.1-8B shape, random F16 GGUF, batch 1, 16 threads (issue 5 / DESIGN.md 7)
 PEER_KV_GPU_MS = {8192: 5.33, 32768: 6.81, 65536: 8.65}
 PEER_KV_HOST_MS = {8192: 68.8, 32768: 230.0, 65536: 508.0}
@@ -151,6 +153,7 @@ def new_attention(model: Transformer, mode: str, context: int, batch: int, plan:
     if mode.startswith("fluxion-gpu"):
         os.environ["FLUXION_DEVICE_GRAPHS"] = "layer" if mode == "fluxion-gpu-layers" else "step"
         os.environ["FLUXION_PIN_CACHE"] = "0" if mode == "fluxion-gpu-nocache" else "1"  # read when the step is made
+        os.environ["FLUXION_REUSE_CACHE"] = "0" if mode in ("fluxion-gpu-nocache", "fluxion-gpu-noreuse") else "1"
         attn: object = SparseAttention(model.cfg, plan, model.dtype, model.device, max_seqs=batch + 1, placement="gpu",
                                        selection="gpu")
     else:

@@ -48,6 +48,7 @@ from . import device_kernels, device_topk, native
 from .attention import SeqChunk
 from .hybrid import lse_merge
 from .pin_pool import DevicePinPool, span_kv_rows
+from .reuse_cache import DeviceReuseCache
 from .sparse_graph import step_tasks, stream_layer
 from .sparse_step import DecodeStep, GVALS
 
@@ -158,6 +159,12 @@ class DeviceGraphedDecode:
         self.pool = (DevicePinPool(self.g, owner.cfg.n_kv_heads, owner.cfg.head_dim, owner.store.page_tokens,
                                    owner.store.dtype, owner.device, PIN_CACHE_SHARE)
                      if self.fused and os.environ.get("FLUXION_PIN_CACHE", "1") != "0" else None)
+        # blocks read over PCIe kept in device memory for the next steps (reuse_cache.py; FLUXION_REUSE_CACHE=0: off)
+        self.reuse = (DeviceReuseCache(owner.cfg.n_layers, owner.cfg.n_kv_heads, self.g, owner.cfg.head_dim,
+                                       owner.store.dtype, owner.device)
+                      if self.fused and not self.torch_topk and os.environ.get("FLUXION_REUSE_CACHE", "1") != "0"
+                      else None)
+        self.reuse_on = False  # for the current step structure
         self.static: dict[tuple[object, ...], DeviceStep] = {}
         self.ds: DeviceStep | None = None
         self.st: DecodeStep | None = None
@@ -182,6 +189,9 @@ class DeviceGraphedDecode:
             if len(self.static) >= 4:  # an old bucket's buffers go with its graphs
                 self.static.pop(next(iter(self.static)))
             self.static[self._shape] = DeviceStep(a, len(chunks), k_cap, nb // self.g, page_cap, self.fused)
+        if self.reuse is not None:  # may reallocate: before the graphs' key is taken
+            width = int(np.minimum(k_cap, nb // self.g).max(initial=0))
+            self.reuse_on = self.reuse.ensure(len(chunks), nb // self.g, width)
         if self.pool is not None and a.pins is not None:  # may grow the pool: before the graphs' key is taken
             self.pool.reserve(a.pins, np.array([a._slot[c.seq_id] for c in chunks]))
 
@@ -194,6 +204,10 @@ class DeviceGraphedDecode:
         """Device memory the pin cache holds."""
         return 0 if self.pool is None else self.pool.nbytes()
 
+    def reuse_cache_bytes(self) -> int:
+        """Device memory the reuse cache holds."""
+        return 0 if self.reuse is None else self.reuse.nbytes()
+
     def owner_id(self) -> int:
         return self.serial
 
@@ -203,7 +217,8 @@ class DeviceGraphedDecode:
         self.feeder._refresh(0)  # the span alias follows the store's slabs
         ds = self.static[self._shape]
         return ("device", a.serial, self._shape, a._near.data_ptr(), self.dsum.version, a.store.slab_version,
-                ds.serial, 0 if self.pool is None else self.pool.serial)
+                ds.serial, 0 if self.pool is None else self.pool.serial, 0 if self.reuse is None else self.reuse.serial,
+                self.reuse_on)
 
     # ---- per step -------------------------------------------------------------------------------------------------
     def begin(self, chunks: list[SeqChunk]) -> None:
@@ -225,6 +240,9 @@ class DeviceGraphedDecode:
         self._load_tables(ds)
         self._load_pins(ds, st)
         self._load_tasks(ds, st)
+        if self.reuse_on:
+            assert self.reuse is not None
+            self.reuse.start_step(tuple(c.seq_id for c in chunks))
         self._t0 = time.perf_counter()
 
     def _load_tables(self, ds: DeviceStep) -> None:
@@ -287,6 +305,9 @@ class DeviceGraphedDecode:
             self.after_replay()
         if a.device.type == "cuda":
             torch.cuda.current_stream(a.device).synchronize()  # the step's end (the logits are read next)
+        if self.reuse_on:  # blocks read from the reuse cache did not cross PCIe
+            assert self.reuse is not None
+            self._count_pcie(-self.reuse.take_hits())
         for layer in range(a.cfg.n_layers):
             ds.appenders[layer].run(a.store.view(layer))
         for c in self.chunks:
@@ -324,20 +345,25 @@ class DeviceGraphedDecode:
             width, flat_h, flat_j = flat
             scores = device_kernels.block_scores(qg, self.dsum.layer(layer), ds.slots, ds.bounds, ds.n_blocks,
                                                  ds.pinned[layer], ds.scores)
+            reuse = None
             if self.torch_topk:
                 vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
             else:  # the same blocks, unordered, without a sort (device_topk's docstring says why)
                 n = ds.batch * self.a.cfg.n_kv_heads * width
                 ids = ds.top_ids[:n].view(ds.batch, -1, width)  # [B, Hkv, width]
                 vals = ds.top_vals[:n].view(ds.batch, -1, width)
-                device_topk.select_top(scores, ds.k_row[layer], ids, vals)
+                if self.reuse_on and self.reuse is not None:
+                    reuse = self.reuse.views(layer, width)
+                device_topk.select_top(scores, ds.k_row[layer], ids, vals, reuse)
             span = self.feeder._span
             assert span is not None
+            pin = self.pool is not None and self.pool.kv is not None
             device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
                                            span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
                                            self.a.scale, ds.part_o, ds.part_m, ds.part_l,
-                                           *((ds.pin_slot[layer], self.pool.kv) if self.pool is not None and
-                                             self.pool.kv is not None else ()))
+                                           ds.pin_slot[layer] if pin else None, self.pool.kv if pin else None,
+                                           *((reuse.entry, reuse.hit, self.reuse.kv(layer))
+                                             if reuse is not None and self.reuse is not None else ()))
         device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
                                ds.stream_m, ds.stream_l, ds.out[layer])
 

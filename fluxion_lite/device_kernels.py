@@ -193,10 +193,10 @@ if triton is not None:
 
     @triton.jit
     def _block_attention_kernel(q_ptr, ids_ptr, vals_ptr, flat_h_ptr, flat_j_ptr, krow_ptr, slots_ptr, tab_ptr,
-                                span_ptr, pslot_ptr, pkv_ptr, o_ptr, m_ptr, l_ptr, N, HKV, R, WIDTH, PAGES,
-                                PAGE_TOKENS, CPH, NBS, scale, q_b, q_h, q_r, tab_slot,
+                                span_ptr, pslot_ptr, pkv_ptr, entry_ptr, hit_ptr, rkv_ptr, o_ptr, m_ptr, l_ptr, N,
+                                HKV, R, WIDTH, PAGES, PAGE_TOKENS, CPH, NBS, RC, scale, q_b, q_h, q_r, tab_slot,
                                 D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                                HAS_CACHE: tl.constexpr):
+                                HAS_CACHE: tl.constexpr, HAS_REUSE: tl.constexpr):
         i, b = tl.program_id(0), tl.program_id(1)  # flat entry i of batch row b
         h = tl.load(flat_h_ptr + i)
         j = tl.load(flat_j_ptr + i)
@@ -217,6 +217,15 @@ if triton is not None:
             v = tl.load(pkv_ptr + (dev_k + G * D)[:, None] + dd[None, :], mask=on_dev[:, None], other=0.0)
         else:
             on_host = live
+        if HAS_REUSE:  # a block chosen at an earlier step may still be in the reuse cache [B, Hkv, RC, 2, G, D]
+            at = (b * HKV + h) * WIDTH + j
+            entry = tl.load(entry_ptr + at, mask=valid, other=-1).to(tl.int64)
+            reused = (tt * 0 + tl.load(hit_ptr + at, mask=valid, other=0).to(tl.int32)) > 0  # [G]
+            on_reuse = on_host & reused
+            on_host = on_host & ~reused
+            reuse_k = (((b * HKV + h) * RC + entry) * 2 * G + tt) * D  # [G]; V follows at + G * D
+            k_r = tl.load(rkv_ptr + reuse_k[:, None] + dd[None, :], mask=on_reuse[:, None], other=0.0)
+            v_r = tl.load(rkv_ptr + (reuse_k + G * D)[:, None] + dd[None, :], mask=on_reuse[:, None], other=0.0)
         first = tl.load(tab_ptr + slot * tab_slot + page, mask=on_host, other=0)  # [G]
         k_off = ((first + h * CPH + (tok % PAGE_TOKENS) // CHUNK) * CHUNK + tok % CHUNK) * D  # [G] K row starts
         v_off = k_off + HKV * CPH * CHUNK * D  # V chunks follow the page's K chunks
@@ -227,6 +236,11 @@ if triton is not None:
             k, v = k + host_k, v + host_v
         else:
             k, v = host_k, host_v
+        if HAS_REUSE:
+            k, v = k + k_r, v + v_r
+            keep = on_host & ((tt * 0 + entry) >= 0)  # [G]: a miss with an entry, kept for the next steps
+            tl.store(rkv_ptr + reuse_k[:, None] + dd[None, :], host_k, mask=keep[:, None])
+            tl.store(rkv_ptr + (reuse_k + G * D)[:, None] + dd[None, :], host_v, mask=keep[:, None])
         q = _group_queries(q_ptr, b, h, R, q_b, q_h, q_r, D, R_PAD)  # [R_PAD, D]
         # fp32 products (the dots are [R_PAD, D] x [D, G]: tiny next to the PCIe read, so no tensor-core formats)
         logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [R_PAD, G]
@@ -352,14 +366,19 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
                     flat_j: torch.Tensor, k_row: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
                     span: torch.Tensor, page_tokens: int, g: int, scale: float,
                     part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor,
-                    pin_slot: torch.Tensor | None = None, pin_kv: torch.Tensor | None = None) -> None:
+                    pin_slot: torch.Tensor | None = None, pin_kv: torch.Tensor | None = None,
+                    reuse_entry: torch.Tensor | None = None, reuse_hit: torch.Tensor | None = None,
+                    reuse_kv: torch.Tensor | None = None) -> None:
     """Partial attention of each (row, flat entry): q [B, Hkv, r, D]; ids, vals [B, Hkv, width] (top-k of the
     scores); flat_h, flat_j [N] int64; k_row [B, Hkv] int64 (entries with rank >= k are masked); tables [slots,
     pages]; span [chunks, CHUNK_TOKENS * D] in the store dtype. Writes part_o [B, >= N, r, D], part_m, part_l
     [B, >= N, r] fp32, entries 0..N-1 (m = -inf, l = 0, o = 0 for a masked entry).
     Optional pin cache: pin_slot int32 [B, Hkv, NB] (a block's entry in the pool, -1 when not cached) and the pool
     pin_kv [P, 2, g, D] in the store dtype, shared by all rows and groups (and layers: the caller's choice); a cached
-    block is read from device memory instead of over PCIe."""
+    block is read from device memory instead of over PCIe.
+    Optional reuse cache (reuse_cache.py): reuse_entry int32 / reuse_hit int8 [B, Hkv, width] from
+    device_topk.select_top, reuse_kv [B, Hkv, RC, 2, g, D] in the store dtype: a hit is read from its entry, a miss
+    with an entry is read over PCIe and written there for the next steps."""
     B, hkv, r, d = q.shape
     n, width = flat_h.shape[0], ids.shape[2]
     assert ids.is_contiguous() and vals.is_contiguous() and k_row.is_contiguous() and tables.stride(1) == 1
@@ -371,11 +390,18 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
         assert pin_slot.dtype == torch.int32 and pin_slot.is_contiguous() and pin_slot.shape[:2] == (B, hkv)
         assert pin_kv.is_contiguous() and pin_kv.shape[1:] == (2, g, d) and pin_kv.dtype == span.dtype
     nbs = pin_slot.shape[2] if has_cache else 0
+    has_reuse = reuse_entry is not None and reuse_hit is not None and reuse_kv is not None
+    if has_reuse:
+        assert reuse_entry.shape == ids.shape and reuse_hit.shape == ids.shape and reuse_entry.dtype == torch.int32
+        assert reuse_kv.is_contiguous() and reuse_kv.shape[:2] == (B, hkv) and reuse_kv.shape[3:] == (2, g, d)
+        assert reuse_kv.dtype == span.dtype
     _block_attention_kernel[(n, B)](  # the partials' row stride is their capacity (shared by all layers), not n
         q, ids, vals, flat_h, flat_j, k_row, slots, tables, span, pin_slot if has_cache else k_row,
-        pin_kv if has_cache else span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
-        tables.shape[1], page_tokens, cph, nbs, scale, q.stride(0), q.stride(1), q.stride(2),
-        tables.stride(0), D=d, G=g, R_PAD=_pow2(r, 16), CHUNK=CHUNK_TOKENS, HAS_CACHE=has_cache)
+        pin_kv if has_cache else span, reuse_entry if has_reuse else k_row, reuse_hit if has_reuse else k_row,
+        reuse_kv if has_reuse else span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
+        tables.shape[1], page_tokens, cph, nbs, reuse_kv.shape[2] if has_reuse else 0, scale, q.stride(0),
+        q.stride(1), q.stride(2), tables.stride(0), D=d, G=g, R_PAD=_pow2(r, 16), CHUNK=CHUNK_TOKENS,
+        HAS_CACHE=has_cache, HAS_REUSE=has_reuse)
 
 
 def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, starts: torch.Tensor,

@@ -21,7 +21,11 @@ and vals = -inf, ids = 0 in [..., k:].
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+
+from .device_select import PINNED_SCORE
 
 try:  # as in device_kernels: the CPU wheel of torch ships no Triton
     import triton
@@ -35,7 +39,9 @@ if triton is not None:
 
     @triton.jit
     def _select_top_kernel(scores_ptr, krow_ptr, ids_ptr, vals_ptr, NB, WIDTH,
-                           NB_PAD: tl.constexpr, W_PAD: tl.constexpr):
+                           held_ptr, owner_ptr, free_ptr, entry_ptr, hit_ptr, hits_ptr, C,
+                           NB_PAD: tl.constexpr, W_PAD: tl.constexpr, HAS_REUSE: tl.constexpr,
+                           C_PAD: tl.constexpr, PINNED: tl.constexpr):
         row = tl.program_id(0)  # = b * Hkv + h
         nn = tl.arange(0, NB_PAD)
         inside = nn < NB
@@ -65,14 +71,62 @@ if triton is not None:
         rest = (ww >= k) & (ww < WIDTH)  # entries past k: masked for block_attention
         tl.store(vals_ptr + row * WIDTH + ww, tl.full((W_PAD,), float("-inf"), tl.float32), mask=rest)
         tl.store(ids_ptr + row * WIDTH + ww, tl.zeros((W_PAD,), tl.int64), mask=rest)
+        if HAS_REUSE:
+            # pinned blocks come from the pin pool (or the host), never from this cache; -inf ones are not read
+            _reuse_entries(row, nn, inside, take, (score != PINNED) & (score > float("-inf")), out, held_ptr, owner_ptr, free_ptr, entry_ptr,
+                           hit_ptr, hits_ptr, NB, C, WIDTH, ww, rest, C_PAD)
+
+    @triton.jit
+    def _reuse_entries(row, nn, inside, take, unpinned, out, held_ptr, owner_ptr, free_ptr, entry_ptr, hit_ptr,
+                       hits_ptr, NB, C, WIDTH, ww, rest, C_PAD: tl.constexpr):
+        """The reuse cache's bookkeeping for one row (reuse_cache.py): which chosen blocks are already in device
+        memory (hits), which entries the others fill, and which cached blocks leave."""
+        held = tl.load(held_ptr + row * NB + nn, mask=inside, other=-1)  # [NB_PAD]: entry holding the block, or -1
+        dynamic = take & unpinned
+        hit = dynamic & (held >= 0)
+        leaves = (held >= 0) & ~hit  # cached, not chosen (or pinned) now: its entry is free again
+        tl.store(held_ptr + row * NB + nn, tl.full(nn.shape, -1, tl.int32), mask=leaves)
+        tl.debug_barrier()  # the stores above are read below by other threads of this program
+        ee = tl.arange(0, C_PAD)
+        in_c = ee < C
+        block_of = tl.load(owner_ptr + row * C + ee, mask=in_c, other=-1)  # [C_PAD]: block last put in entry e
+        holder = tl.load(held_ptr + row * NB + block_of, mask=in_c & (block_of >= 0), other=-1)
+        free = in_c & (holder != ee)  # never used, or its block left (or moved on)
+        n_free = tl.sum(free.to(tl.int32), axis=0)
+        tl.store(free_ptr + row * C_PAD + tl.cumsum(free.to(tl.int32), axis=0) - 1, ee, mask=free)
+        tl.debug_barrier()
+        miss = dynamic & (held < 0)
+        miss_rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
+        fill = miss & (miss_rank < n_free)  # more misses than free entries: the rest is read, not kept
+        new_entry = tl.load(free_ptr + row * C_PAD + miss_rank, mask=fill, other=-1)
+        tl.store(held_ptr + row * NB + nn, new_entry, mask=fill)
+        tl.store(owner_ptr + row * C + new_entry, nn.to(tl.int32), mask=fill)
+        # per chosen entry: the cache entry to read (hit) or to fill after the PCIe read (miss), else -1
+        tl.store(entry_ptr + out, tl.where(hit, held, new_entry), mask=take)
+        tl.store(hit_ptr + out, hit.to(tl.int8), mask=take)
+        tl.store(entry_ptr + row * WIDTH + ww, tl.full(ww.shape, -1, tl.int32), mask=rest)
+        tl.store(hit_ptr + row * WIDTH + ww, tl.zeros(ww.shape, tl.int8), mask=rest)
+        tl.atomic_add(hits_ptr, tl.sum(hit.to(tl.int64), axis=0))
 
 
 def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def select_top(scores: torch.Tensor, k_row: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor) -> None:
-    """The k_row[b, h] best blocks of each row of scores into ids/vals (see the module docstring)."""
+class ReuseViews(NamedTuple):
+    """One layer's reuse-cache state for select_top (reuse_cache.py owns the tensors)."""
+    held: torch.Tensor  # int32 [B, Hkv, NB]: the entry holding each block, -1 when not cached
+    owner: torch.Tensor  # int32 [B, Hkv, C]: the block last put in each entry, -1 when never used
+    free: torch.Tensor  # int32 [>= B * Hkv * pow2(C)]: scratch
+    entry: torch.Tensor  # int32 [B, Hkv, width] out: per chosen block, the entry to read or fill, -1 for none
+    hit: torch.Tensor  # int8 [B, Hkv, width] out: 1 when the block is read from its entry
+    hits: torch.Tensor  # int64 [1]: hits are added here
+
+
+def select_top(scores: torch.Tensor, k_row: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor,
+               reuse: ReuseViews | None = None) -> None:
+    """The k_row[b, h] best blocks of each row of scores into ids/vals (see the module docstring); with reuse, also
+    the reuse cache's entries of the chosen blocks (reuse_cache.py)."""
     B, hkv, nb = scores.shape
     width = ids.shape[2]
     assert scores.dtype == torch.float32 and scores.is_contiguous() and k_row.is_contiguous()
@@ -83,7 +137,19 @@ def select_top(scores: torch.Tensor, k_row: torch.Tensor, ids: torch.Tensor, val
         rest = torch.arange(width, device=scores.device) >= k_row[..., None]  # [B, Hkv, width]
         vals.copy_(top.values.masked_fill(rest, float("-inf")))
         ids.copy_(top.indices.masked_fill(rest, 0))
+        if reuse is not None:  # no reuse: every block is read over PCIe
+            reuse.entry.fill_(-1)
+            reuse.hit.zero_()
         return
     nb_pad = _pow2(nb)
-    _select_top_kernel[(B * hkv,)](scores, k_row, ids, vals, nb, width, NB_PAD=nb_pad, W_PAD=_pow2(width),
-                                   num_warps=8 if nb_pad >= 4096 else 4)
+    c = 1
+    if reuse is not None:
+        c = reuse.owner.shape[2]
+        assert reuse.held.shape == scores.shape and reuse.held.dtype == torch.int32 and reuse.held.is_contiguous()
+        assert reuse.owner.shape[:2] == (B, hkv) and reuse.owner.is_contiguous()
+        assert reuse.entry.shape == ids.shape and reuse.hit.shape == ids.shape and reuse.entry.is_contiguous()
+        assert reuse.free.numel() >= B * hkv * _pow2(c)
+    r = reuse if reuse is not None else ReuseViews(*([k_row] * 6))  # any pointers when there is no cache
+    _select_top_kernel[(B * hkv,)](scores, k_row, ids, vals, nb, width, r.held, r.owner, r.free, r.entry, r.hit,
+                                   r.hits, c, NB_PAD=nb_pad, W_PAD=_pow2(width), HAS_REUSE=reuse is not None,
+                                   C_PAD=_pow2(c), PINNED=PINNED_SCORE, num_warps=8 if nb_pad >= 4096 else 4)

@@ -237,8 +237,8 @@ class SparseAttention(AttentionBackend):
         device_bytes = self.scratch.bytes_used() + per_seq * len(self._slot)
         if self._dsum is not None:
             device_bytes += self._dsum.bytes_used()
-        if self._device_graphed is not None:  # its pin cache (on unless FLUXION_PIN_CACHE=0)
-            device_bytes += self._device_graphed.pin_cache_bytes()
+        if self._device_graphed is not None:  # its pin and reuse caches (FLUXION_PIN_CACHE / _REUSE_CACHE=0: off)
+            device_bytes += self._device_graphed.pin_cache_bytes() + self._device_graphed.reuse_cache_bytes()
         if self.device.type == "cuda":
             return self.store.bytes_used, device_bytes
         return self.store.bytes_used + device_bytes, 0

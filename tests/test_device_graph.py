@@ -40,12 +40,13 @@ def _backends(plan: SparsePlan, cfg: object) -> list[SparseAttention]:
                             selection="gpu", costs=COSTS, zero_copy=True) for _ in range(2)]
 
 
-@pytest.mark.parametrize("pin_fraction,short_scale,graphs,fused,pin_cache", [
-    (0.0, 1.0, "step", False, False), (0.5, 1.0, "step", False, False), (0.5, 1.6, "step", False, False),
-    (0.5, 1.0, "layer", False, False), (0.5, 1.6, "step", True, False), (0.5, 1.6, "step", True, True)])
+@pytest.mark.parametrize("pin_fraction,short_scale,graphs,fused,pin_cache,reuse", [
+    (0.0, 1.0, "step", False, False, False), (0.5, 1.0, "step", False, False, False),
+    (0.5, 1.6, "step", False, False, False), (0.5, 1.0, "layer", False, False, False),
+    (0.5, 1.6, "step", True, False, False), (0.5, 1.6, "step", True, True, True), (0.0, 1.0, "step", True, False, True)])
 def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, pin_fraction: float,
                                                            short_scale: float, graphs: str, fused: bool,
-                                                           pin_cache: bool) -> None:
+                                                           pin_cache: bool, reuse: bool) -> None:
     if fused:  # device_kernels' Triton kernels (the interpreter's, without CUDA) instead of the torch ops
         pytest.importorskip("triton")
         if torch.cuda.is_available():
@@ -54,6 +55,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)  # k_cap above the rows' own k: the masking is exercised
     monkeypatch.setenv("FLUXION_DEVICE_GRAPHS", graphs)  # one graph per step, or one per layer
     monkeypatch.setenv("FLUXION_PIN_CACHE", "1" if pin_cache else "0")  # pinned blocks read from device memory
+    monkeypatch.setenv("FLUXION_REUSE_CACHE", "1" if reuse else "0")  # earlier steps' blocks read from device memory
     eager, runner = _models(seed=7)
     cfg = eager.cfg
     # one block size (what the device summaries mirror), budgets that differ inside a layer, a streaming group
@@ -91,6 +93,20 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
             assert torch.equal(kv[c, 1], v[blk * g:(blk + 1) * g, h].to(kv.dtype))
         used = ds.pin_slot[ds.pin_slot >= 0]
         assert used.unique().numel() == used.numel()  # no two blocks share an entry
+    if reuse:  # blocks of earlier steps were read from the reuse cache, whose entries hold the store's K/V
+        cache, ds = hooked.reuse, hooked.ds
+        assert cache is not None and hooked.reuse_on and cache.hits_read > 0
+        held = cache._tensors["held"]  # [L, B, Hkv, NB]
+        assert int((held >= 0).sum()) > 0
+        for layer, b, h, blk in torch.nonzero(held >= 0).tolist():
+            k, v = backends[1].store.read(layer, int(ds.slots[b]))
+            e = int(held[layer, b, h, blk])
+            assert int(cache._tensors["owner"][layer, b, h, e]) == blk
+            kv = cache.kv(layer)[b, h, e]  # [2, g, D]
+            assert torch.equal(kv[0], k[blk * hooked.g:(blk + 1) * hooked.g, h].to(kv.dtype))
+            assert torch.equal(kv[1], v[blk * hooked.g:(blk + 1) * hooked.g, h].to(kv.dtype))
+    elif fused:
+        assert hooked.reuse is None and hooked.reuse_cache_bytes() == 0
     s_eager, s_hooked = backends[0].stats(), backends[1].stats()
     assert s_hooked["kv_read_fraction"] == pytest.approx(s_eager["kv_read_fraction"])
     assert s_hooked["cpu_topk_ms"] == 0.0 and s_hooked["cpu_attn_ms"] == 0.0  # nothing ran on the host

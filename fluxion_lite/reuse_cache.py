@@ -1,0 +1,120 @@
+"""Reuse cache of the fused device step: blocks read over PCIe at one step, kept in device memory for the next.
+
+Why: with the pin cache (pin_pool.py) the pinned three quarters of each retrieval budget are read from device memory;
+the other quarter, chosen by top-k at every step, still crosses PCIe and is the largest sparse item of the step
+(H200, 8B shape, 32K b1: block_attention ~35 us per layer, PCIe-bound). Consecutive decode steps choose mostly the
+same blocks (bench/select_reuse.py measures by how much on a real model), so each (layer, row, group) keeps the
+blocks it read in C entries of device memory and reads only blocks new to it.
+
+Bookkeeping runs inside the step's graph, in device_topk.select_top (per row: hits, entries freed by blocks no
+longer chosen, free entries handed to the misses in block order; misses beyond the free entries are read but not
+kept) and device_kernels.block_attention (hits read from their entry, kept misses written to theirs). Per layer:
+
+  held   int32 [B, Hkv, NB]           entry holding each block, -1 if none
+  owner  int32 [B, Hkv, C]            block last written to each entry (stale once the block left: held says so)
+  kv     store dtype [B, Hkv, C, 2, g, D]   the entries' K then V
+
+State is per batch row, so it is cleared whenever the step's sequences change (a row's blocks belong to its
+sequence); the cache refills in one step. C is a share of the widest budget (REUSE_SHARE): pinned blocks never take
+an entry. FLUXION_REUSE_CACHE=0 turns it off.
+"""
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from .device_topk import ReuseViews
+
+log = logging.getLogger(__name__)
+
+REUSE_SHARE = 0.5  # entries per (layer, row, group), as a share of the layer set's widest top-k
+FREE_MEMORY_SHARE = 0.25  # the cache may take at most this share of the free device memory, else it stays off
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+class DeviceReuseCache:
+    """One reuse cache per device-graphed backend, shaped for the current step structure."""
+
+    def __init__(self, n_layers: int, hkv: int, g: int, d: int, dtype: torch.dtype, device: torch.device):
+        self.n_layers, self.hkv, self.g, self.d, self.dtype, self.device = n_layers, hkv, g, d, dtype, device
+        self.shape: tuple[int, int, int, int] = (0, 0, 0, 0)  # (batch, blocks, entries, width)
+        self.serial = 0  # bumped on every reallocation: part of the decode graphs' key
+        self.enabled = True
+        self.rows_key: tuple[object, ...] = ()
+        self.hits_read = 0  # hits already counted by take_hits()
+        self._tensors: dict[str, torch.Tensor] = {}
+
+    def ensure(self, batch: int, n_blocks: int, width: int) -> bool:
+        """Tensors for a step of `batch` rows, `n_blocks` blocks and top-k width; False when it does not fit."""
+        if not self.enabled or width <= 0:
+            return False
+        entries = max(1, math.ceil(REUSE_SHARE * width))
+        shape = (batch, n_blocks, entries, width)
+        if shape == self.shape:
+            return True
+        self._tensors.clear()  # the old structure's memory first
+        need = self.bytes_for(shape)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            if need > FREE_MEMORY_SHARE * free:
+                log.warning("reuse cache off: %.2f GB would exceed %.0f%% of the free device memory (%.2f GB)",
+                            need / 1e9, 100 * FREE_MEMORY_SHARE, free / 1e9)
+                self.enabled = False
+                self.shape = (0, 0, 0, 0)
+                return False
+        L, B, H = self.n_layers, batch, self.hkv
+        dev = self.device
+        self._tensors = {
+            "held": torch.full((L, B, H, n_blocks), -1, dtype=torch.int32, device=dev),
+            "owner": torch.full((L, B, H, entries), -1, dtype=torch.int32, device=dev),
+            "kv": torch.empty(L, B, H, entries, 2, self.g, self.d, dtype=self.dtype, device=dev),
+            "free": torch.empty(B * H * _pow2(entries), dtype=torch.int32, device=dev),
+            "entry": torch.full((B * H * width,), -1, dtype=torch.int32, device=dev),
+            "hit": torch.zeros(B * H * width, dtype=torch.int8, device=dev),
+            "hits": torch.zeros(1, dtype=torch.int64, device=dev),
+        }
+        self.shape = shape
+        self.serial += 1
+        self.rows_key = ()
+        self.hits_read = 0
+        return True
+
+    def bytes_for(self, shape: tuple[int, int, int, int]) -> int:
+        batch, n_blocks, entries, width = shape
+        rows = self.n_layers * batch * self.hkv
+        kv = rows * entries * 2 * self.g * self.d * torch.empty(0, dtype=self.dtype).element_size()
+        return kv + rows * (n_blocks + entries) * 4 + batch * self.hkv * (_pow2(entries) * 4 + width * 5) + 8
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+
+    def start_step(self, rows_key: tuple[object, ...]) -> None:
+        """Before a step (outside the graph): a change of the rows' sequences clears every entry."""
+        if self._tensors and rows_key != self.rows_key:
+            self._tensors["held"].fill_(-1)
+            self._tensors["owner"].fill_(-1)
+            self.rows_key = rows_key
+
+    def views(self, layer: int, width: int) -> ReuseViews:
+        """select_top's views for one layer whose top-k width is `width` (<= the structure's width)."""
+        t = self._tensors
+        B, H = self.shape[0], self.hkv
+        n = B * H * width
+        return ReuseViews(t["held"][layer], t["owner"][layer], t["free"], t["entry"][:n].view(B, H, width),
+                          t["hit"][:n].view(B, H, width), t["hits"])
+
+    def kv(self, layer: int) -> torch.Tensor:
+        return self._tensors["kv"][layer]
+
+    def take_hits(self) -> int:
+        """Blocks read from the cache since the last call (reads the device counter: call after a synchronise)."""
+        if not self._tensors:
+            return 0
+        total = int(self._tensors["hits"].item())
+        new, self.hits_read = total - self.hits_read, total
+        return new

@@ -1,0 +1,105 @@
+"""The reuse cache's bookkeeping in device_topk.select_top against a plain-Python model of the policy, over several
+steps whose choices overlap: hits, entries freed by blocks no longer chosen, free entries handed to the misses in
+block order, misses beyond the free entries read but not kept, pinned and -inf blocks never cached. (That cached
+entries hold the store's K/V and give the eager path's logits: tests/test_device_graph.py, the reuse cases.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fluxion_lite import device_topk
+from fluxion_lite.device_select import PINNED_SCORE
+from fluxion_lite.reuse_cache import DeviceReuseCache
+
+pytestmark = pytest.mark.skipif(device_topk.triton is None, reason="Triton not installed")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on a GPU, else interpreted
+
+
+class RowModel:
+    """One (row, group)'s cache as the policy defines it."""
+
+    def __init__(self, entries: int):
+        self.held: dict[int, int] = {}  # block -> entry
+        self.owner = [-1] * entries  # entry -> block last written
+
+    def step(self, chosen: list[int], cacheable: set[int]) -> tuple[dict[int, int], set[int]]:
+        """chosen blocks -> (entry per chosen block or -1, blocks read from the cache)."""
+        dynamic = sorted(b for b in chosen if b in cacheable)
+        hits = {b for b in dynamic if b in self.held}
+        self.held = {b: e for b, e in self.held.items() if b in hits}
+        free = [e for e, b in enumerate(self.owner) if self.held.get(b) != e]
+        entry = {b: -1 for b in chosen}
+        for b in hits:
+            entry[b] = self.held[b]
+        for b, e in zip([b for b in dynamic if b not in hits], free):
+            self.held[b], self.owner[e], entry[b] = e, b, e
+        return entry, hits
+
+
+def reference_top(row: torch.Tensor, k: int) -> list[int]:
+    order = sorted(range(row.numel()), key=lambda i: (-float(row[i]), i))
+    return sorted(order[:k])
+
+
+@pytest.mark.parametrize("entries_share,nb,width", [(0.5, 64, 10), (1.5, 64, 10), (0.5, 300, 33)])
+def test_select_top_keeps_the_cache_like_the_policy(monkeypatch: pytest.MonkeyPatch, entries_share: float,
+                                                    nb: int, width: int) -> None:
+    monkeypatch.setattr("fluxion_lite.reuse_cache.REUSE_SHARE", entries_share)
+    B, hkv = 2, 3
+    cache = DeviceReuseCache(n_layers=2, hkv=hkv, g=16, d=8, dtype=torch.bfloat16, device=DEV)
+    assert cache.ensure(B, nb, width)
+    cache.start_step(("seq", 1))
+    entries = cache.shape[2]
+    gen = torch.Generator().manual_seed(nb + width)
+    base = torch.randn(B, hkv, nb, generator=gen) * 40.0
+    pinned = torch.rand(B, hkv, nb, generator=gen) < 0.1
+    models = [[RowModel(entries) for _ in range(hkv)] for _ in range(B)]
+    k_row = torch.randint(width // 2, width + 3, (B, hkv), generator=gen)
+    k_row[1, 2] = 0  # a streaming group
+    total_hits = 0
+    for step in range(6):  # neighbouring steps: the same scores, a little noise, so most choices repeat
+        scores = base + torch.randn(B, hkv, nb, generator=gen) * 8.0
+        scores = torch.where(pinned, torch.full_like(scores, PINNED_SCORE), scores)
+        scores[..., :2] = float("-inf")
+        scores[0, 0, 2:nb - 3] = float("-inf")  # a row with fewer eligible blocks than k
+        ids = torch.empty(B, hkv, width, dtype=torch.long, device=DEV)
+        vals = torch.empty(B, hkv, width, device=DEV)
+        views = cache.views(layer=1, width=width)
+        device_topk.select_top(scores.to(DEV), k_row.to(DEV), ids, vals, views)
+        ids, entry, hit = ids.cpu(), views.entry.cpu(), views.hit.cpu()
+        for b in range(B):
+            for h in range(hkv):
+                k = min(int(k_row[b, h]), width)
+                row = scores[b, h]
+                chosen = reference_top(row, k)
+                assert ids[b, h, :k].tolist() == chosen  # entries come out in block order
+                cacheable = {i for i in chosen if torch.isfinite(row[i]) and not pinned[b, h, i]}
+                want_entry, want_hits = models[b][h].step(chosen, cacheable)
+                assert entry[b, h, :k].tolist() == [want_entry[i] for i in chosen], (step, b, h)
+                assert hit[b, h, :k].tolist() == [int(i in want_hits) for i in chosen]
+                assert (entry[b, h, k:] == -1).all() and (hit[b, h, k:] == 0).all()
+                held = cache._tensors["held"][1, b, h].cpu()
+                assert {i: int(held[i]) for i in torch.nonzero(held >= 0).flatten().tolist()} == models[b][h].held
+                total_hits += len(want_hits)
+    assert total_hits > 0
+    assert cache.take_hits() == total_hits and cache.take_hits() == 0
+    assert int((cache._tensors["held"][0] >= 0).sum()) == 0  # another layer's state is untouched
+
+
+def test_a_change_of_sequences_clears_the_cache() -> None:
+    cache = DeviceReuseCache(n_layers=1, hkv=1, g=16, d=8, dtype=torch.bfloat16, device=DEV)
+    assert cache.ensure(1, 32, 4)
+    cache.start_step((7,))
+    scores = torch.arange(32, dtype=torch.float32).view(1, 1, 32).to(DEV)
+    ids = torch.empty(1, 1, 4, dtype=torch.long, device=DEV)
+    vals = torch.empty(1, 1, 4, device=DEV)
+    k = torch.full((1, 1), 4, device=DEV)
+    device_topk.select_top(scores, k, ids, vals, cache.views(0, 4))
+    assert int((cache._tensors["held"] >= 0).sum()) == 2  # entries: half the width
+    cache.start_step((7,))  # same sequence: kept
+    assert int((cache._tensors["held"] >= 0).sum()) == 2
+    cache.start_step((8,))  # another sequence in the row: cleared
+    assert int((cache._tensors["held"] >= 0).sum()) == 0 and int((cache._tensors["owner"] >= 0).sum()) == 0
+    serial = cache.serial
+    assert cache.ensure(2, 32, 4) and cache.serial == serial + 1  # a new structure: reallocated
+    assert cache.nbytes() == cache.bytes_for(cache.shape)
