@@ -190,8 +190,8 @@ class DeviceGraphedDecode:
                 self.static.pop(next(iter(self.static)))
             self.static[self._shape] = DeviceStep(a, len(chunks), k_cap, nb // self.g, page_cap, self.fused)
         if self.reuse is not None:  # may reallocate: before the graphs' key is taken
-            width = int(np.minimum(k_cap, nb // self.g).max(initial=0))
-            self.reuse_on = self.reuse.ensure(len(chunks), nb // self.g, width)
+            widths = tuple(int(w) for w in np.minimum(k_cap, nb // self.g).max(axis=1))  # per layer
+            self.reuse_on = self.reuse.ensure(len(chunks), nb // self.g, widths)
         if self.pool is not None and a.pins is not None:  # may grow the pool: before the graphs' key is taken
             self.pool.reserve(a.pins, np.array([a._slot[c.seq_id] for c in chunks]))
 

@@ -11,12 +11,13 @@ longer chosen, free entries handed to the misses in block order; misses beyond t
 kept) and device_kernels.block_attention (hits read from their entry, kept misses written to theirs). Per layer:
 
   held   int32 [B, Hkv, NB]           entry holding each block, -1 if none
-  owner  int32 [B, Hkv, C]            block last written to each entry (stale once the block left: held says so)
-  kv     store dtype [B, Hkv, C, 2, g, D]   the entries' K then V
+  owner  int32 [B, Hkv, C_l]          block last written to each entry (stale once the block left: held says so)
+  kv     store dtype [B, Hkv, C_l, 2, g, D]   the entries' K then V
 
 State is per batch row, so it is cleared whenever the step's sequences change (a row's blocks belong to its
-sequence); the cache refills in one step. C is a share of the widest budget (REUSE_SHARE): pinned blocks never take
-an entry. FLUXION_REUSE_CACHE=0 turns it off.
+sequence); the cache refills in one step. A layer's entries C_l are a share (REUSE_SHARE) of its widest top-k:
+pinned blocks never take an entry, and budgets differ by layer (sized by the model's widest group, the 8B shape's
+cache held 268 MB per row at 32K). FLUXION_REUSE_CACHE=0 turns it off.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from .device_topk import ReuseViews
 
 log = logging.getLogger(__name__)
 
-REUSE_SHARE = 0.5  # entries per (layer, row, group), as a share of the layer set's widest top-k
+REUSE_SHARE = 0.5  # entries per (layer, row, group), as a share of the layer's widest top-k (pins: 0.75 of it)
 FREE_MEMORY_SHARE = 0.25  # the cache may take at most this share of the free device memory, else it stays off
 
 
@@ -37,27 +38,34 @@ def _pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
+def _entries(width: int) -> int:
+    return max(1, math.ceil(REUSE_SHARE * width))
+
+
 class DeviceReuseCache:
     """One reuse cache per device-graphed backend, shaped for the current step structure."""
 
     def __init__(self, n_layers: int, hkv: int, g: int, d: int, dtype: torch.dtype, device: torch.device):
         self.n_layers, self.hkv, self.g, self.d, self.dtype, self.device = n_layers, hkv, g, d, dtype, device
-        self.shape: tuple[int, int, int, int] = (0, 0, 0, 0)  # (batch, blocks, entries, width)
+        self.shape: tuple[int, int, tuple[int, ...]] = (0, 0, ())  # (batch, blocks, each layer's top-k width)
         self.serial = 0  # bumped on every reallocation: part of the decode graphs' key
         self.enabled = True
         self.rows_key: tuple[object, ...] = ()
         self.hits_read = 0  # hits already counted by take_hits()
         self._tensors: dict[str, torch.Tensor] = {}
+        self._owner: list[torch.Tensor] = []
+        self._kv: list[torch.Tensor] = []
 
-    def ensure(self, batch: int, n_blocks: int, width: int) -> bool:
-        """Tensors for a step of `batch` rows, `n_blocks` blocks and top-k width; False when it does not fit."""
-        if not self.enabled or width <= 0:
+    def ensure(self, batch: int, n_blocks: int, widths: tuple[int, ...]) -> bool:
+        """Tensors for a step of `batch` rows, `n_blocks` blocks and each layer's top-k width (0: no retrieval);
+        False when the cache does not fit in device memory (it then stays off)."""
+        if not self.enabled or max(widths, default=0) <= 0:
             return False
-        entries = max(1, math.ceil(REUSE_SHARE * width))
-        shape = (batch, n_blocks, entries, width)
+        shape = (batch, n_blocks, tuple(widths))
         if shape == self.shape:
             return True
         self._tensors.clear()  # the old structure's memory first
+        self._owner, self._kv = [], []
         need = self.bytes_for(shape)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
@@ -65,39 +73,44 @@ class DeviceReuseCache:
                 log.warning("reuse cache off: %.2f GB would exceed %.0f%% of the free device memory (%.2f GB)",
                             need / 1e9, 100 * FREE_MEMORY_SHARE, free / 1e9)
                 self.enabled = False
-                self.shape = (0, 0, 0, 0)
+                self.shape = (0, 0, ())
                 return False
         L, B, H = self.n_layers, batch, self.hkv
         dev = self.device
+        entries = [_entries(w) for w in widths]
         self._tensors = {
             "held": torch.full((L, B, H, n_blocks), -1, dtype=torch.int32, device=dev),
-            "owner": torch.full((L, B, H, entries), -1, dtype=torch.int32, device=dev),
-            "kv": torch.empty(L, B, H, entries, 2, self.g, self.d, dtype=self.dtype, device=dev),
-            "free": torch.empty(B * H * _pow2(entries), dtype=torch.int32, device=dev),
-            "entry": torch.full((B * H * width,), -1, dtype=torch.int32, device=dev),
-            "hit": torch.zeros(B * H * width, dtype=torch.int8, device=dev),
+            "free": torch.empty(B * H * _pow2(max(entries)), dtype=torch.int32, device=dev),
+            "entry": torch.full((B * H * max(widths),), -1, dtype=torch.int32, device=dev),
+            "hit": torch.zeros(B * H * max(widths), dtype=torch.int8, device=dev),
             "hits": torch.zeros(1, dtype=torch.int64, device=dev),
         }
+        self._owner = [torch.full((B, H, c), -1, dtype=torch.int32, device=dev) for c in entries]  # per layer
+        self._kv = [torch.empty(B, H, c, 2, self.g, self.d, dtype=self.dtype, device=dev) for c in entries]
         self.shape = shape
         self.serial += 1
         self.rows_key = ()
         self.hits_read = 0
         return True
 
-    def bytes_for(self, shape: tuple[int, int, int, int]) -> int:
-        batch, n_blocks, entries, width = shape
-        rows = self.n_layers * batch * self.hkv
+    def bytes_for(self, shape: tuple[int, int, tuple[int, ...]]) -> int:
+        batch, n_blocks, widths = shape
+        rows = batch * self.hkv
+        entries = sum(_entries(w) for w in widths)
         kv = rows * entries * 2 * self.g * self.d * torch.empty(0, dtype=self.dtype).element_size()
-        return kv + rows * (n_blocks + entries) * 4 + batch * self.hkv * (_pow2(entries) * 4 + width * 5) + 8
+        scratch = rows * (_pow2(max(_entries(w) for w in widths)) * 4 + max(widths) * 5) + 8
+        return kv + rows * (self.n_layers * n_blocks + entries) * 4 + scratch
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self._tensors.values())
+        tensors = [*self._tensors.values(), *self._owner, *self._kv] if self._tensors else []
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def start_step(self, rows_key: tuple[object, ...]) -> None:
         """Before a step (outside the graph): a change of the rows' sequences clears every entry."""
         if self._tensors and rows_key != self.rows_key:
             self._tensors["held"].fill_(-1)
-            self._tensors["owner"].fill_(-1)
+            for owner in self._owner:
+                owner.fill_(-1)
             self.rows_key = rows_key
 
     def views(self, layer: int, width: int) -> ReuseViews:
@@ -105,11 +118,14 @@ class DeviceReuseCache:
         t = self._tensors
         B, H = self.shape[0], self.hkv
         n = B * H * width
-        return ReuseViews(t["held"][layer], t["owner"][layer], t["free"], t["entry"][:n].view(B, H, width),
+        return ReuseViews(t["held"][layer], self._owner[layer], t["free"], t["entry"][:n].view(B, H, width),
                           t["hit"][:n].view(B, H, width), t["hits"])
 
+    def owner(self, layer: int) -> torch.Tensor:
+        return self._owner[layer]
+
     def kv(self, layer: int) -> torch.Tensor:
-        return self._tensors["kv"][layer]
+        return self._kv[layer]
 
     def take_hits(self) -> int:
         """Blocks read from the cache since the last call (reads the device counter: call after a synchronise)."""

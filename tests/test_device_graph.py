@@ -101,7 +101,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
         for layer, b, h, blk in torch.nonzero(held >= 0).tolist():
             k, v = backends[1].store.read(layer, int(ds.slots[b]))
             e = int(held[layer, b, h, blk])
-            assert int(cache._tensors["owner"][layer, b, h, e]) == blk
+            assert int(cache.owner(layer)[b, h, e]) == blk
             kv = cache.kv(layer)[b, h, e]  # [2, g, D]
             assert torch.equal(kv[0], k[blk * hooked.g:(blk + 1) * hooked.g, h].to(kv.dtype))
             assert torch.equal(kv[1], v[blk * hooked.g:(blk + 1) * hooked.g, h].to(kv.dtype))

@@ -47,9 +47,10 @@ def test_select_top_keeps_the_cache_like_the_policy(monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr("fluxion_lite.reuse_cache.REUSE_SHARE", entries_share)
     B, hkv = 2, 3
     cache = DeviceReuseCache(n_layers=2, hkv=hkv, g=16, d=8, dtype=torch.bfloat16, device=DEV)
-    assert cache.ensure(B, nb, width)
+    assert cache.ensure(B, nb, (width // 2, width))  # layer 1 is the wider one
     cache.start_step(("seq", 1))
-    entries = cache.shape[2]
+    entries = cache.owner(1).shape[2]
+    assert cache.owner(0).shape[2] < entries
     gen = torch.Generator().manual_seed(nb + width)
     base = torch.randn(B, hkv, nb, generator=gen) * 40.0
     pinned = torch.rand(B, hkv, nb, generator=gen) < 0.1
@@ -88,7 +89,7 @@ def test_select_top_keeps_the_cache_like_the_policy(monkeypatch: pytest.MonkeyPa
 
 def test_a_change_of_sequences_clears_the_cache() -> None:
     cache = DeviceReuseCache(n_layers=1, hkv=1, g=16, d=8, dtype=torch.bfloat16, device=DEV)
-    assert cache.ensure(1, 32, 4)
+    assert cache.ensure(1, 32, (4,))
     cache.start_step((7,))
     scores = torch.arange(32, dtype=torch.float32).view(1, 1, 32).to(DEV)
     ids = torch.empty(1, 1, 4, dtype=torch.long, device=DEV)
@@ -99,7 +100,7 @@ def test_a_change_of_sequences_clears_the_cache() -> None:
     cache.start_step((7,))  # same sequence: kept
     assert int((cache._tensors["held"] >= 0).sum()) == 2
     cache.start_step((8,))  # another sequence in the row: cleared
-    assert int((cache._tensors["held"] >= 0).sum()) == 0 and int((cache._tensors["owner"] >= 0).sum()) == 0
+    assert int((cache._tensors["held"] >= 0).sum()) == 0 and int((cache.owner(0) >= 0).sum()) == 0
     serial = cache.serial
-    assert cache.ensure(2, 32, 4) and cache.serial == serial + 1  # a new structure: reallocated
+    assert cache.ensure(2, 32, (4,)) and cache.serial == serial + 1  # a new structure: reallocated
     assert cache.nbytes() == cache.bytes_for(cache.shape)
