@@ -136,7 +136,7 @@ def _finish(packed: np.ndarray, n_q: int, r: int, n: int, sink: int, layer: int,
     outside = np.maximum(picked[..., -1:], _TINY)  # every eligible block's mass
     recall = np.minimum(picked[..., :-1] / outside, 1.0).mean(1)  # [Hkv, _ROWS, budgets]
     with np.errstate(invalid="ignore", divide="ignore"):  # sink = 0: no sink values (a NaN, zeroed below)
-        vratio = vnorm_sink.mean(1) / np.maximum(vnorm_sum[:, 0] / n, 1e-12)
+        vratio = vnorm_sink.sum(1) / sink / np.maximum(vnorm_sum[:, 0] / n, 1e-12)
 
     def m(x: np.ndarray) -> np.ndarray:  # mean over queries (and heads) -> [Hkv]
         return x.reshape(hkv, -1).mean(-1)
