@@ -96,10 +96,11 @@ def layer_features(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, wo
     #   = [sum_r relu(q), sum_r relu(-q)] . [kmax, -kmin], so one dot per block against kext = [kmax, -kmin], and a
     # coarser block's kext is the max over the g=16 blocks it holds (kept at g=16 resolution by keepdim).
     qext = torch.cat([q, -q], dim=-1).clamp_(min=0).sum(2)  # [Q, Hkv, 2D]
-    k_blocks = keys_p.view(hkv, *dyadic, _G0, d)
-    kext = torch.cat([k_blocks.amax(-2), k_blocks.amin(-2).neg_()], dim=-1)  # [Hkv, *dyadic, 2D] (aminmax: slow on CPU)
-    bit_dims = tuple(range(2, 1 + _LEVELS))  # the per-level bits of `dyadic` in kext
-    levels = [kext] + [kext.amax(dim=bit_dims[_LEVELS - 1 - lv:], keepdim=True) for lv in range(1, _LEVELS)]
+    k_blocks = keys_p.view(hkv, *dyadic, _G0, d)  # amax + amin: aminmax is 10x slower on the CPU
+    kext = torch.cat([k_blocks.amax(-2), k_blocks.amin(-2).neg_()], dim=-1)  # [Hkv, *dyadic, 2D]
+    bits = tuple(range(2, 1 + _LEVELS))  # the dims of kext holding the per-level bits of a g=16 block's index
+    # level lv (g = 16 * 2^lv) merges the last lv bits: [Hkv, top, ..., 1 x lv, 2D]
+    levels = [kext] + [kext.amax(dim=bits[len(bits) - lv:], keepdim=True) for lv in range(1, _LEVELS)]
     # Every row is laid out over the g=16 blocks: a g-block's bound repeats over its g/16 blocks (exact copies, so
     # a stable sort keeps them adjacent and in block order), and each row ranks the g=16 masses. Row _LEVELS ranks
     # the blocks by their true mass itself (the oracle).
