@@ -2,7 +2,9 @@
 properties that make it cheap online: no host sync inside, shape checks."""
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -133,7 +135,7 @@ def test_matches_float64_reference_with_exact_rankings(shape: tuple[int, ...], d
     hkv, r, d, n, sink, window = shape
     q, keys, values, wo = binary_fraction_case(hkv, r, d, n, seed=n + 7 * r)
     want = reference_features(q, keys, values, wo, 5, 24, sink, window)
-    with _exact_fp32_matmul():
+    with exact_fp32_matmul():
         got = layer_features(*(t.to(device) for t in (q, keys, values, wo)), 5, 24, sink, window)
     assert got.dtype == torch.float32 and got.shape == want.shape and torch.isfinite(got).all()
     # float32 sums over up to a few thousand keys against float64: ~1e-6 relative; the logs of small masses amplify
@@ -143,22 +145,27 @@ def test_matches_float64_reference_with_exact_rankings(shape: tuple[int, ...], d
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_matches_float64_reference_on_gaussian_data(device: str) -> None:
-    """Real-valued bounds: float32 and float64 may order two blocks differently only if their bounds agree to about
-    1e-6 relative; a swap at a budget's cut exchanges one block's mass for another's, which moves that query's recall
-    by at most one block's share of the outside mass. 0.02 allows one such swap among >= 100 eligible blocks of
-    similar mass (Gaussian keys spread the mass evenly) yet fails on any systematic mis-selection. The other
-    features must agree to float32 precision."""
+    """Real-valued bounds, with planted needles (keys along the queries' direction) so that the Quest top-k finds
+    much of the outside mass. float32 and float64 may order two blocks differently only where their bounds agree to
+    ~1e-6 relative (ordinary blocks, not the needles' far higher bounds); such a swap at a budget's cut trades one
+    block's mass for another's, moving one query's recall by at most an ordinary block's share of its outside mass
+    (< 1/20 even at g=128, the coarsest level), the mean over the Q queries by an eighth of that. 0.02 admits a few
+    such swaps and still fails on a wrong selection. The other features must agree to float32 precision."""
     hkv, r, d, n = 2, 6, 128, 3100
     gen = torch.Generator().manual_seed(11)
     q = torch.randn(FEATURE_QUERIES, hkv, r, d, generator=gen)
     keys = torch.randn(hkv, n, d, generator=gen)
     keys[:, :4] += 2.0  # sink-like keys: large scores at the start
+    direction = q.sum((0, 2)) / q.sum((0, 2)).norm(dim=-1, keepdim=True)  # [Hkv, D]
+    for pos in (400, 1333, 2050, 2051, 2900):
+        keys[:, pos] += (20 + 5 * (pos % 7)) * direction  # scores raised by ~3 to ~6
     values = torch.randn(hkv, n, d, generator=gen)
     wo = torch.randn(64, hkv * r * d, generator=gen)
     want = reference_features(q, keys, values, wo, 0, 28, 16, 64)
-    with _exact_fp32_matmul():
+    with exact_fp32_matmul():
         got = layer_features(*(t.to(device) for t in (q, keys, values, wo)), 0, 28, 16, 64).numpy()
     recall = np.array([name.startswith(("recall", "oracle")) for name in FEATURE_NAMES])
+    assert want[:, recall].max() > 0.4  # the needles make the recall features informative
     np.testing.assert_allclose(got[:, ~recall], want[:, ~recall], rtol=1e-4, atol=2e-5)
     np.testing.assert_allclose(got[:, recall], want[:, recall], atol=0.02)
 
@@ -205,12 +212,12 @@ def test_shortest_accepted_prompt_matches_reference() -> None:
                                atol=2e-5)
 
 
-class _exact_fp32_matmul:
+@contextlib.contextmanager
+def exact_fp32_matmul() -> Iterator[None]:
     """Keep CUDA float32 matmuls in full precision (TF32 would round probabilities to 10 bits) for the comparison."""
-
-    def __enter__(self) -> None:
-        self.saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-
-    def __exit__(self, *exc: object) -> None:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = self.saved
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
