@@ -73,11 +73,14 @@ def layer_features(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, wo
     # Attention of the Q queries over the prompt, [Hkv, Q, r, n_pad]: the padding and each query's future masked.
     keys_p = keys if n_pad == n else F.pad(keys, (0, 0, 0, n_pad - n))  # [Hkv, n_pad, D]
     scores = torch.einsum("qhrd,hnd->hqrn", q * d**-0.5, keys_p)
-    scores[..., n - n_q:].masked_fill_(_future_mask(n_q, n_pad - n + n_q, dev), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    # masked with a finite -1e30: exp still gives exactly 0, and 0 * log p stays 0 in the entropy (-inf gives NaN)
+    scores[..., n - n_q:].masked_fill_(_future_mask(n_q, n_pad - n + n_q, dev), -1e30)
+    log_probs = torch.log_softmax(scores, dim=-1)
+    probs = log_probs.exp()  # [Hkv, Q, r, n_pad]
     mass_sink = probs[..., :sink].sum(-1)  # [Hkv, Q, r]
     mass_window = _query_windows(probs, w_lo, window).sum(-1)  # [Hkv, Q, r]
-    entropy = torch.special.entr(probs).sum(-1)  # [Hkv, Q, r]: -sum p log p (divided by log(context) on the host)
+    # sum p log p = -entropy (negated and divided by log(context) on the host); cheaper than a log per probability
+    p_log_p = torch.linalg.vecdot(probs, log_probs)  # [Hkv, Q, r]
 
     # Streaming deviation on these queries: full output vs the output of a softmax over sink + own window only.
     o_full = torch.einsum("hqrn,hnd->hqrd", probs[..., :n], values)  # [Hkv, Q, r, D]
@@ -115,7 +118,7 @@ def layer_features(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, wo
     picked = torch.einsum("hqlj,tlj->hqlt", ranked_mass, takes)  # [Hkv, Q, _ROWS, _TAKES]
 
     vnorm = torch.linalg.vector_norm(values, dim=-1)  # [Hkv, N]
-    packed = torch.cat([torch.stack([mass_sink, mass_window, entropy], dim=2).flatten(1), dev_norm, out_norm,
+    packed = torch.cat([torch.stack([mass_sink, mass_window, p_log_p], dim=2).flatten(1), dev_norm, out_norm,
                         proj_norm, picked.flatten(1), vnorm[:, :sink], vnorm.sum(-1, keepdim=True)], dim=1)
     # numpy(force=True) copies to the host: the one point where the host waits for the device
     return _finish(packed.numpy(force=True).astype(np.float64), n_q, r, n, sink, layer, n_layers)
@@ -130,7 +133,7 @@ def _finish(packed: np.ndarray, n_q: int, r: int, n: int, sink: int, layer: int,
     mass_sink, mass_window = masses[:, :, 0], masses[:, :, 1]  # [Hkv, Q, r]
     mass_rest = np.clip(1.0 - mass_sink - mass_window, 0.0, None)
     log_ctx = np.log(np.arange(n - n_q + 1, n + 1, dtype=np.float64))  # [Q]: log of each query's context length
-    entropy = masses[:, :, 2] / log_ctx[None, :, None]
+    entropy = -masses[:, :, 2] / log_ctx[None, :, None]  # normalised: 1 for uniform attention
     dev_stream = dev_norm / np.maximum(out_norm, 1e-12)  # [Hkv, Q]
     contrib = proj_norm / np.maximum(proj_norm.sum(0, keepdims=True), 1e-12)  # share among the groups
     picked = picked.reshape(hkv, n_q, _ROWS, _TAKES)
