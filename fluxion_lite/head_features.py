@@ -49,6 +49,7 @@ _ROWS = _LEVELS + 1  # rows of the shared sort: one per granularity, then the or
 _TAKES = len(RECALL_BUDGETS) + 1  # per row: the top-k mass at each budget, then the whole eligible mass
 
 
+@torch.no_grad()
 def layer_features(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, wo: torch.Tensor, layer: int,
                    n_layers: int, sink: int, window: int) -> torch.Tensor:
     """Features of every KV group of one layer.
@@ -120,8 +121,9 @@ def layer_features(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, wo
     vnorm = torch.linalg.vector_norm(values, dim=-1)  # [Hkv, N]
     packed = torch.cat([torch.stack([mass_sink, mass_window, p_log_p], dim=2).flatten(1), dev_norm, out_norm,
                         proj_norm, picked.flatten(1), vnorm[:, :sink], vnorm.sum(-1, keepdim=True)], dim=1)
-    # numpy(force=True) copies to the host: the one point where the host waits for the device
-    return _finish(packed.numpy(force=True).astype(np.float64), n_q, r, n, sink, layer, n_layers)
+    # .cpu() is the one point where the host waits for the device; dlpack hands the buffer to numpy without the
+    # four dispatcher ops of .numpy()
+    return _finish(np.from_dlpack(packed.cpu()).astype(np.float64), n_q, r, n, sink, layer, n_layers)
 
 
 def _finish(packed: np.ndarray, n_q: int, r: int, n: int, sink: int, layer: int, n_layers: int) -> torch.Tensor:
@@ -153,7 +155,7 @@ def _finish(packed: np.ndarray, n_q: int, r: int, n: int, sink: int, layer: int,
         np.full(hkv, math.log(max(n, 2)) / MAX_LOG_CONTEXT),
     ]
     out = np.nan_to_num(np.stack(cols, axis=1), nan=0.0, posinf=0.0, neginf=math.log(_TINY))
-    return torch.from_numpy(out.astype(np.float32))
+    return torch.from_dlpack(out.astype(np.float32))  # shares the fresh array
 
 
 @functools.lru_cache(maxsize=8)
