@@ -24,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from torch.profiler import ProfilerActivity, profile
 
 from fluxion_lite import head_features
@@ -107,10 +106,10 @@ def main() -> None:
                   f" {str(first['aten_ops']) + '/' + str(later['aten_ops']):>21} {later['item_calls']:>5}"
                   f" {_opt(first['kernel_launches'], later['kernel_launches']):>9}"
                   f" {_opt(first['host_syncs'], later['host_syncs']):>6}")
-    print("aten ops per call (features, torch.profiler on " + str(device) + "): "
-          + ", ".join(sorted({f"{r['features_profile_later_layer']['aten_ops']}" for r in rows}))
-          + " (later layers of a prompt), "
-          + ", ".join(sorted({f"{r['features_profile_first_layer']['aten_ops']}" for r in rows})) + " (first layer)")
+    later_ops = sorted({r["features_profile_later_layer"]["aten_ops"] for r in rows})
+    first_ops = sorted({r["features_profile_first_layer"]["aten_ops"] for r in rows})
+    print(f"aten ops per call (features, torch.profiler on {device}): {later_ops} on a prompt's later layers, "
+          f"{first_ops} on its first")
     name = "predictor_cost.json" if device.type == "cpu" else f"predictor_cost_{device.type}.json"
     out = Path(__file__).parent / "results" / name
     out.write_text(json.dumps({"threads": args.threads, "device": str(device), "rows": rows}, indent=1))
