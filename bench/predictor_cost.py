@@ -7,17 +7,26 @@ thread CPU time (time.thread_time: the cost on an idle core; the 2-core VM is sh
 measures other people's jobs) and wall time, median over reps; on CUDA the wall time (synchronised) is the cost.
   python bench/predictor_cost.py [--threads 1] [--contexts 1024 4096 16384 32768] [--device cuda]
 Prints a table and writes bench/results/predictor_cost.json (predictor_cost_cuda.json with --device cuda).
+
+Per row it also profiles one features call (torch.profiler, on the chosen device, outside the timed reps):
+"aten ops" counts top-level aten ops (launch/dispatch overhead is what a short call on a GPU pays), "item" the
+aten::item host syncs; on CUDA, "launches" counts kernel launches and "syncs" host-side synchronisations (the final
+copy to the host is one). The first layer of a prompt also builds the selection plan (cached for the prompt's other
+layers): first/later columns.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import torch
+from torch.profiler import ProfilerActivity, profile
 
+from fluxion_lite import head_features
 from fluxion_lite.head_features import FEATURE_QUERIES, N_FEATURES, layer_features
 from fluxion_lite.predictor import config_costs, select_groups, train
 
@@ -28,8 +37,23 @@ SHAPES = {  # n_layers, n_heads, n_kv_heads, head_dim, d_model
 }
 
 
+def op_profile(call: Callable[[], object], device: torch.device) -> dict[str, int | None]:
+    """Top-level aten ops, aten::item calls and (CUDA) kernel launches and host syncs of one call."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        call()
+    events = prof.events()
+    names = [e.name for e in events]
+    top = [e for e in events if e.name.startswith("aten::")
+           and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+    cuda = device.type == "cuda"
+    return {"aten_ops": len(top), "item_calls": names.count("aten::item"),
+            "kernel_launches": sum("LaunchKernel" in x for x in names) if cuda else None,
+            "host_syncs": sum(x.endswith("Synchronize") for x in names) if cuda else None}
+
+
 def time_layer(shape: tuple[int, int, int, int, int], n: int, pred: object, reps: int,
-               device: torch.device) -> tuple[float, float, float]:
+               device: torch.device) -> tuple[float, float, float, dict[str, int | None], dict[str, int | None]]:
     n_layers, hq, hkv, d, dm = shape
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(FEATURE_QUERIES, hkv, hq // hkv, d, generator=gen).to(device)
@@ -37,6 +61,9 @@ def time_layer(shape: tuple[int, int, int, int, int], n: int, pred: object, reps
     values = torch.randn(hkv, n, d, generator=gen).to(device)
     wo = torch.randn(dm, hq * d, generator=gen).to(device)
     layer_features(q, keys, values, wo, 3, n_layers, 16, 64)  # warm-up (CUDA: kernels, allocator)
+    head_features._selection_plan.cache_clear()  # profile a prompt's first layer, then a later one
+    first = op_profile(lambda: layer_features(q, keys, values, wo, 3, n_layers, 16, 64), device)
+    later = op_profile(lambda: layer_features(q, keys, values, wo, 3, n_layers, 16, 64), device)
     costs = config_costs(n, 16, 64, d)
     pred.weights["prior"] = np.full((n_layers, hkv, 21), 0.05, np.float32)  # type: ignore[attr-defined]
     feat_s, pred_s, wall_s = [], [], []
@@ -50,7 +77,7 @@ def time_layer(shape: tuple[int, int, int, int, int], n: int, pred: object, reps
         feat_s.append(t1 - t0)
         pred_s.append(t2 - t1)
         wall_s.append(w2 - w0)
-    return float(np.median(feat_s)), float(np.median(pred_s)), float(np.median(wall_s))
+    return float(np.median(feat_s)), float(np.median(pred_s)), float(np.median(wall_s)), first, later
 
 
 def main() -> None:
@@ -67,17 +94,30 @@ def main() -> None:
     pred = train(rng.standard_normal((64, N_FEATURES)).astype(np.float32), e, e, epsilon=0.1, epochs=1,
                  prior_table=np.full((30, 3, 21), 0.05))  # weights do not change the cost
     rows = []
-    print(f"{'model':<20} {'context':>8} {'features ms':>12} {'MLP+select ms':>14} {'total ms/layer':>15} {'wall ms':>8}")
+    print(f"{'model':<20} {'context':>8} {'features ms':>12} {'MLP+select ms':>14} {'total ms/layer':>15}"
+          f" {'wall ms':>8} {'aten ops first/later':>21} {'item':>5} {'launches':>9} {'syncs':>6}")
     for name, shape in SHAPES.items():
         for n in args.contexts:
-            f, p, w = time_layer(shape, n, pred, args.reps, device)
+            f, p, w, first, later = time_layer(shape, n, pred, args.reps, device)
             rows.append({"model": name, "context": n, "features_cpu_ms": 1e3 * f, "predict_select_cpu_ms": 1e3 * p,
-                         "total_cpu_ms": 1e3 * (f + p), "total_wall_ms": 1e3 * w})
-            print(f"{name:<20} {n:>8} {1e3 * f:>12.3f} {1e3 * p:>14.3f} {1e3 * (f + p):>15.3f} {1e3 * w:>8.2f}")
+                         "total_cpu_ms": 1e3 * (f + p), "total_wall_ms": 1e3 * w,
+                         "features_profile_first_layer": first, "features_profile_later_layer": later})
+            print(f"{name:<20} {n:>8} {1e3 * f:>12.3f} {1e3 * p:>14.3f} {1e3 * (f + p):>15.3f} {1e3 * w:>8.2f}"
+                  f" {str(first['aten_ops']) + '/' + str(later['aten_ops']):>21} {later['item_calls']:>5}"
+                  f" {_opt(first['kernel_launches'], later['kernel_launches']):>9}"
+                  f" {_opt(first['host_syncs'], later['host_syncs']):>6}")
+    later_ops = sorted({r["features_profile_later_layer"]["aten_ops"] for r in rows})
+    first_ops = sorted({r["features_profile_first_layer"]["aten_ops"] for r in rows})
+    print(f"aten ops per call (features, torch.profiler on {device}): {later_ops} on a prompt's later layers, "
+          f"{first_ops} on its first")
     name = "predictor_cost.json" if device.type == "cpu" else f"predictor_cost_{device.type}.json"
     out = Path(__file__).parent / "results" / name
     out.write_text(json.dumps({"threads": args.threads, "device": str(device), "rows": rows}, indent=1))
     print(f"wrote {out}")
+
+
+def _opt(first: int | None, later: int | None) -> str:
+    return "-" if first is None else f"{first}/{later}"
 
 
 if __name__ == "__main__":
