@@ -10,12 +10,12 @@ inside a CUDA graph. The same work in five kernels:
   stream_attention  sink + window of every group, online softmax, in one-tile splits merged by combine (was ~12)
   block_scores      Quest bound of every block, pins and the eligible range    (was ~20)
   block_attention   one program per (row, selected block): its g tokens read straight from the pinned host store
-                    through the zero-copy alias, the group's r query heads -> partial (o, max, sum)   (was ~60,
-                    together with the combine)
+                    through the zero-copy alias (or from the pin pool / reuse cache in device memory), the
+                    group's r query heads -> partial (o, max, sum)   (was ~60, together with the combine)
   combine           per (row, group, head): the partials and the streaming part merged by LSE -> output in the
                     model dtype
 
-torch.topk stays between block_scores and block_attention. Layouts are device_graph's and device_select's:
+device_topk.select_top chooses the blocks between block_scores and block_attention. Layouts are device_graph's and device_select's:
   q           [B, Hkv, r, D] (any strides)               summaries [slots, Hkv, blocks, 2, D] bf16 (min, max)
   span        [chunks, CHUNK_TOKENS * D] store dtype: a page is Hkv * cph chunks of K then Hkv * cph chunks of V
   tables      [slots, pages] int64: the span row of each page's first chunk
