@@ -116,8 +116,8 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
 def print_table(title: str, summaries: dict[str, dict[str, Any]]) -> None:
     print(f"\n{title}")
     head = f"{'':<18}{'pairs':>7}{'|D_t|':>7}{'pins':>6}"
-    head += "".join(f"{f'r{w} mean':>9}{f'r{w} p10':>8}{f'r{w} wtd':>8}" for w in map(wname, WINDOWS))
-    head += "".join(f"{f'cache{w}':>8}" for w in map(wname, WINDOWS))
+    head += "".join(f"{f'r{w} mean':>10}{f'r{w} p10':>9}{f'r{w} wtd':>9}" for w in map(wname, WINDOWS))
+    head += "".join(f"{f'cache{w}':>9}" for w in map(wname, WINDOWS))
     print(head)
     for name, s in summaries.items():
         if not s.get("pairs"):
@@ -125,11 +125,24 @@ def print_table(title: str, summaries: dict[str, dict[str, Any]]) -> None:
             continue
         line = f"{name:<18}{s['pairs']:>7}{s['mean_d']:>7.2f}{s['mean_pinned']:>6.1f}"
         for w in map(wname, WINDOWS):
-            line += (f"{s[f'reuse{w}_mean']:>9.3f}{s[f'reuse{w}_p10']:>8.3f}{s[f'reuse{w}_weighted']:>8.3f}"
-                     if f"reuse{w}_mean" in s else f"{'-':>9}{'-':>8}{'-':>8}")
-        line += "".join(f"{s[f'cache{w}_mean']:>8.2f}" if f"cache{w}_mean" in s else f"{'-':>8}"
+            line += (f"{s[f'reuse{w}_mean']:>10.3f}{s[f'reuse{w}_p10']:>9.3f}{s[f'reuse{w}_weighted']:>9.3f}"
+                     if f"reuse{w}_mean" in s else f"{'-':>10}{'-':>9}{'-':>9}")
+        line += "".join(f"{s[f'cache{w}_mean']:>9.2f}" if f"cache{w}_mean" in s else f"{'-':>9}"
                         for w in map(wname, WINDOWS))
         print(line)
+
+
+def show(result: dict[str, Any]) -> None:
+    """Both tables of a result (per task and overall; overall per plan budget)."""
+    print_table(f"non-pinned top-k reuse, length {result['length']} (rW: |D_t ∩ last W steps' D| / |D_t|, mean, p10, "
+                f"block-weighted; cacheW: |union of last W steps' D| / |D_t|)",
+                result["by_task"] | {"overall": result["overall"]})
+    print_table("overall by plan budget", result["overall_by_budget"])
+    for r in result["records"]:
+        c = r["checks"]
+        print(f"{r['task']}:{r['index']}: {r['prompt_tokens']} prompt tokens, {r['steps_recorded']} decode steps; "
+              f"|D_t| constant in {c['constant_d']}/{c['groups']} groups (largest change {c['max_d_range']}), "
+              f"pins not read {c['pins_not_read']}")
 
 
 def main() -> None:
@@ -137,14 +150,21 @@ def main() -> None:
     ap.add_argument("--gguf", default="qwen2.5-coder-0.5b")
     ap.add_argument("--plan", default="models/qwen2.5-coder-0.5b.plan.json", help="a plan with pin_fraction > 0")
     ap.add_argument("--dir", default="/work/main/.ruler_ids", help="exported samples (ruler_split.py export)")
-    ap.add_argument("--length", type=int, required=True, help="exported RULER length (file <model>_<length>.json)")
+    ap.add_argument("--length", type=int, default=8192, help="exported RULER length (file <model>_<length>.json)")
     ap.add_argument("--samples", nargs="*", default=[], help="task:index, e.g. niah_multikey_2:0")
     ap.add_argument("--essay", default=None, help="JSON list of token ids: its first --length - --essay-steps tokens "
                                                   "are continued for --essay-steps greedy steps (EOS ignored)")
     ap.add_argument("--essay-steps", type=int, default=96)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out-dir", default="bench/results")
+    ap.add_argument("--show", default=None, help="only print the tables of this result file")
     args = ap.parse_args()
+    if args.show:
+        try:
+            show(json.loads(Path(args.show).read_text()))
+        except (OSError, ValueError, KeyError) as e:
+            sys.exit(f"error: --show {args.show}: not a select_reuse result ({e})")
+        return
 
     plan = SparsePlan.load(Path(args.plan))
     if not plan.pin_fraction:
@@ -208,10 +228,7 @@ def main() -> None:
                                                            if r["budget"] == b])
                                         for b in sorted({r["budget"] for rs in by_task.values() for r in rs})}}
         out.write_text(json.dumps(result, indent=1))  # after every sample: a cut-short run keeps what finished
-    print_table(f"non-pinned top-k reuse, length {args.length} (r_w: |D_t ∩ last w steps' D| / |D_t|; wtd: "
-                f"block-weighted; cache_w: |union of last w D| / |D_t|)",
-                result["by_task"] | {"overall": result["overall"]})
-    print_table("overall by plan budget", result["overall_by_budget"])
+    show(result)
     print(f"wrote {out}")
 
 
