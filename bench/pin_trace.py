@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ruler_split import load_ids, model_tag  # noqa: E402
 
-from fluxion_lite import pinned  # noqa: E402
+from fluxion_lite import native, pinned  # noqa: E402
 from fluxion_lite.engine import Engine, _resolve  # noqa: E402
 from fluxion_lite.gguf_loader import read_metadata  # noqa: E402
 from fluxion_lite.sampling import SamplingParams  # noqa: E402
@@ -33,35 +33,71 @@ from fluxion_lite.tokenizer import Tokenizer  # noqa: E402
 
 
 class Recorder:
-    """Wraps PinnedBlocks._store and .merge (class-wide) to keep the last sequence's pins and per-step reads."""
+    """Keeps the last sequence's pins and per-step reads, by wrapping (class- and module-wide) PinnedBlocks._store,
+    PinnedBlocks.table and the native top-k's entry points: native.group_topk (the eager step) and
+    PreparedSelection.topk / .select_attend (the graphed step). The native top-k merges the pins into its selection
+    (fluxion.h, PINNED BLOCKS), so its ids are the blocks read; table() is called with the same task table just before
+    and tells each task row's layer."""
 
     def __init__(self) -> None:
         self.pins: dict[int, list[set[int]]] = {}  # layer -> per KV group
         self.steps: list[dict[tuple[int, int], set[int]]] = []  # per decode step: (layer, group) -> blocks read
         self._last_layer = -1  # layers come in order within a step: a layer not above the last one starts a step
-        store, merge = pinned.PinnedBlocks._store, pinned.PinnedBlocks.merge
+        self._table: tuple[np.ndarray, np.ndarray] | None = None  # the last table() call: tasks, each row's layer
+        store, table = pinned.PinnedBlocks._store, pinned.PinnedBlocks.table
+        group_topk = native.group_topk
+        topk, select_attend = native.PreparedSelection.topk, native.PreparedSelection.select_attend
 
         def recording_store(blocks: pinned.PinnedBlocks, layer: int, slot: int, pins: list[np.ndarray]) -> None:
             self.pins[layer] = [set(p.tolist()) for p in pins]
             store(blocks, layer, slot, pins)
 
-        def recording_merge(blocks: pinned.PinnedBlocks, layer: int, tasks: np.ndarray, ids: np.ndarray,
-                            scores: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            merged, merged_counts = merge(blocks, layer, tasks, ids, scores, counts)
-            if layer <= self._last_layer or not self.steps:
-                self.steps.append({})
-            self._last_layer = layer
-            for i in range(len(tasks)):
-                self.steps[-1][(layer, int(tasks[i, 2]))] = set(merged[i, : merged_counts[i]].tolist())
-            return merged, merged_counts
+        def recording_table(blocks: pinned.PinnedBlocks, layer: int | np.ndarray,
+                            tasks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+            self._table = (tasks.copy(), np.broadcast_to(np.asarray(layer), (len(tasks),)).copy())
+            return table(blocks, layer, tasks)
+
+        def recording_group_topk(view: Any, q: Any, tasks: Any, *args: Any, **kwargs: Any) -> tuple[Any, Any, Any]:
+            ids, scores, counts = group_topk(view, q, tasks, *args, **kwargs)
+            self._record(np.asarray(tasks), ids, counts)
+            return ids, scores, counts
+
+        def recording_topk(sel: native.PreparedSelection, view: Any, lo: int, hi: int, *args: Any,
+                           **kwargs: Any) -> None:
+            topk(sel, view, lo, hi, *args, **kwargs)
+            self._record(sel.tasks[lo:hi], sel.ids[lo:hi], sel.counts[lo:hi], lo, sel.tasks)
+
+        def recording_select_attend(sel: native.PreparedSelection, view: Any, lo: int, hi: int, *args: Any,
+                                    **kwargs: Any) -> tuple[int, float, float]:
+            out = select_attend(sel, view, lo, hi, *args, **kwargs)
+            self._record(sel.tasks[lo:hi], sel.ids[lo:hi], sel.counts[lo:hi], lo, sel.tasks)
+            return out
 
         pinned.PinnedBlocks._store = recording_store  # type: ignore[method-assign]
-        pinned.PinnedBlocks.merge = recording_merge  # type: ignore[method-assign]
+        pinned.PinnedBlocks.table = recording_table  # type: ignore[method-assign]
+        native.group_topk = recording_group_topk
+        native.PreparedSelection.topk = recording_topk  # type: ignore[method-assign]
+        native.PreparedSelection.select_attend = recording_select_attend  # type: ignore[method-assign]
+
+    def _record(self, tasks: np.ndarray, ids: np.ndarray, counts: np.ndarray, lo: int = 0,
+                whole: np.ndarray | None = None) -> None:
+        """One top-k call's selections (task rows tasks, of a table `whole` from row lo on). Calls whose task table
+        did not go through table() just before (a layer without pins) have no known layer and are not recorded."""
+        whole = tasks if whole is None else whole
+        if self._table is None or not np.array_equal(self._table[0], whole) or not len(tasks):
+            return
+        layer = int(self._table[1][lo])
+        if layer <= self._last_layer or not self.steps:
+            self.steps.append({})
+        self._last_layer = layer
+        for i in range(len(tasks)):
+            self.steps[-1][(layer, int(tasks[i, 2]))] = set(ids[i, : counts[i]].tolist())
 
     def clear(self) -> None:
         self.pins.clear()
         self.steps.clear()
         self._last_layer = -1
+        self._table = None
 
 
 def token_span(tok: Tokenizer, ids: list[int], text: str) -> tuple[int, int] | None:
