@@ -39,7 +39,7 @@ if triton is not None:
 
     @triton.jit
     def _select_top_kernel(scores_ptr, krow_ptr, ids_ptr, vals_ptr, NB, WIDTH,
-                           held_ptr, owner_ptr, free_ptr, entry_ptr, hit_ptr, hits_ptr, C,
+                           held_ptr, owner_ptr, cursor_ptr, scratch_ptr, entry_ptr, hit_ptr, hits_ptr, C,
                            NB_PAD: tl.constexpr, W_PAD: tl.constexpr, HAS_REUSE: tl.constexpr,
                            C_PAD: tl.constexpr, PINNED: tl.constexpr):
         row = tl.program_id(0)  # = b * Hkv + h
@@ -73,34 +73,46 @@ if triton is not None:
         tl.store(ids_ptr + row * WIDTH + ww, tl.zeros((W_PAD,), tl.int64), mask=rest)
         if HAS_REUSE:
             # pinned blocks come from the pin pool (or the host), never from this cache; -inf ones are not read
-            _reuse_entries(row, nn, inside, take, (score != PINNED) & (score > float("-inf")), out, held_ptr, owner_ptr, free_ptr, entry_ptr,
-                           hit_ptr, hits_ptr, NB, C, WIDTH, ww, rest, C_PAD)
+            _reuse_entries(row, nn, inside, take, (score != PINNED) & (score > float("-inf")), out,
+                           held_ptr, owner_ptr, cursor_ptr, scratch_ptr, entry_ptr, hit_ptr, hits_ptr, NB, C, WIDTH,
+                           ww, rest, C_PAD)
 
     @triton.jit
-    def _reuse_entries(row, nn, inside, take, unpinned, out, held_ptr, owner_ptr, free_ptr, entry_ptr, hit_ptr,
-                       hits_ptr, NB, C, WIDTH, ww, rest, C_PAD: tl.constexpr):
-        """The reuse cache's bookkeeping for one row (reuse_cache.py): which chosen blocks are already in device
-        memory (hits), which entries the others fill, and which cached blocks leave."""
+    def _reuse_entries(row, nn, inside, take, cacheable, out, held_ptr, owner_ptr, cursor_ptr, scratch_ptr,
+                       entry_ptr, hit_ptr, hits_ptr, NB, C, WIDTH, ww, rest, C_PAD: tl.constexpr):
+        """The reuse cache's bookkeeping for one row (reuse_cache.py): which chosen blocks are in device memory
+        (hits), and which entries the others fill. An entry keeps its block until a miss needs it, so a block
+        that comes back after a few steps still hits; misses take the entries not read this step in turn from a
+        rotating cursor (the least recently filled first, as long as they are not hits)."""
         held = tl.load(held_ptr + row * NB + nn, mask=inside, other=-1)  # [NB_PAD]: entry holding the block, or -1
-        dynamic = take & unpinned
+        dynamic = take & cacheable
         hit = dynamic & (held >= 0)
-        leaves = (held >= 0) & ~hit  # cached, not chosen (or pinned) now: its entry is free again
-        tl.store(held_ptr + row * NB + nn, tl.full(nn.shape, -1, tl.int32), mask=leaves)
-        tl.debug_barrier()  # the stores above are read below by other threads of this program
         ee = tl.arange(0, C_PAD)
-        in_c = ee < C
-        block_of = tl.load(owner_ptr + row * C + ee, mask=in_c, other=-1)  # [C_PAD]: block last put in entry e
-        holder = tl.load(held_ptr + row * NB + block_of, mask=in_c & (block_of >= 0), other=-1)
-        free = in_c & (holder != ee)  # never used, or its block left (or moved on)
+        busy_row = scratch_ptr + row * 2 * C_PAD  # [C_PAD] flags: entry read this step
+        free_row = busy_row + C_PAD  # [C_PAD] the free entries in cursor order
+        tl.store(busy_row + ee, tl.zeros(ee.shape, tl.int32))
+        tl.debug_barrier()  # what one thread stores, others load after a barrier (one program per row)
+        tl.store(busy_row + held, tl.full(nn.shape, 1, tl.int32), mask=hit)
+        tl.debug_barrier()
+        cursor = tl.load(cursor_ptr + row)
+        turn = (cursor + ee) % C  # [C_PAD]: entries in the order misses take them
+        free = (ee < C) & (tl.load(busy_row + turn, mask=ee < C, other=1) == 0)
+        free_rank = tl.cumsum(free.to(tl.int32), axis=0) - 1
         n_free = tl.sum(free.to(tl.int32), axis=0)
-        tl.store(free_ptr + row * C_PAD + tl.cumsum(free.to(tl.int32), axis=0) - 1, ee, mask=free)
+        tl.store(free_row + free_rank, turn, mask=free)
         tl.debug_barrier()
         miss = dynamic & (held < 0)
         miss_rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
         fill = miss & (miss_rank < n_free)  # more misses than free entries: the rest is read, not kept
-        new_entry = tl.load(free_ptr + row * C_PAD + miss_rank, mask=fill, other=-1)
+        new_entry = tl.load(free_row + miss_rank, mask=fill, other=-1)
+        evicted = tl.load(owner_ptr + row * C + new_entry, mask=fill, other=-1)  # the block the entry held
+        tl.store(held_ptr + row * NB + evicted, tl.full(nn.shape, -1, tl.int32), mask=fill & (evicted >= 0))
+        tl.debug_barrier()  # an evicted block is never one filled now (chosen and held, it would be a hit)
         tl.store(held_ptr + row * NB + nn, new_entry, mask=fill)
         tl.store(owner_ptr + row * C + new_entry, nn.to(tl.int32), mask=fill)
+        n_fill = tl.minimum(tl.sum(miss.to(tl.int32), axis=0), n_free)
+        used = tl.max(tl.where(free & (free_rank < n_fill), ee + 1, 0), axis=0)  # cursor positions consumed
+        tl.store(cursor_ptr + row, (cursor + used) % C)
         # per chosen entry: the cache entry to read (hit) or to fill after the PCIe read (miss), else -1
         tl.store(entry_ptr + out, tl.where(hit, held, new_entry), mask=take)
         tl.store(hit_ptr + out, hit.to(tl.int8), mask=take)
@@ -116,8 +128,9 @@ def _pow2(n: int) -> int:
 class ReuseViews(NamedTuple):
     """One layer's reuse-cache state for select_top (reuse_cache.py owns the tensors)."""
     held: torch.Tensor  # int32 [B, Hkv, NB]: the entry holding each block, -1 when not cached
-    owner: torch.Tensor  # int32 [B, Hkv, C]: the block last put in each entry, -1 when never used
-    free: torch.Tensor  # int32 [>= B * Hkv * pow2(C)]: scratch
+    owner: torch.Tensor  # int32 [B, Hkv, C]: the block each entry holds, -1 when never used
+    cursor: torch.Tensor  # int32 [B, Hkv]: the entry misses try first
+    scratch: torch.Tensor  # int32 [>= B * Hkv * 2 * pow2(C)]
     entry: torch.Tensor  # int32 [B, Hkv, width] out: per chosen block, the entry to read or fill, -1 for none
     hit: torch.Tensor  # int8 [B, Hkv, width] out: 1 when the block is read from its entry
     hits: torch.Tensor  # int64 [1]: hits are added here
@@ -148,8 +161,8 @@ def select_top(scores: torch.Tensor, k_row: torch.Tensor, ids: torch.Tensor, val
         assert reuse.held.shape == scores.shape and reuse.held.dtype == torch.int32 and reuse.held.is_contiguous()
         assert reuse.owner.shape[:2] == (B, hkv) and reuse.owner.is_contiguous()
         assert reuse.entry.shape == ids.shape and reuse.hit.shape == ids.shape and reuse.entry.is_contiguous()
-        assert reuse.free.numel() >= B * hkv * _pow2(c)
-    r = reuse if reuse is not None else ReuseViews(*([k_row] * 6))  # any pointers when there is no cache
-    _select_top_kernel[(B * hkv,)](scores, k_row, ids, vals, nb, width, r.held, r.owner, r.free, r.entry, r.hit,
-                                   r.hits, c, NB_PAD=nb_pad, W_PAD=_pow2(width), HAS_REUSE=reuse is not None,
+        assert reuse.scratch.numel() >= B * hkv * 2 * _pow2(c) and reuse.cursor.shape == (B, hkv)
+    r = reuse if reuse is not None else ReuseViews(*([k_row] * 7))  # any pointers when there is no cache
+    _select_top_kernel[(B * hkv,)](scores, k_row, ids, vals, nb, width, r.held, r.owner, r.cursor, r.scratch,
+                                   r.entry, r.hit, r.hits, c, NB_PAD=nb_pad, W_PAD=_pow2(width), HAS_REUSE=reuse is not None,
                                    C_PAD=_pow2(c), PINNED=PINNED_SCORE, num_warps=8 if nb_pad >= 4096 else 4)

@@ -1,6 +1,7 @@
 """The reuse cache's bookkeeping in device_topk.select_top against a plain-Python model of the policy, over several
-steps whose choices overlap: hits, entries freed by blocks no longer chosen, free entries handed to the misses in
-block order, misses beyond the free entries read but not kept, pinned and -inf blocks never cached. (That cached
+steps whose choices overlap: hits (also of blocks that skipped steps), misses taking entries in turn from a
+rotating cursor and evicting their blocks, misses beyond the free entries read but not kept, pinned and -inf
+blocks never cached. (That cached
 entries hold the store's K/V and give the eager path's logits: tests/test_device_graph.py, the reuse cases.)"""
 from __future__ import annotations
 
@@ -16,23 +17,32 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled k
 
 
 class RowModel:
-    """One (row, group)'s cache as the policy defines it."""
+    """One (row, group)'s cache as the policy defines it: an entry keeps its block until a miss needs it; misses
+    (in block order) take the entries not read this step in turn from a rotating cursor."""
 
     def __init__(self, entries: int):
         self.held: dict[int, int] = {}  # block -> entry
-        self.owner = [-1] * entries  # entry -> block last written
+        self.owner = [-1] * entries  # entry -> block
+        self.cursor = 0
 
     def step(self, chosen: list[int], cacheable: set[int]) -> tuple[dict[int, int], set[int]]:
         """chosen blocks -> (entry per chosen block or -1, blocks read from the cache)."""
+        c = len(self.owner)
         dynamic = sorted(b for b in chosen if b in cacheable)
         hits = {b for b in dynamic if b in self.held}
-        self.held = {b: e for b, e in self.held.items() if b in hits}
-        free = [e for e, b in enumerate(self.owner) if self.held.get(b) != e]
+        busy = {self.held[b] for b in hits}
+        turns = [(p, (self.cursor + p) % c) for p in range(c) if (self.cursor + p) % c not in busy]
         entry = {b: -1 for b in chosen}
         for b in hits:
             entry[b] = self.held[b]
-        for b, e in zip([b for b in dynamic if b not in hits], free):
+        misses = [b for b in dynamic if b not in hits]
+        for b, (_, e) in zip(misses, turns):
+            if self.owner[e] >= 0:
+                del self.held[self.owner[e]]
             self.held[b], self.owner[e], entry[b] = e, b, e
+        n_fill = min(len(misses), len(turns))
+        if n_fill:
+            self.cursor = (self.cursor + turns[n_fill - 1][0] + 1) % c
         return entry, hits
 
 
@@ -58,7 +68,7 @@ def test_select_top_keeps_the_cache_like_the_policy(monkeypatch: pytest.MonkeyPa
     k_row = torch.randint(width // 2, width + 3, (B, hkv), generator=gen)
     k_row[1, 2] = 0  # a streaming group
     total_hits = 0
-    for step in range(6):  # neighbouring steps: the same scores, a little noise, so most choices repeat
+    for step in range(8):  # neighbouring steps: the same scores, a little noise, so most choices repeat
         scores = base + torch.randn(B, hkv, nb, generator=gen) * 8.0
         scores = torch.where(pinned, torch.full_like(scores, PINNED_SCORE), scores)
         scores[..., :2] = float("-inf")
@@ -81,6 +91,8 @@ def test_select_top_keeps_the_cache_like_the_policy(monkeypatch: pytest.MonkeyPa
                 assert (entry[b, h, k:] == -1).all() and (hit[b, h, k:] == 0).all()
                 held = cache._tensors["held"][1, b, h].cpu()
                 assert {i: int(held[i]) for i in torch.nonzero(held >= 0).flatten().tolist()} == models[b][h].held
+                assert cache.owner(1)[b, h].tolist() == models[b][h].owner
+                assert int(cache._tensors["cursor"][1, b, h]) == models[b][h].cursor
                 total_hits += len(want_hits)
     assert total_hits > 0
     assert cache.take_hits() == total_hits and cache.take_hits() == 0
@@ -104,3 +116,27 @@ def test_a_change_of_sequences_clears_the_cache() -> None:
     serial = cache.serial
     assert cache.ensure(2, 32, (4,)) and cache.serial == serial + 1  # a new structure: reallocated
     assert cache.nbytes() == cache.bytes_for(cache.shape)
+
+
+def test_a_block_that_skips_a_step_still_hits() -> None:
+    cache = DeviceReuseCache(n_layers=1, hkv=1, g=16, d=8, dtype=torch.bfloat16, device=DEV)
+    assert cache.ensure(1, 16, (4,))  # two entries
+    cache.start_step((1,))
+    k = torch.full((1, 1), 1, device=DEV)  # one block per step
+
+    def choose(best: int) -> tuple[int, int]:
+        scores = torch.zeros(1, 1, 16)
+        scores[0, 0, best] = 5.0
+        ids = torch.empty(1, 1, 4, dtype=torch.long, device=DEV)
+        vals = torch.empty(1, 1, 4, device=DEV)
+        views = cache.views(0, 4)
+        device_topk.select_top(scores.to(DEV), k.to(DEV), ids, vals, views)
+        return int(views.entry[0, 0, 0]), int(views.hit[0, 0, 0])
+
+    assert choose(3) == (0, 0)  # a miss, kept in entry 0
+    assert choose(7) == (1, 0)  # another block: the next entry in turn, block 3 stays
+    assert choose(3) == (0, 1)  # back after a step: read from the cache
+    # first filled, first refilled (a hit does not renew an entry): entry 0 comes next, block 3 leaves
+    assert choose(9) == (0, 0)
+    assert choose(7) == (1, 1)  # block 7, filled at the second step, is still there
+    assert choose(3) == (1, 0)  # block 3 left: a miss, into entry 1 (block 7 leaves)
