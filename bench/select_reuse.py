@@ -12,7 +12,9 @@ the CPU path on real prompts (greedy), records per decode step and per (layer, K
 
 mean and p10 over (group, step) pairs, and the block-weighted mean (sum of hits / sum of |D_t|: the share of PCIe
 blocks a cache would remove), per task and overall; plus mean |D_t|, mean pin count, and whether |D_t| stays
-constant per (layer, group) across a sequence's steps.
+constant per (layer, group) across a sequence's steps. Also the hit rate of the device path's reuse cache itself
+(fluxion_lite/reuse_cache.py's PolicyModel: the kernel's policy in plain Python) when each (layer, group) gets
+C = share x the layer's widest read (its top-k width) entries, for shares POLICY_SHARES (0.5 is REUSE_SHARE).
 
   python bench/select_reuse.py --length 4096 --samples niah_multikey_2:0 vt:0 --out-dir bench/results
   python bench/select_reuse.py --length 8192 --samples qa_1:0 --essay .ruler_ids/fidelity_essay_32768.json \
@@ -36,10 +38,12 @@ from pin_trace import Recorder  # noqa: E402
 from ruler_split import load_ids, model_tag  # noqa: E402
 
 from fluxion_lite.engine import Engine  # noqa: E402
+from fluxion_lite.reuse_cache import PolicyModel  # noqa: E402
 from fluxion_lite.sampling import SamplingParams  # noqa: E402
 from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
 
 WINDOWS = (1, 2, 4, 0)  # steps a cache keeps; 0: every earlier step of the sequence (an unbounded cache)
+POLICY_SHARES = (0.5, 1.0)  # reuse-cache entries per (layer, group) as a share of the layer's top-k width
 
 
 def wname(w: int) -> str:
@@ -62,6 +66,10 @@ def reuse_rows(rec: Recorder, plan: SparsePlan) -> tuple[list[dict[str, Any]], d
     sequence checks: how many (layer, group) keep |D_t| and |read_t| constant, pins missing from the reads."""
     rows: list[dict[str, Any]] = []
     keys = sorted({key for step in rec.steps for key in step})
+    width: dict[int, int] = defaultdict(int)  # per layer: the widest read of any group (the device top-k width)
+    for step in rec.steps:
+        for (layer, _), blocks in step.items():
+            width[layer] = max(width[layer], len(blocks))
     constant_d = constant_read = missing_pins = 0
     d_ranges: list[int] = []
     for layer, h in keys:
@@ -76,6 +84,9 @@ def reuse_rows(rec: Recorder, plan: SparsePlan) -> tuple[list[dict[str, Any]], d
         constant_d += len(set(sizes)) == 1
         constant_read += len({len(r) for r in reads}) == 1
         d_ranges.append(max(sizes) - min(sizes))
+        policies = {share: PolicyModel(max(1, int(np.ceil(share * width[layer])))) for share in POLICY_SHARES}
+        policy_hits = {share: [len(m.step(sorted(r), d_t)[1]) for r, d_t in zip(reads, d)]
+                       for share, m in policies.items()}  # from the first step on, as the device cache runs
         for t in range(1, len(d)):
             if not d[t]:
                 continue
@@ -88,6 +99,8 @@ def reuse_rows(rec: Recorder, plan: SparsePlan) -> tuple[list[dict[str, Any]], d
                 cache = set().union(*d[t - span : t])
                 row[f"hit{wname(w)}"] = len(d[t] & cache)
                 row[f"cache{wname(w)}"] = len(cache)
+            for share in POLICY_SHARES:
+                row[f"policy{share:g}"] = policy_hits[share][t]
             rows.append(row)
     checks = {"groups": len(keys), "constant_d": constant_d, "constant_read": constant_read,
               "max_d_range": max(d_ranges, default=0), "pins_not_read": missing_pins}
@@ -110,6 +123,11 @@ def summarise(rows: list[dict[str, Any]]) -> dict[str, Any]:
         out[f"reuse{w}_p10"] = float(np.percentile(ratio, 10))
         out[f"reuse{w}_weighted"] = float(sum(r[f"hit{w}"] for r in sub) / sum(r["d"] for r in sub))
         out[f"cache{w}_mean"] = float(np.mean([r[f"cache{w}"] / r["d"] for r in sub]))
+    for share in POLICY_SHARES:
+        key = f"policy{share:g}"
+        sub = [r for r in rows if key in r]
+        if sub:
+            out[f"{key}_weighted"] = float(sum(r[key] for r in sub) / sum(r["d"] for r in sub))
     return out
 
 
@@ -138,6 +156,10 @@ def show(result: dict[str, Any]) -> None:
                 f"block-weighted; cacheW: |union of last W steps' D| / |D_t|)",
                 result["by_task"] | {"overall": result["overall"]})
     print_table("overall by plan budget", result["overall_by_budget"])
+    print("\nreuse cache policy (PolicyModel), block-weighted hit rate with C = share x the layer's top-k width:")
+    for name, s in (result["by_task"] | {"overall": result["overall"]}).items():
+        print(f"{name:<18}" + "".join(f"  share {share:g}: {s[f'policy{share:g}_weighted']:.3f}" for share in
+                                      POLICY_SHARES if f"policy{share:g}_weighted" in s))
     for r in result["records"]:
         c = r["checks"]
         print(f"{r['task']}:{r['index']}: {r['prompt_tokens']} prompt tokens, {r['steps_recorded']} decode steps; "

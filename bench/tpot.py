@@ -434,6 +434,7 @@ def main() -> None:
                       f"   (fill {r['fill_s']:.1f}s)", flush=True)
                 out.write_text(json.dumps({"model": name, "weights": weights, "note": note, "machine": machine,
                                            "commit": commit, "command": "python " + " ".join(sys.argv),
+                                           "mode_names": "reuse",  # fluxion-gpu has the reuse cache (tpot_plot.py)
                                            "dtype": str(dtype), "plan": plan.source,
                                            "zero_copy": {"available": zc_ok, "why": zc_why,
                                                          "pcie_read_gbs": max((r.get("pcie_read_gbs", 0.0)

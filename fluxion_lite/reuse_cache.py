@@ -140,3 +140,35 @@ class DeviceReuseCache:
         total = int(self._tensors["hits"].item())
         new, self.hits_read = total - self.hits_read, total
         return new
+
+
+class PolicyModel:
+    """One (layer, row, group)'s cache in plain Python, step for step what device_topk's kernel does: an entry keeps
+    its block until a miss needs it; misses (in block order) take the entries not read this step in turn from a
+    rotating cursor. tests/test_reuse_cache.py holds the kernel to it; bench/select_reuse.py runs it on real
+    models' choices to give the hit rate of a cache of a given size."""
+
+    def __init__(self, entries: int):
+        self.held: dict[int, int] = {}  # block -> entry
+        self.owner = [-1] * entries  # entry -> block
+        self.cursor = 0
+
+    def step(self, chosen: list[int], cacheable: set[int]) -> tuple[dict[int, int], set[int]]:
+        """chosen blocks -> (entry per chosen block or -1, blocks read from the cache)."""
+        c = len(self.owner)
+        dynamic = sorted(b for b in chosen if b in cacheable)
+        hits = {b for b in dynamic if b in self.held}
+        busy = {self.held[b] for b in hits}
+        turns = [(p, (self.cursor + p) % c) for p in range(c) if (self.cursor + p) % c not in busy]
+        entry = {b: -1 for b in chosen}
+        for b in hits:
+            entry[b] = self.held[b]
+        misses = [b for b in dynamic if b not in hits]
+        for b, (_, e) in zip(misses, turns):
+            if self.owner[e] >= 0:
+                del self.held[self.owner[e]]
+            self.held[b], self.owner[e], entry[b] = e, b, e
+        n_fill = min(len(misses), len(turns))
+        if n_fill:
+            self.cursor = (self.cursor + turns[n_fill - 1][0] + 1) % c
+        return entry, hits

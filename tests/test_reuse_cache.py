@@ -10,40 +10,10 @@ import torch
 
 from fluxion_lite import device_topk
 from fluxion_lite.device_select import PINNED_SCORE
-from fluxion_lite.reuse_cache import DeviceReuseCache
+from fluxion_lite.reuse_cache import DeviceReuseCache, PolicyModel
 
 pytestmark = pytest.mark.skipif(device_topk.triton is None, reason="Triton not installed")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on a GPU, else interpreted
-
-
-class RowModel:
-    """One (row, group)'s cache as the policy defines it: an entry keeps its block until a miss needs it; misses
-    (in block order) take the entries not read this step in turn from a rotating cursor."""
-
-    def __init__(self, entries: int):
-        self.held: dict[int, int] = {}  # block -> entry
-        self.owner = [-1] * entries  # entry -> block
-        self.cursor = 0
-
-    def step(self, chosen: list[int], cacheable: set[int]) -> tuple[dict[int, int], set[int]]:
-        """chosen blocks -> (entry per chosen block or -1, blocks read from the cache)."""
-        c = len(self.owner)
-        dynamic = sorted(b for b in chosen if b in cacheable)
-        hits = {b for b in dynamic if b in self.held}
-        busy = {self.held[b] for b in hits}
-        turns = [(p, (self.cursor + p) % c) for p in range(c) if (self.cursor + p) % c not in busy]
-        entry = {b: -1 for b in chosen}
-        for b in hits:
-            entry[b] = self.held[b]
-        misses = [b for b in dynamic if b not in hits]
-        for b, (_, e) in zip(misses, turns):
-            if self.owner[e] >= 0:
-                del self.held[self.owner[e]]
-            self.held[b], self.owner[e], entry[b] = e, b, e
-        n_fill = min(len(misses), len(turns))
-        if n_fill:
-            self.cursor = (self.cursor + turns[n_fill - 1][0] + 1) % c
-        return entry, hits
 
 
 def reference_top(row: torch.Tensor, k: int) -> list[int]:
@@ -64,7 +34,7 @@ def test_select_top_keeps_the_cache_like_the_policy(monkeypatch: pytest.MonkeyPa
     gen = torch.Generator().manual_seed(nb + width)
     base = torch.randn(B, hkv, nb, generator=gen) * 40.0
     pinned = torch.rand(B, hkv, nb, generator=gen) < 0.1
-    models = [[RowModel(entries) for _ in range(hkv)] for _ in range(B)]
+    models = [[PolicyModel(entries) for _ in range(hkv)] for _ in range(B)]
     k_row = torch.randint(width // 2, width + 3, (B, hkv), generator=gen)
     k_row[1, 2] = 0  # a streaming group
     total_hits = 0
