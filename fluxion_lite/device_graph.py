@@ -159,11 +159,12 @@ class DeviceGraphedDecode:
         self.pool = (DevicePinPool(self.g, owner.cfg.n_kv_heads, owner.cfg.head_dim, owner.store.page_tokens,
                                    owner.store.dtype, owner.device, PIN_CACHE_SHARE)
                      if self.fused and os.environ.get("FLUXION_PIN_CACHE", "1") != "0" else None)
-        # blocks read over PCIe kept in device memory for the next steps (reuse_cache.py; FLUXION_REUSE_CACHE=0: off)
+        # blocks read over PCIe kept in device memory for the next steps (reuse_cache.py; FLUXION_REUSE_CACHE=0: off;
+        # FLUXION_PIN_CACHE=0 too: it promises no KV on the GPU beyond sink + window)
+        keep_kv = os.environ.get("FLUXION_PIN_CACHE", "1") != "0" and os.environ.get("FLUXION_REUSE_CACHE", "1") != "0"
         self.reuse = (DeviceReuseCache(owner.cfg.n_layers, owner.cfg.n_kv_heads, self.g, owner.cfg.head_dim,
                                        owner.store.dtype, owner.device)
-                      if self.fused and not self.torch_topk and os.environ.get("FLUXION_REUSE_CACHE", "1") != "0"
-                      else None)
+                      if self.fused and not self.torch_topk and keep_kv else None)
         self.reuse_on = False  # for the current step structure
         self.static: dict[tuple[object, ...], DeviceStep] = {}
         self.ds: DeviceStep | None = None

@@ -43,7 +43,7 @@ def _backends(plan: SparsePlan, cfg: object) -> list[SparseAttention]:
 @pytest.mark.parametrize("pin_fraction,short_scale,graphs,fused,pin_cache,reuse", [
     (0.0, 1.0, "step", False, False, False), (0.5, 1.0, "step", False, False, False),
     (0.5, 1.6, "step", False, False, False), (0.5, 1.0, "layer", False, False, False),
-    (0.5, 1.6, "step", True, False, False), (0.5, 1.6, "step", True, True, True), (0.0, 1.0, "step", True, False, True)])
+    (0.5, 1.6, "step", True, False, False), (0.5, 1.6, "step", True, True, True), (0.0, 1.0, "step", True, True, True)])
 def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, pin_fraction: float,
                                                            short_scale: float, graphs: str, fused: bool,
                                                            pin_cache: bool, reuse: bool) -> None:
@@ -55,7 +55,11 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)  # k_cap above the rows' own k: the masking is exercised
     monkeypatch.setenv("FLUXION_DEVICE_GRAPHS", graphs)  # one graph per step, or one per layer
     monkeypatch.setenv("FLUXION_PIN_CACHE", "1" if pin_cache else "0")  # pinned blocks read from device memory
-    monkeypatch.setenv("FLUXION_REUSE_CACHE", "1" if reuse else "0")  # earlier steps' blocks read from device memory
+    # earlier steps' blocks read from device memory; without the pin cache (FLUXION_PIN_CACHE=0) not even by default
+    if reuse or pin_cache:
+        monkeypatch.setenv("FLUXION_REUSE_CACHE", "1" if reuse else "0")
+    else:
+        monkeypatch.delenv("FLUXION_REUSE_CACHE", raising=False)
     eager, runner = _models(seed=7)
     cfg = eager.cfg
     # one block size (what the device summaries mirror), budgets that differ inside a layer, a streaming group
@@ -80,7 +84,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     assert hooked.whole_step == (graphs == "step") and hooked.fused == fused
     assert hooked.ds.k_cap.max() > hooked.ds.k_row.max().item()  # padded top-k, masked to each row's k
     assert bool(hooked.ds.pinned.any()) == bool(pin_fraction)  # the pins reached the device mask
-    if pin_cache:  # every pinned block has a place in the device cache holding its K/V
+    if pin_cache and pin_fraction:  # every pinned block has a place in the device cache holding its K/V
         ds = hooked.ds
         kv = hooked.pool.kv if hooked.pool is not None else None
         assert hooked.pin_cache and kv is not None
