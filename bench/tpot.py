@@ -153,7 +153,7 @@ def new_attention(model: Transformer, mode: str, context: int, batch: int, plan:
     if mode.startswith("fluxion-gpu"):
         os.environ["FLUXION_DEVICE_GRAPHS"] = "layer" if mode == "fluxion-gpu-layers" else "step"
         os.environ["FLUXION_PIN_CACHE"] = "0" if mode == "fluxion-gpu-nocache" else "1"  # read when the step is made
-        os.environ["FLUXION_REUSE_CACHE"] = "0" if mode in ("fluxion-gpu-nocache", "fluxion-gpu-noreuse") else "1"
+        os.environ["FLUXION_REUSE_CACHE"] = "0" if mode == "fluxion-gpu-noreuse" else "1"  # (nocache: off with it)
         attn: object = SparseAttention(model.cfg, plan, model.dtype, model.device, max_seqs=batch + 1, placement="gpu",
                                        selection="gpu")
     else:

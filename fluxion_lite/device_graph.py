@@ -165,7 +165,7 @@ class DeviceGraphedDecode:
         self.reuse = (DeviceReuseCache(owner.cfg.n_layers, owner.cfg.n_kv_heads, self.g, owner.cfg.head_dim,
                                        owner.store.dtype, owner.device)
                       if self.fused and not self.torch_topk and keep_kv else None)
-        self.reuse_on = False  # for the current step structure
+        self._reuse_now: DeviceReuseCache | None = None  # self.reuse when it holds the current step structure
         self.static: dict[tuple[object, ...], DeviceStep] = {}
         self.ds: DeviceStep | None = None
         self.st: DecodeStep | None = None
@@ -192,7 +192,7 @@ class DeviceGraphedDecode:
             self.static[self._shape] = DeviceStep(a, len(chunks), k_cap, nb // self.g, page_cap, self.fused)
         if self.reuse is not None:  # may reallocate: before the graphs' key is taken
             widths = tuple(int(w) for w in np.minimum(k_cap, nb // self.g).max(axis=1))  # per layer
-            self.reuse_on = self.reuse.ensure(len(chunks), nb // self.g, widths)
+            self._reuse_now = self.reuse if self.reuse.ensure(len(chunks), nb // self.g, widths) else None
         if self.pool is not None and a.pins is not None:  # may grow the pool: before the graphs' key is taken
             self.pool.reserve(a.pins, np.array([a._slot[c.seq_id] for c in chunks]))
 
@@ -204,6 +204,11 @@ class DeviceGraphedDecode:
     def pin_cache_bytes(self) -> int:
         """Device memory the pin cache holds."""
         return 0 if self.pool is None else self.pool.nbytes()
+
+    @property
+    def reuse_on(self) -> bool:
+        """Whether the current step structure reads and keeps blocks in the reuse cache."""
+        return self._reuse_now is not None
 
     def reuse_cache_bytes(self) -> int:
         """Device memory the reuse cache holds."""
@@ -241,9 +246,8 @@ class DeviceGraphedDecode:
         self._load_tables(ds)
         self._load_pins(ds, st)
         self._load_tasks(ds, st)
-        if self.reuse_on:
-            assert self.reuse is not None
-            self.reuse.start_step(tuple(c.seq_id for c in chunks))
+        if self._reuse_now is not None:
+            self._reuse_now.start_step(tuple(c.seq_id for c in chunks))
         self._t0 = time.perf_counter()
 
     def _load_tables(self, ds: DeviceStep) -> None:
@@ -306,9 +310,8 @@ class DeviceGraphedDecode:
             self.after_replay()
         if a.device.type == "cuda":
             torch.cuda.current_stream(a.device).synchronize()  # the step's end (the logits are read next)
-        if self.reuse_on:  # blocks read from the reuse cache did not cross PCIe
-            assert self.reuse is not None
-            self._count_pcie(-self.reuse.take_hits())
+        if self._reuse_now is not None:  # blocks read from the reuse cache did not cross PCIe
+            self._count_pcie(-self._reuse_now.take_hits())
         for layer in range(a.cfg.n_layers):
             ds.appenders[layer].run(a.store.view(layer))
         for c in self.chunks:
@@ -346,15 +349,15 @@ class DeviceGraphedDecode:
             width, flat_h, flat_j = flat
             scores = device_kernels.block_scores(qg, self.dsum.layer(layer), ds.slots, ds.bounds, ds.n_blocks,
                                                  ds.pinned[layer], ds.scores)
-            reuse = None
+            cache, reuse = self._reuse_now, None
             if self.torch_topk:
                 vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
             else:  # the same blocks, unordered, without a sort (device_topk's docstring says why)
                 n = ds.batch * self.a.cfg.n_kv_heads * width
                 ids = ds.top_ids[:n].view(ds.batch, -1, width)  # [B, Hkv, width]
                 vals = ds.top_vals[:n].view(ds.batch, -1, width)
-                if self.reuse_on and self.reuse is not None:
-                    reuse = self.reuse.views(layer, width)
+                if cache is not None:
+                    reuse = cache.views(layer, width)
                 device_topk.select_top(scores, ds.k_row[layer], ids, vals, reuse)
             span = self.feeder._span
             assert span is not None
@@ -363,8 +366,8 @@ class DeviceGraphedDecode:
                                            span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
                                            self.a.scale, ds.part_o, ds.part_m, ds.part_l,
                                            ds.pin_slot[layer] if pin else None, self.pool.kv if pin else None,
-                                           *((reuse.entry, reuse.hit, self.reuse.kv(layer))
-                                             if reuse is not None and self.reuse is not None else ()))
+                                           *((reuse.entry, reuse.hit, cache.kv(layer))
+                                             if reuse is not None and cache is not None else ()))
         device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
                                ds.stream_m, ds.stream_l, ds.out[layer])
 

@@ -66,7 +66,8 @@ def enabled(device: torch.device) -> bool:
     return _probed[key]
 
 
-def _pow2(n: int, floor: int = 1) -> int:
+def pow2(n: int, floor: int = 1) -> int:
+    """The smallest power of two >= n (and >= floor): Triton block sizes."""
     return max(floor, 1 << max(0, (n - 1).bit_length()))
 
 
@@ -342,7 +343,7 @@ def stream_attention(q: torch.Tensor, near: torch.Tensor, bias: torch.Tensor, gi
     _stream_attention_kernel[(B * hkv, splits)](q, near, bias, gidx, slots, out_o, out_m, out_l, B, hkv, r, ltot,
                                                 span, scale, q.stride(0), q.stride(1), q.stride(2), near.stride(0),
                                                 near.stride(1), near.stride(2), near.stride(3), D=d,
-                                                R_PAD=_pow2(r, 16), TILE=STREAM_TILE, num_warps=num_warps)
+                                                R_PAD=pow2(r, 16), TILE=STREAM_TILE, num_warps=num_warps)
 
 
 def block_scores(q: torch.Tensor, s: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, n_blocks: int,
@@ -358,7 +359,7 @@ def block_scores(q: torch.Tensor, s: torch.Tensor, slots: torch.Tensor, bounds: 
         q, s, slots, bounds, pins, out, B, hkv, r, n_blocks, q.stride(0), q.stride(1), q.stride(2),
         s.stride(0), s.stride(1), s.stride(2), pins.stride(0) if pinned is not None else 0,
         pins.stride(1) if pinned is not None else 0,
-        D=d, R_PAD=_pow2(r), BLOCK_N=block_n, HAS_PINS=pinned is not None, PINNED=PINNED_SCORE)
+        D=d, R_PAD=pow2(r), BLOCK_N=block_n, HAS_PINS=pinned is not None, PINNED=PINNED_SCORE)
     return out
 
 
@@ -400,7 +401,7 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
         pin_kv if has_cache else span, reuse_entry if has_reuse else k_row, reuse_hit if has_reuse else k_row,
         reuse_kv if has_reuse else span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
         tables.shape[1], page_tokens, cph, nbs, reuse_kv.shape[2] if has_reuse else 0, scale, q.stride(0),
-        q.stride(1), q.stride(2), tables.stride(0), D=d, G=g, R_PAD=_pow2(r, 16), CHUNK=CHUNK_TOKENS,
+        q.stride(1), q.stride(2), tables.stride(0), D=d, G=g, R_PAD=pow2(r, 16), CHUNK=CHUNK_TOKENS,
         HAS_CACHE=has_cache, HAS_REUSE=has_reuse)
 
 

@@ -25,13 +25,11 @@ from typing import NamedTuple
 
 import torch
 
+from .device_kernels import pow2, triton
 from .device_select import PINNED_SCORE
 
-try:  # as in device_kernels: the CPU wheel of torch ships no Triton
-    import triton
+if triton is not None:  # device_kernels imported it (the CPU wheel of torch ships no Triton)
     import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the install
-    triton = None  # type: ignore[assignment]
 
 MAX_BLOCKS = 16384  # longest row kept in registers (fp32 keys: 64 per thread at 8 warps)
 
@@ -121,10 +119,6 @@ if triton is not None:
         tl.atomic_add(hits_ptr, tl.sum(hit.to(tl.int64), axis=0))
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 class ReuseViews(NamedTuple):
     """One layer's reuse-cache state for select_top (reuse_cache.py owns the tensors)."""
     held: torch.Tensor  # int32 [B, Hkv, NB]: the entry holding each block, -1 when not cached
@@ -154,15 +148,16 @@ def select_top(scores: torch.Tensor, k_row: torch.Tensor, ids: torch.Tensor, val
             reuse.entry.fill_(-1)
             reuse.hit.zero_()
         return
-    nb_pad = _pow2(nb)
+    nb_pad = pow2(nb)
     c = 1
     if reuse is not None:
         c = reuse.owner.shape[2]
         assert reuse.held.shape == scores.shape and reuse.held.dtype == torch.int32 and reuse.held.is_contiguous()
         assert reuse.owner.shape[:2] == (B, hkv) and reuse.owner.is_contiguous()
         assert reuse.entry.shape == ids.shape and reuse.hit.shape == ids.shape and reuse.entry.is_contiguous()
-        assert reuse.scratch.numel() >= B * hkv * 2 * _pow2(c) and reuse.cursor.shape == (B, hkv)
+        assert reuse.scratch.numel() >= B * hkv * 2 * pow2(c) and reuse.cursor.shape == (B, hkv)
     r = reuse if reuse is not None else ReuseViews(*([k_row] * 7))  # any pointers when there is no cache
     _select_top_kernel[(B * hkv,)](scores, k_row, ids, vals, nb, width, r.held, r.owner, r.cursor, r.scratch,
-                                   r.entry, r.hit, r.hits, c, NB_PAD=nb_pad, W_PAD=_pow2(width), HAS_REUSE=reuse is not None,
-                                   C_PAD=_pow2(c), PINNED=PINNED_SCORE, num_warps=8 if nb_pad >= 4096 else 4)
+                                   r.entry, r.hit, r.hits, c, NB_PAD=nb_pad, W_PAD=pow2(width),
+                                   HAS_REUSE=reuse is not None, C_PAD=pow2(c), PINNED=PINNED_SCORE,
+                                   num_warps=8 if nb_pad >= 4096 else 4)

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .pinned import eligible_blocks
 from .sparse_plan import GRANULARITIES
 
 FEATURE_QUERIES = 8  # last prompt positions whose attention is measured (Q)
@@ -165,18 +166,17 @@ def _selection_plan(n: int, sink: int, window: int, dev: torch.device) -> tuple[
     that sum t takes: the top-k at each budget, then all eligible blocks (the outside mass). Cached: every layer of a
     prompt asks for the same N.
 
-    Eligible at granularity g: a g-block wholly after the sink's g-blocks and before the window's (one touching
-    the padding also touches the window). k = min(eligible, ceil(budget * N / g)) g-blocks, g/16 rows each."""
+    Eligible at granularity g: pinned.eligible_blocks, a g-block wholly after the sink's g-blocks and before the
+    window's (one touching the padding also touches the window). k = min(eligible, ceil(budget * N / g)) g-blocks,
+    g/16 rows each."""
     nb = -(-n // _TOP_G) * (_TOP_G // _G0)
     plan = np.zeros((1 + _TAKES, _ROWS, nb), np.float32)
     bias, takes = plan[0], plan[1:]
     bias[:] = -np.inf
     for level, g in enumerate(GRANULARITIES):
         per = g // _G0  # g=16 blocks per g-block
-        sink_hi = min(-(-sink // g) * g, n)
-        win_lo = max((max(n - window, 0) // g) * g, sink_hi)
-        first = -(-sink_hi // g)
-        count = max(0, win_lo // g - first)  # eligible g-blocks: first .. first + count - 1
+        first, last = eligible_blocks(g, n, sink, window)
+        count = last - first  # eligible g-blocks: first .. last - 1
         bias[level, first * per:(first + count) * per] = 0.0
         for t, budget in enumerate(RECALL_BUDGETS):
             takes[t, level, :min(count, math.ceil(budget * n / g)) * per] = 1.0

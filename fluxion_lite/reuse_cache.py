@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from .device_kernels import pow2
 from .device_topk import ReuseViews
 
 log = logging.getLogger(__name__)
@@ -38,12 +39,12 @@ REUSE_SHARE = 0.5  # entries per (layer, row, group), as a share of the layer's 
 FREE_MEMORY_SHARE = 0.25  # the cache may take at most this share of the free device memory, else it stays off
 
 
-def _pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 def _entries(width: int) -> int:
     return max(1, math.ceil(REUSE_SHARE * width))
+
+
+def _layout_bytes(layout: dict[object, tuple[tuple[int, ...], torch.dtype, int | None]]) -> int:
+    return sum(math.prod(size) * torch.empty(0, dtype=dtype).element_size() for size, dtype, _ in layout.values())
 
 
 class DeviceReuseCache:
@@ -56,9 +57,8 @@ class DeviceReuseCache:
         self.enabled = True
         self.rows_key: tuple[object, ...] = ()
         self.hits_read = 0  # hits already counted by take_hits()
-        self._tensors: dict[str, torch.Tensor] = {}
-        self._owner: list[torch.Tensor] = []
-        self._kv: list[torch.Tensor] = []
+        # "held", "cursor", "scratch", "entry", "hit", "hits", and per layer ("owner", l), ("kv", l): see _layout
+        self._tensors: dict[object, torch.Tensor] = {}
 
     def ensure(self, batch: int, n_blocks: int, widths: tuple[int, ...]) -> bool:
         """Tensors for a step of `batch` rows, `n_blocks` blocks and each layer's top-k width (0: no retrieval);
@@ -69,54 +69,57 @@ class DeviceReuseCache:
         if shape == self.shape:
             return True
         self._tensors.clear()  # the old structure's memory first
-        self._owner, self._kv = [], []
-        need = self.bytes_for(shape)
+        layout = self._layout(shape)
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
+            need = _layout_bytes(layout)
             if need > FREE_MEMORY_SHARE * free:
                 log.warning("reuse cache off: %.2f GB would exceed %.0f%% of the free device memory (%.2f GB)",
                             need / 1e9, 100 * FREE_MEMORY_SHARE, free / 1e9)
                 self.enabled = False
                 self.shape = (0, 0, ())
                 return False
-        L, B, H = self.n_layers, batch, self.hkv
-        dev = self.device
-        entries = [_entries(w) for w in widths]
-        self._tensors = {
-            "held": torch.full((L, B, H, n_blocks), -1, dtype=torch.int32, device=dev),
-            "cursor": torch.zeros(L, B, H, dtype=torch.int32, device=dev),
-            "scratch": torch.empty(B * H * 2 * _pow2(max(entries)), dtype=torch.int32, device=dev),
-            "entry": torch.full((B * H * max(widths),), -1, dtype=torch.int32, device=dev),
-            "hit": torch.zeros(B * H * max(widths), dtype=torch.int8, device=dev),
-            "hits": torch.zeros(1, dtype=torch.int64, device=dev),
-        }
-        self._owner = [torch.full((B, H, c), -1, dtype=torch.int32, device=dev) for c in entries]  # per layer
-        self._kv = [torch.empty(B, H, c, 2, self.g, self.d, dtype=self.dtype, device=dev) for c in entries]
+        self._tensors = {name: (torch.empty(size, dtype=dtype, device=self.device) if fill is None else
+                                torch.full(size, fill, dtype=dtype, device=self.device))
+                         for name, (size, dtype, fill) in layout.items()}
         self.shape = shape
         self.serial += 1
         self.rows_key = ()
         self.hits_read = 0
         return True
 
-    def bytes_for(self, shape: tuple[int, int, tuple[int, ...]]) -> int:
+    def _layout(self, shape: tuple[int, int, tuple[int, ...]]
+                ) -> dict[object, tuple[tuple[int, ...], torch.dtype, int | None]]:
+        """Every tensor of a structure: name -> (size, dtype, initial value or None for uninitialised)."""
         batch, n_blocks, widths = shape
-        rows = batch * self.hkv
-        entries = sum(_entries(w) for w in widths)
-        kv = rows * entries * 2 * self.g * self.d * torch.empty(0, dtype=self.dtype).element_size()
-        scratch = rows * (2 * _pow2(max(_entries(w) for w in widths)) * 4 + max(widths) * 5) + 8
-        return kv + rows * (self.n_layers * (n_blocks + 1) + entries) * 4 + scratch
+        L, B, H = self.n_layers, batch, self.hkv
+        entries = [_entries(w) for w in widths]
+        layout: dict[object, tuple[tuple[int, ...], torch.dtype, int | None]] = {
+            "held": ((L, B, H, n_blocks), torch.int32, -1),
+            "cursor": ((L, B, H), torch.int32, 0),
+            "scratch": ((B * H * 2 * pow2(max(entries)),), torch.int32, None),
+            "entry": ((B * H * max(widths),), torch.int32, -1),
+            "hit": ((B * H * max(widths),), torch.int8, 0),
+            "hits": ((1,), torch.int64, 0),
+        }
+        for layer, c in enumerate(entries):  # each layer's entries: a share of its own top-k width
+            layout[("owner", layer)] = ((B, H, c), torch.int32, -1)
+            layout[("kv", layer)] = ((B, H, c, 2, self.g, self.d), self.dtype, None)
+        return layout
+
+    def bytes_for(self, shape: tuple[int, int, tuple[int, ...]]) -> int:
+        return _layout_bytes(self._layout(shape))
 
     def nbytes(self) -> int:
-        tensors = [*self._tensors.values(), *self._owner, *self._kv] if self._tensors else []
-        return sum(t.numel() * t.element_size() for t in tensors)
+        return sum(t.numel() * t.element_size() for t in self._tensors.values())
 
     def start_step(self, rows_key: tuple[object, ...]) -> None:
         """Before a step (outside the graph): a change of the rows' sequences clears every entry."""
         if self._tensors and rows_key != self.rows_key:
             self._tensors["held"].fill_(-1)
             self._tensors["cursor"].zero_()
-            for owner in self._owner:
-                owner.fill_(-1)
+            for layer in range(self.n_layers):
+                self.owner(layer).fill_(-1)
             self.rows_key = rows_key
 
     def views(self, layer: int, width: int) -> ReuseViews:
@@ -124,14 +127,14 @@ class DeviceReuseCache:
         t = self._tensors
         B, H = self.shape[0], self.hkv
         n = B * H * width
-        return ReuseViews(t["held"][layer], self._owner[layer], t["cursor"][layer], t["scratch"],
+        return ReuseViews(t["held"][layer], self.owner(layer), t["cursor"][layer], t["scratch"],
                           t["entry"][:n].view(B, H, width), t["hit"][:n].view(B, H, width), t["hits"])
 
     def owner(self, layer: int) -> torch.Tensor:
-        return self._owner[layer]
+        return self._tensors[("owner", layer)]
 
     def kv(self, layer: int) -> torch.Tensor:
-        return self._kv[layer]
+        return self._tensors[("kv", layer)]
 
     def take_hits(self) -> int:
         """Blocks read from the cache since the last call (reads the device counter: call after a synchronise)."""

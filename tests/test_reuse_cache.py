@@ -11,14 +11,10 @@ import torch
 from fluxion_lite import device_topk
 from fluxion_lite.device_select import PINNED_SCORE
 from fluxion_lite.reuse_cache import DeviceReuseCache, PolicyModel
+from test_device_topk import reference_top
 
 pytestmark = pytest.mark.skipif(device_topk.triton is None, reason="Triton not installed")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on a GPU, else interpreted
-
-
-def reference_top(row: torch.Tensor, k: int) -> list[int]:
-    order = sorted(range(row.numel()), key=lambda i: (-float(row[i]), i))
-    return sorted(order[:k])
 
 
 @pytest.mark.parametrize("entries_share,nb,width", [(0.5, 64, 10), (1.5, 64, 10), (0.5, 300, 33)])
@@ -52,7 +48,7 @@ def test_select_top_keeps_the_cache_like_the_policy(monkeypatch: pytest.MonkeyPa
             for h in range(hkv):
                 k = min(int(k_row[b, h]), width)
                 row = scores[b, h]
-                chosen = reference_top(row, k)
+                chosen = sorted(reference_top(row.numpy(), k))
                 assert ids[b, h, :k].tolist() == chosen  # entries come out in block order
                 cacheable = {i for i in chosen if torch.isfinite(row[i]) and not pinned[b, h, i]}
                 want_entry, want_hits = models[b][h].step(chosen, cacheable)
