@@ -12,7 +12,8 @@ time (bench/tpot.py: ~60% of the step is the GPU waiting). Here the retrieval pa
                    (zero_copy.py), and one ragged attention over them (softmax per group by segment reductions)
   epilogue(layer)  LSE merge of streaming and retrieval parts -> o [B, Hq, D]
   after_replay()   (eager) one non-blocking D2H of every layer's new K/V
-  end()            one sync (the logits are read next anyway), then those K/V go into the host store
+  end()            while the device runs: the previous step's K/V into the host store, the likely next step
+                   planned; then one sync (the logits are read next anyway)
 
 Pin cache (kernel path; on unless FLUXION_PIN_CACHE=0; pin_pool.py): the pinned blocks, which top-k takes at every
 step, are copied to device memory once per sequence and read from there; PCIe then carries the dynamic blocks only.
@@ -49,7 +50,7 @@ from .attention import SeqChunk
 from .hybrid import lse_merge
 from .pin_pool import DevicePinPool, span_kv_rows
 from .reuse_cache import DeviceReuseCache
-from .sparse_graph import step_tasks, stream_layer
+from .sparse_graph import count_step, plan_tasks, stream_layer
 from .sparse_step import DecodeStep, GVALS
 
 if TYPE_CHECKING:
@@ -119,15 +120,19 @@ class DeviceStep:
             self.lse_ret = torch.full((batch, hkv, r), float("-inf"), dtype=torch.float32, device=dev)
             self.out_s: list[torch.Tensor | None] = [None] * n_layers
             self.lse_s: list[torch.Tensor | None] = [None] * n_layers
-        # every layer's new K/V for the host store: staged on the device, one D2H per step into pinned rows
+        # every layer's new K/V for the host store: staged on the device, one D2H per step into pinned rows. Two
+        # sets of host rows, used in turn: a step's rows are appended to the store during the next step (end()),
+        # while that step's D2H goes to the other set.
         self.stage = torch.zeros(n_layers, batch, 2, hkv, d, dtype=store.dtype, device=dev)  # [L, B, 2, Hkv, D]
-        self.kv_host = torch.zeros(n_layers, batch, 2, hkv, d, dtype=store.dtype, pin_memory=cuda)
-        self.slots32 = np.zeros(batch, np.int32)
-        self.appenders = []
-        for layer in range(n_layers):  # viewed as rows of [Hkv, D]: row 2b is batch row b's k, row 2b + 1 its v
-            rows = self.kv_host[layer].view(2 * batch, hkv, d)
-            self.appenders.append(native.PreparedAppend(store.view(0), self.slots32, np.arange(batch) * 2,
-                                                        rows[: 2 * batch - 1], rows[1:]))
+        self.kv_host = [torch.zeros(n_layers, batch, 2, hkv, d, dtype=store.dtype, pin_memory=cuda) for _ in "ab"]
+        self.slots32 = [np.zeros(batch, np.int32) for _ in "ab"]  # the store slots of each set's rows
+        self.appenders: list[list[native.PreparedAppend]] = []
+        for kv_host, slots32 in zip(self.kv_host, self.slots32):
+            # per layer, viewed as rows of [Hkv, D]: row 2b is batch row b's k, row 2b + 1 its v
+            rows = [kv_host[layer].view(2 * batch, hkv, d) for layer in range(n_layers)]
+            self.appenders.append([native.PreparedAppend(store.view(0), slots32, np.arange(batch) * 2,
+                                                         r[: 2 * batch - 1], r[1:]) for r in rows])
+        self.buf = 0  # the set of host rows this step's D2H fills
         self.pins_key: tuple[object, ...] = ()
         self.pin_count = np.zeros((n_layers, batch, hkv), np.int64)  # pinned blocks per (layer, row, group)
         # with the pin cache: each pinned block's entry in the pool (pin_pool.py), -1 when not cached
@@ -172,6 +177,15 @@ class DeviceGraphedDecode:
         self.chunks: list[SeqChunk] = []
         self._shape: tuple[object, ...] = ()
         self._t0 = 0.0
+        # Host work overlapped with the device step (FLUXION_STEP_OVERLAP=0: off, for A/B). At batch 1 on the H200
+        # host a step's host work took ~1.3 ms of a ~9.5 ms step with the GPU idle (session 11's cProfile): the
+        # next step's plan (~0.7 ms) and the store appends (~0.3 ms). With overlap, end() appends the previous
+        # step's K/V and plans the likely next step (the same rows, one token on) while the device runs; the host
+        # store then lags the device by one more token, which top-k never reads (the newest tokens are in the window).
+        self.overlap = os.environ.get("FLUXION_STEP_OVERLAP", "1") != "0"
+        self._queued: tuple[DeviceStep, int] | None = None  # (step structure, row set) appended at the next end()
+        self._ahead: tuple[object, tuple[np.ndarray, ...]] | None = None  # (DecodeStep key, _plan_tasks of it)
+        self.planned_ahead = 0  # steps that found their plan made by the previous end()
 
     # ---- the step's structure (decode_hooks calls prepare before key) -------------------------------------------
     def prepare(self, chunks: list[SeqChunk]) -> None:
@@ -231,15 +245,16 @@ class DeviceGraphedDecode:
         a = self.a
         self.chunks = chunks
         for layer in range(a.cfg.n_layers):  # K/V queued by an eager step go in first
-            a._flush(layer)
-        self.st = st = a._step_for(chunks)
+            a._flush_eager(layer)
+        self.st = st = a._step_for(chunks)  # planned by the last end() when these are its rows one token on
         self.ds = ds = self.static[self._shape]
-        a.store.reserve_decode(st.slots)  # pages for this step's appends, before the tables are copied
+        # pages for this step's appends (and the queued step's), before the tables are copied
+        a.store.reserve_decode(st.slots, 2 if self.overlap else 1)
         ds.slots.copy_(st.slots_dev)
         ds.pos.copy_(st.pos_dev)
         ds.ring.copy_(st.ring_dev)
         ds.bias.copy_(st.bias)
-        ds.slots32[:] = st.slots
+        ds.slots32[ds.buf][:] = st.slots
         gi = GVALS.index(self.g)
         lo, hi = st.sink_hi[gi] // self.g, st.win_lo[gi] // self.g  # [B] eligible blocks, as the eager path's
         ds.bounds.copy_(torch.from_numpy(np.stack([lo, hi])))
@@ -265,18 +280,46 @@ class DeviceGraphedDecode:
         """Each (layer, row, group)'s k as the host paths compute it (sparse_graph.step_tasks, which also adds the
         step's streaming and context counters), the tokens it selects, and the bytes fetched over PCIe."""
         a = self.a
-        tasks, _, ends, selected = step_tasks(a, st)  # tasks: int32 [T, 9] (slot, row, group, g, k, ...)
-        layer_of = np.repeat(np.arange(len(ends) - 1), np.diff(ends))  # [T]
-        rows, heads = tasks[:, 1].astype(np.int64), tasks[:, 2].astype(np.int64)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and ahead[0] == st.key:
+            layer_of, rows, heads, k_task, selected = ahead[1]
+            self.planned_ahead += 1
+        else:
+            layer_of, rows, heads, k_task, selected = self._plan_tasks(st)
+        count_step(a, st)
         k_row = np.zeros(ds.k_row.shape, np.int64)  # [L, B, Hkv]
-        k_row[layer_of, rows, heads] = np.minimum(tasks[:, 4], ds.k_cap[layer_of, heads])
+        k_row[layer_of, rows, heads] = np.minimum(k_task, ds.k_cap[layer_of, heads])
         ds.k_row.copy_(torch.from_numpy(k_row))
-        a._read_tokens += float(selected.sum())
+        a._read_tokens += float(selected)
         # the kernels skip masked ranks; the torch path reads every rank up to k_cap and masks afterwards
         fetched = int(k_row.sum()) if self.fused else ds.fetched_blocks
         if self.pin_cache:  # pinned blocks rank first and come from the device cache
             fetched -= int(np.minimum(k_row, ds.pin_count).sum())
         self._count_pcie(fetched)
+
+    def _plan_tasks(self, st: DecodeStep) -> tuple[np.ndarray, ...]:
+        """sparse_graph.plan_tasks reduced to what _load_tasks needs: each task's layer, row, group and k (int64
+        [T] each) and the tokens the step selects (an int64 scalar)."""
+        tasks, _, ends, selected = plan_tasks(self.a, st)  # tasks: int32 [T, 9] (slot, row, group, g, k, ...)
+        layer_of = np.repeat(np.arange(len(ends) - 1), np.diff(ends))  # [T]
+        return (layer_of, tasks[:, 1].astype(np.int64), tasks[:, 2].astype(np.int64), tasks[:, 4].astype(np.int64),
+                selected.sum())
+
+    def _plan_next(self) -> None:
+        """The likely next step (these rows, one token on) planned while the device runs this one: its DecodeStep
+        (SparseAttention._step_for keeps it) and its tasks; begin() uses them when the rows are as expected."""
+        nxt = [SeqChunk(c.seq_id, c.start + c.length, 1) for c in self.chunks]
+        st = self.a._step_for(nxt)
+        self._ahead = (st.key, self._plan_tasks(st))
+
+    def flush_appends(self) -> None:
+        """The queued step's K/V into the host store (SparseAttention._flush calls it before anything reads the
+        store: a free, an eager step, an import)."""
+        if self._queued is not None:
+            ds, buf = self._queued
+            self._queued = None
+            for layer, appender in enumerate(ds.appenders[buf]):
+                appender.run(self.a.store.view(layer))
 
     def _count_pcie(self, blocks: int) -> None:
         """Blocks read from the host store over PCIe (K and V, 16-bit), in the backend's byte counters."""
@@ -308,12 +351,17 @@ class DeviceGraphedDecode:
         assert ds is not None
         if not self.whole_step:  # per-layer graphs: after_replay() was not called
             self.after_replay()
+        if self.overlap:  # host work while the device runs the step (see __init__)
+            self.flush_appends()  # the previous step's K/V: its D2H finished before that step's end
+            self._plan_next()
         if a.device.type == "cuda":
             torch.cuda.current_stream(a.device).synchronize()  # the step's end (the logits are read next)
         if self._reuse_now is not None:  # blocks read from the reuse cache did not cross PCIe
             self._count_pcie(-self._reuse_now.take_hits())
-        for layer in range(a.cfg.n_layers):
-            ds.appenders[layer].run(a.store.view(layer))
+        self._queued = (ds, ds.buf)
+        ds.buf ^= 1  # the next step's D2H goes to the other rows
+        if not self.overlap:
+            self.flush_appends()
         for c in self.chunks:
             a._len[c.seq_id] = c.start + c.length
         a._st.steps += 1
@@ -421,4 +469,4 @@ class DeviceGraphedDecode:
     def after_replay(self) -> None:
         ds = self.ds
         assert ds is not None
-        ds.kv_host.copy_(ds.stage, non_blocking=True)  # every layer's new K/V, queued after the step's replay
+        ds.kv_host[ds.buf].copy_(ds.stage, non_blocking=True)  # every layer's new K/V, queued after the replay

@@ -183,12 +183,14 @@ class HostKVStore:
         row_start[1:] = np.cumsum(counts_a)[:-1]
         native.append(self._views[layer], slots_a.astype(np.int32), row_start, counts_a, k, v)
 
-    def reserve_decode(self, slots: np.ndarray) -> None:
-        """Pages for one more token of each slot (int64 [B], allocated) in every layer, ahead of a decode step's
-        appends: those then never change a page table, so views fetched after this call stay valid for the step."""
+    def reserve_decode(self, slots: np.ndarray, ahead: int = 1) -> None:
+        """Pages for `ahead` more tokens of each slot (int64 [B], allocated) in every layer, ahead of a decode step's
+        appends: those then never change a page table, so views fetched after this call stay valid for the step.
+        ahead = 2 where the appends lag a step behind (device_graph.py: the step's own token and the one queued)."""
         n = self._n_tokens[:, slots]  # [L, B]
-        for layer, i in zip(*np.nonzero(n % self.page_tokens == 0)):
-            self._ensure_pages(int(layer), int(slots[i]), int(n[layer, i]) + 1)
+        pages = -(-n // self.page_tokens)
+        for layer, i in zip(*np.nonzero(-(-(n + ahead) // self.page_tokens) > pages)):
+            self._ensure_pages(int(layer), int(slots[i]), int(n[layer, i]) + ahead)
 
     # ---- what the kernels need ----
 

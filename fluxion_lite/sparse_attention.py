@@ -395,6 +395,12 @@ class SparseAttention(AttentionBackend):
         self._pending[layer] = (st.slots.tolist(), B, ev)
 
     def _flush(self, layer: int) -> None:
+        """Everything queued for the host store goes in (before anything reads it or appends to it)."""
+        self._flush_eager(layer)
+        if self._device_graphed is not None:  # the last device-graphed step's K/V (every layer)
+            self._device_graphed.flush_appends()
+
+    def _flush_eager(self, layer: int) -> None:
         p = self._pending[layer]
         if p is None:
             return

@@ -51,25 +51,38 @@ GPU_STEP_SPIN_US = 2000.0
 
 
 def step_tasks(a: SparseAttention, st: DecodeStep) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
+    """plan_tasks, and the step's read and streaming counters (count_step), which the eager path adds layer by
+    layer."""
+    count_step(a, st)
+    return plan_tasks(a, st)
+
+
+def plan_tasks(a: SparseAttention, st: DecodeStep) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
     """Every layer's retrieval tasks of a step in one pass over [L, B, Hkv] (sparse_step.retrieval_tasks on the static
-    plan's arrays); also adds the step's read and streaming counters, which the eager path adds layer by layer.
+    plan's arrays); no side effects, so a step may be planned ahead (device_graph.py's look-ahead).
     Returns the task table int32 [T, 9] (layer-major), each task's result row (sequence row * Hkv + group, int64
     [T], ascending within a layer), the layer boundaries (layer l's tasks are rows ends[l] .. ends[l + 1]) and
     each task's selected tokens as top-k will select them (int64 [T]): min(k, eligible blocks) blocks of g tokens,
     the eligible blocks being those wholly inside the g-aligned gap [lo, hi) between sink and window (at host(l)
     the store holds n - 1 >= hi tokens of the layer, so no block past hi exists to be excluded)."""
-    n_layers, hkv, B = a.cfg.n_layers, a.cfg.n_kv_heads, st.batch
+    n_layers, hkv = a.cfg.n_layers, a.cfg.n_kv_heads
     gi = a._gidx[:, None, :]  # [L, 1, Hkv]
     tasks, li, bi, h, k_blocks, lo, hi = retrieval_tasks(st, gi, a._g[:, None, :], a._retrieval[:, None, :],
                                                 a._budget[:, None, :])
-    a._read_tokens += float(st.stream_read[gi, np.arange(B)[None, :, None]].sum())
-    a._context_tokens += float(st.n.sum()) * hkv * n_layers
-    a._stream_groups += float(n_layers * B * hkv - B * a._retrieval.sum())
-    a._all_groups += float(n_layers * B * hkv)
     ends = np.searchsorted(li, np.arange(n_layers + 1))  # li is layer-major
     g = tasks[:, 3].astype(np.int64)
     selected = np.minimum(k_blocks, (hi - lo) // g) * g
     return tasks, bi * hkv + h, ends.tolist(), selected
+
+
+def count_step(a: SparseAttention, st: DecodeStep) -> None:
+    """The step's streaming reads and context, streaming and all groups into the backend's counters (stats())."""
+    n_layers, hkv, B = a.cfg.n_layers, a.cfg.n_kv_heads, st.batch
+    gi = a._gidx[:, None, :]  # [L, 1, Hkv]
+    a._read_tokens += float(st.stream_read[gi, np.arange(B)[None, :, None]].sum())
+    a._context_tokens += float(st.n.sum()) * hkv * n_layers
+    a._stream_groups += float(n_layers * B * hkv - B * a._retrieval.sum())
+    a._all_groups += float(n_layers * B * hkv)
 
 
 def expected_sizes(selected: np.ndarray, ends: list[int]) -> list[tuple[int, int]]:

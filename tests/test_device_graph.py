@@ -40,13 +40,14 @@ def _backends(plan: SparsePlan, cfg: object) -> list[SparseAttention]:
                             selection="gpu", costs=COSTS, zero_copy=True) for _ in range(2)]
 
 
-@pytest.mark.parametrize("pin_fraction,short_scale,graphs,fused,pin_cache,reuse", [
-    (0.0, 1.0, "step", False, False, False), (0.5, 1.0, "step", False, False, False),
-    (0.5, 1.6, "step", False, False, False), (0.5, 1.0, "layer", False, False, False),
-    (0.5, 1.6, "step", True, False, False), (0.5, 1.6, "step", True, True, True), (0.0, 1.0, "step", True, True, True)])
+@pytest.mark.parametrize("pin_fraction,short_scale,graphs,fused,pin_cache,reuse,overlap", [
+    (0.0, 1.0, "step", False, False, False, True), (0.5, 1.0, "step", False, False, False, True),
+    (0.5, 1.0, "step", False, False, False, False), (0.5, 1.6, "step", False, False, False, True),
+    (0.5, 1.0, "layer", False, False, False, True), (0.5, 1.6, "step", True, False, False, True),
+    (0.5, 1.6, "step", True, True, True, True), (0.0, 1.0, "step", True, True, True, True)])
 def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, pin_fraction: float,
                                                            short_scale: float, graphs: str, fused: bool,
-                                                           pin_cache: bool, reuse: bool) -> None:
+                                                           pin_cache: bool, reuse: bool, overlap: bool) -> None:
     if fused:  # device_kernels' Triton kernels (the interpreter's, without CUDA) instead of the torch ops
         pytest.importorskip("triton")
         if torch.cuda.is_available():
@@ -55,6 +56,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)  # k_cap above the rows' own k: the masking is exercised
     monkeypatch.setenv("FLUXION_DEVICE_GRAPHS", graphs)  # one graph per step, or one per layer
     monkeypatch.setenv("FLUXION_PIN_CACHE", "1" if pin_cache else "0")  # pinned blocks read from device memory
+    monkeypatch.setenv("FLUXION_STEP_OVERLAP", "1" if overlap else "0")  # host work while the device runs
     # earlier steps' blocks read from device memory; without the pin cache (FLUXION_PIN_CACHE=0) not even by default
     if reuse or pin_cache:
         monkeypatch.setenv("FLUXION_REUSE_CACHE", "1" if reuse else "0")
@@ -114,6 +116,15 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     s_eager, s_hooked = backends[0].stats(), backends[1].stats()
     assert s_hooked["kv_read_fraction"] == pytest.approx(s_eager["kv_read_fraction"])
     assert s_hooked["cpu_topk_ms"] == 0.0 and s_hooked["cpu_attn_ms"] == 0.0  # nothing ran on the host
+    # with overlap, every step but the first hooked one (after an eager step) found its plan made ahead, and the
+    # last step's K/V wait for a flush (as the eager path's do); without, they are in the store at the step's end
+    assert hooked.overlap == overlap and hooked.planned_ahead == (7 if overlap else 0)
+    lag = 1 if overlap else 0
+    for layer in range(cfg.n_layers):
+        for slot in range(len(lengths)):
+            n = lengths[slot] + 1 + 8
+            assert backends[1].store.n_tokens(layer, slot) == n - lag
+            assert backends[0].store.n_tokens(layer, slot) == n - 1
     for a in backends:
         a.flush()
     for layer in range(cfg.n_layers):  # the host store got every decoded token's K/V, as the eager path's
