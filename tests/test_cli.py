@@ -225,8 +225,23 @@ def test_ctrl_c_exits_130_without_traceback() -> None:
         [str(CONSOLE_SCRIPT), "generate", "--prompt-file", "-"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    time.sleep(1.5)  # let it reach the read
+    _wait_for_stdin_read(proc.pid)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err
     assert "Traceback" not in err and out == ""
+
+
+def _wait_for_stdin_read(pid: int, timeout: float = 30.0) -> None:
+    """Until the process blocks in read(0, ...) (Linux: /proc/PID/syscall starts with syscall 0 on fd 0), or 1.5 s
+    where that file cannot be read. A fixed sleep was not enough on a loaded machine (CI ran it next to other work)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/syscall") as f:
+                if f.read().startswith("0 0x0 "):
+                    return
+        except OSError:
+            time.sleep(1.5)
+            return
+        time.sleep(0.05)

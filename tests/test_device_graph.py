@@ -152,6 +152,51 @@ def test_structure_changes_only_per_bucket(monkeypatch: pytest.MonkeyPatch) -> N
         a.executor.close()
 
 
+def test_queued_appends_reach_the_store_before_an_eager_step_and_a_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With overlap (the default) a device step's K/V wait in pinned rows until the next step's end; a mixed step
+    (a new prompt next to decode rows, the eager path) and a free must append them first, in order."""
+    monkeypatch.setenv("FLUXION_TRITON", "0")
+    monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)
+    eager, runner = _models(seed=11)
+    cfg = eager.cfg
+    plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * 2, source="test")
+    backends = _backends(plan, cfg)
+    g = torch.Generator().manual_seed(6)
+    lengths = [200, 300]
+    prefill((eager, runner), backends, [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths])
+    decode_and_compare(eager, runner, backends, lengths, 4, g, cfg.vocab_size)  # eager first step, 3 device steps
+    hooked = backends[1]._device_graphed
+    assert hooked is not None and hooked.overlap and hooked._queued is not None
+    # a mixed step: sequence 2's prompt next to one decode token of each running sequence
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=g)
+    pos = [n + 4 for n in lengths]
+    toks = torch.cat([torch.randint(0, cfg.vocab_size, (2,), generator=g), prompt])
+    positions = torch.cat([torch.tensor(pos), torch.arange(40)])
+    chunks = [SeqChunk(0, pos[0], 1), SeqChunk(1, pos[1], 1), SeqChunk(2, 0, 40)]
+    outs = []
+    for m, a in zip((eager, runner), backends):
+        a.allocate(2)
+        outs.append(m.forward(toks, positions, chunks, a))
+    torch.testing.assert_close(outs[1], outs[0], rtol=2e-4, atol=2e-4)
+    assert hooked._queued is None  # the eager step appended the queued K/V before its own
+    decode_and_compare(eager, runner, backends, [p + 1 for p in pos] + [40], 3, g, cfg.vocab_size)
+    for a in backends:
+        a.free(1)  # appends what is queued, then releases the slot
+    assert hooked._queued is None
+    for layer in range(cfg.n_layers):
+        for slot in (0, 2):
+            assert backends[1].store.n_tokens(layer, slot) >= backends[0].store.n_tokens(layer, slot) - 1
+    for a in backends:
+        a.flush()
+    for layer in range(cfg.n_layers):
+        for slot in (0, 2):
+            assert backends[1].store.n_tokens(layer, slot) == backends[0].store.n_tokens(layer, slot)
+            torch.testing.assert_close(backends[1].store.read(layer, slot)[0], backends[0].store.read(layer, slot)[0])
+            torch.testing.assert_close(backends[1].store.read(layer, slot)[1], backends[0].store.read(layer, slot)[1])
+    for a in backends:
+        a.executor.close()
+
+
 def test_pinned_blocks_score_first_but_stay_inside_the_eligible_range() -> None:
     from fluxion_lite.device_select import DeviceSummaries, round_down_bf16, round_up_bf16
 

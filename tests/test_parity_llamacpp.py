@@ -49,5 +49,9 @@ def test_greedy_chat_diverges_only_at_near_ties(pair: tuple[Engine, object]) -> 
         if diff is None:
             identical += 1
         else:
-            assert gaps[diff] < 0.3, f"{prompt!r}: diverged at token {diff} where llama.cpp's top-2 gap is {gaps[diff]}"
+            # a near tie, by the same 0.5 as above: llama.cpp rounds every matmul input to 8 bits (Q8 blocks), which
+            # moves its logits against our exact fp32 forward by a std of 0.12-0.16 on these prompts; on an AVX2-only
+            # VM (AMD EPYC) it chose 'L' over 'The' for the first prompt by 0.35, and our forward with its activation
+            # rounding emulated (bench/parity_activation_quant.py's q8_round) chooses 'L' too
+            assert gaps[diff] < 0.5, f"{prompt!r}: diverged at token {diff} where llama.cpp's top-2 gap is {gaps[diff]}"
     assert identical >= 1
