@@ -224,6 +224,9 @@ def test_ctrl_c_exits_130_without_traceback() -> None:
     proc = subprocess.Popen(
         [str(CONSOLE_SCRIPT), "generate", "--prompt-file", "-"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        # a test run started in the background (`make test &`) inherits SIGINT ignored, and so would the CLI (as
+        # any program there should): give the child the default disposition, as a terminal's foreground job has
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )  # fmt: skip
     _wait_for_stdin_read(proc.pid)
     proc.send_signal(signal.SIGINT)
@@ -234,7 +237,7 @@ def test_ctrl_c_exits_130_without_traceback() -> None:
 
 def _wait_for_stdin_read(pid: int, timeout: float = 30.0) -> None:
     """Until the process blocks in read(0, ...) (Linux: /proc/PID/syscall starts with syscall 0 on fd 0), or 1.5 s
-    where that file cannot be read. A fixed sleep was not enough on a loaded machine (CI ran it next to other work)."""
+    where that file cannot be read (a fixed sleep raced the CLI's start-up)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
