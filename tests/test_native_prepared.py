@@ -152,24 +152,31 @@ def test_append_from_strided_staging_rows_matches_append_batch() -> None:
         native.PreparedAppend(a.view(0), slots32, 0, rows.half(), rows.half())
 
 
-def test_reserve_decode_leaves_the_step_no_page_table_change() -> None:
+@pytest.mark.parametrize("ahead", [1, 2])
+def test_reserve_decode_leaves_the_step_no_page_table_change(ahead: int) -> None:
+    """Pages for `ahead` tokens per slot: that many appends (the device path's queued token and its own) change no
+    page table, whether a slot ends at a page boundary or one token before it."""
     store = HostKVStore(3, H, D, dtype=torch.bfloat16, max_seqs=3, initial_pages_per_seq=1)
-    slots = np.array([store.allocate(), store.allocate()], np.int64)
+    slots = np.array([store.allocate(), store.allocate(), store.allocate()], np.int64)
+    lengths = (256, 100, 255)  # slot 0 ends exactly at a page boundary, slot 2 one token before one
     g = torch.Generator().manual_seed(5)
     for layer in range(3):
-        for slot, n in zip(slots.tolist(), (256, 100)):  # slot 0 ends exactly at a page boundary
+        for slot, n in zip(slots.tolist(), lengths):
             store.append(layer, slot, torch.randn(n, H, D, generator=g).bfloat16(),
                          torch.randn(n, H, D, generator=g).bfloat16())
-    store.reserve_decode(slots)
+    store.reserve_decode(slots, ahead)
     views = [store.view(layer) for layer in range(3)]
     versions = store.layer_version.copy()
-    k = torch.randn(2, H, D, generator=g).bfloat16()
-    for layer in range(3):
-        native.append(views[layer], slots.astype(np.int32), np.arange(2), 1, k, k)
+    ks = [torch.randn(3, H, D, generator=g).bfloat16() for _ in range(ahead)]
+    for k in ks:
+        for layer in range(3):
+            native.append(views[layer], slots.astype(np.int32), np.arange(3), 1, k, k)
     assert all(store.view(layer) is views[layer] for layer in range(3))
     np.testing.assert_array_equal(store.layer_version, versions)
-    assert [store.n_tokens(layer, int(slots[0])) for layer in range(3)] == [257] * 3
-    torch.testing.assert_close(store.read(2, int(slots[0]))[0][256], k[0], rtol=0, atol=0)
+    for i, n in enumerate(lengths):
+        assert [store.n_tokens(layer, int(slots[i])) for layer in range(3)] == [n + ahead] * 3
+        for j, k in enumerate(ks):
+            torch.testing.assert_close(store.read(2, int(slots[i]))[0][n + j], k[i], rtol=0, atol=0)
 
 
 def test_select_attend_writes_rows_in_place_like_topk_then_attention() -> None:
