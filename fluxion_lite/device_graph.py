@@ -277,8 +277,9 @@ class DeviceGraphedDecode:
                 ds.table_keys[layer] = tkey
 
     def _load_tasks(self, ds: DeviceStep, st: DecodeStep) -> None:
-        """Each (layer, row, group)'s k as the host paths compute it (sparse_graph.step_tasks, which also adds the
-        step's streaming and context counters), the tokens it selects, and the bytes fetched over PCIe."""
+        """Each (layer, row, group)'s k as the host paths compute it (sparse_graph.plan_tasks, made by the previous
+        end() when it planned these rows; count_step adds the step's streaming and context counters), the tokens it
+        selects, and the bytes fetched over PCIe."""
         a = self.a
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == st.key:
