@@ -124,8 +124,8 @@ class DeviceStep:
         # sets of host rows, used in turn: a step's rows are appended to the store during the next step (end()),
         # while that step's D2H goes to the other set.
         self.stage = torch.zeros(n_layers, batch, 2, hkv, d, dtype=store.dtype, device=dev)  # [L, B, 2, Hkv, D]
-        self.kv_host = [torch.zeros(n_layers, batch, 2, hkv, d, dtype=store.dtype, pin_memory=cuda) for _ in "ab"]
-        self.slots32 = [np.zeros(batch, np.int32) for _ in "ab"]  # the store slots of each set's rows
+        self.kv_host = [torch.zeros(n_layers, batch, 2, hkv, d, dtype=store.dtype, pin_memory=cuda) for _ in range(2)]
+        self.slots32 = [np.zeros(batch, np.int32) for _ in range(2)]  # the store slots of each set's rows
         self.appenders: list[list[native.PreparedAppend]] = []
         for kv_host, slots32 in zip(self.kv_host, self.slots32):
             # per layer, viewed as rows of [Hkv, D]: row 2b is batch row b's k, row 2b + 1 its v

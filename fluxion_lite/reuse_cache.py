@@ -44,7 +44,7 @@ def _entries(width: int) -> int:
 
 
 def _layout_bytes(layout: dict[object, tuple[tuple[int, ...], torch.dtype, int | None]]) -> int:
-    return sum(math.prod(size) * torch.empty(0, dtype=dtype).element_size() for size, dtype, _ in layout.values())
+    return sum(math.prod(size) * dtype.itemsize for size, dtype, _ in layout.values())
 
 
 class DeviceReuseCache:

@@ -50,13 +50,6 @@ LOG = logging.getLogger("fluxion_lite.sparse_graph")
 GPU_STEP_SPIN_US = 2000.0
 
 
-def step_tasks(a: SparseAttention, st: DecodeStep) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
-    """plan_tasks, and the step's read and streaming counters (count_step), which the eager path adds layer by
-    layer."""
-    count_step(a, st)
-    return plan_tasks(a, st)
-
-
 def plan_tasks(a: SparseAttention, st: DecodeStep) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
     """Every layer's retrieval tasks of a step in one pass over [L, B, Hkv] (sparse_step.retrieval_tasks on the static
     plan's arrays); no side effects, so a step may be planned ahead (device_graph.py's look-ahead).
@@ -87,7 +80,7 @@ def count_step(a: SparseAttention, st: DecodeStep) -> None:
 
 def expected_sizes(selected: np.ndarray, ends: list[int]) -> list[tuple[int, int]]:
     """Per layer (selected tokens of all its tasks, of its smallest non-empty task; 0, 0 without tasks) from each
-    task's selected tokens [T] and the layer boundaries (step_tasks)."""
+    task's selected tokens [T] and the layer boundaries (plan_tasks)."""
     starts, stops = np.array(ends[:-1]), np.array(ends[1:])
     busy = stops > starts  # layers with tasks: reduceat over their starts covers exactly their rows
     totals, smallest = np.zeros(len(starts), np.int64), np.zeros(len(starts), np.int64)
@@ -191,7 +184,7 @@ class GraphedDecode:
         self.ss: StaticStep | None = None
         self.st: DecodeStep | None = None
         self.chunks: list[SeqChunk] = []
-        # the step's tasks (step_tasks): table, result row, layer boundaries; their prepared native calls; the
+        # the step's tasks (plan_tasks): table, result row, layer boundaries; their prepared native calls; the
         # layers' store views (valid for the step: see begin)
         self.tasks = np.zeros((0, native.TASK_FIELDS), np.int32)
         self.bh = np.zeros(0, np.int64)
@@ -228,7 +221,8 @@ class GraphedDecode:
         a.store.reserve_decode(st.slots)  # before the views are fetched: the step's appends add no pages
         ss.slots32[:] = st.slots
         self.views = [a.store.view(layer) for layer in range(a.cfg.n_layers)]
-        self.tasks, self.bh, self.ends, selected = step_tasks(a, st)
+        count_step(a, st)  # the counters the eager path adds layer by layer
+        self.tasks, self.bh, self.ends, selected = plan_tasks(a, st)
         # what top-k will select, per layer: all the scheduler needs to see that a layer goes all-CPU (auto only)
         self.expect = expected_sizes(selected, self.ends) if a.placement == "auto" else [(0, 0)] * a.cfg.n_layers
         self.sel = None
@@ -373,7 +367,7 @@ class GraphedDecode:
         """Whether scheduler.split_tasks puts every task on the CPU, for tasks of `total` selected tokens whose
         smallest non-empty one has `smallest`: always for placement cpu (or no GPU side), and for auto when the
         scheduler's own shortcut applies (the CPU finishes everything before the GPU could finish the smallest
-        task). Decided before the selection from the sizes top-k will give (step_tasks), without the queue."""
+        task). Decided before the selection from the sizes top-k will give (plan_tasks), without the queue."""
         if placement == "cpu":
             return True
         if placement != "auto":

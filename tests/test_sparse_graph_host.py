@@ -1,5 +1,5 @@
 """The graphed sparse step's host fast path (sparse_graph.GraphedDecode.host): when the scheduler would put a whole
-layer on the CPU, the decision is made before the selection from the sizes top-k will give (step_tasks) and top-k
+layer on the CPU, the decision is made before the selection from the sizes top-k will give (plan_tasks) and top-k
 and attention run as one native call (native.PreparedSelection.select_attend). Checked here: the sizes predicted
 equal the sizes selected, the fast path gives the eager backend's logits and counters, and expected_sizes."""
 from __future__ import annotations
