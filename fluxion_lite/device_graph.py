@@ -186,6 +186,13 @@ class DeviceGraphedDecode:
         self._queued: tuple[DeviceStep, int] | None = None  # (step structure, row set) appended at the next end()
         self._ahead: tuple[object, tuple[np.ndarray, ...]] | None = None  # (DecodeStep key, _plan_tasks of it)
         self.planned_ahead = 0  # steps that found their plan made by the previous end()
+        # The streaming part of a retrieval layer does not wait for the retrieval chain (scores -> top-k -> block
+        # attention): on CUDA it runs on a side stream, forked after append_token and joined before combine, so the
+        # two run side by side (at batch 1 each fills a few SMs; captured graphs keep the fork as parallel branches).
+        # FLUXION_STREAM_BRANCH=0 keeps one stream (for A/B).
+        self._side = (torch.cuda.Stream(owner.device)
+                      if self.fused and owner.device.type == "cuda"
+                      and os.environ.get("FLUXION_STREAM_BRANCH", "1") != "0" else None)
 
     # ---- the step's structure (decode_hooks calls prepare before key) -------------------------------------------
     def prepare(self, chunks: list[SeqChunk]) -> None:
@@ -380,9 +387,21 @@ class DeviceGraphedDecode:
             qg = q.view(ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim)
             device_kernels.append_token(k, v, a._near[layer], ds.stage[layer], self.dsum.layer(layer), ds.slots,
                                         ds.pos, ds.ring, self.g)  # summary capacity reserved in prepare()
-            device_kernels.stream_attention(qg, a._near[layer], ds.bias, a._gidx_dev[layer], ds.slots, ds.stream_o,
-                                            ds.stream_m, ds.stream_l, a.scale)
-            self._retrieve_fused(layer, qg, ds, flat)
+            side = self._side if flat is not None else None
+            if side is None:
+                self._stream_part(layer, qg, ds)
+                if flat is not None:
+                    self._retrieve_fused(layer, qg, ds, flat)
+            else:
+                assert flat is not None
+                main = torch.cuda.current_stream(a.device)
+                side.wait_stream(main)  # fork: after append_token wrote the newest K/V into the window
+                with torch.cuda.stream(side):
+                    self._stream_part(layer, qg, ds)
+                self._retrieve_fused(layer, qg, ds, flat)
+                main.wait_stream(side)  # join: combine reads both parts
+            device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
+                                   ds.stream_m, ds.stream_l, ds.out[layer])
             return
         qg, ds.out_s[layer], ds.lse_s[layer] = stream_layer(a, layer, ds.slots, ds.ring, ds.bias, q, k, v)
         ds.stage[layer, :, 0] = k  # [B, Hkv, D] each, for the host store
@@ -391,34 +410,37 @@ class DeviceGraphedDecode:
         if flat is not None:
             self._retrieve(layer, qg, ds, *flat)
 
+    def _stream_part(self, layer: int, qg: torch.Tensor, ds: DeviceStep) -> None:
+        """Attention over the device sink + window of every group -> the partials ds.stream_o/m/l."""
+        a = self.a
+        device_kernels.stream_attention(qg, a._near[layer], ds.bias, a._gidx_dev[layer], ds.slots, ds.stream_o,
+                                        ds.stream_m, ds.stream_l, a.scale)
+
     def _retrieve_fused(self, layer: int, qg: torch.Tensor, ds: DeviceStep,
-                        flat: tuple[int, torch.Tensor, torch.Tensor] | None) -> None:
-        """_retrieve and the epilogue's merge in device_kernels' kernels -> ds.out[layer] [B, Hkv, r, D]."""
-        if flat is not None:
-            width, flat_h, flat_j = flat
-            scores = device_kernels.block_scores(qg, self.dsum.layer(layer), ds.slots, ds.bounds, ds.n_blocks,
-                                                 ds.pinned[layer], ds.scores)
-            cache, reuse = self._reuse_now, None
-            if self.torch_topk:
-                vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
-            else:  # the same blocks, unordered, without a sort (device_topk's docstring says why)
-                n = ds.batch * self.a.cfg.n_kv_heads * width
-                ids = ds.top_ids[:n].view(ds.batch, -1, width)  # [B, Hkv, width]
-                vals = ds.top_vals[:n].view(ds.batch, -1, width)
-                if cache is not None:
-                    reuse = cache.views(layer, width)
-                device_topk.select_top(scores, ds.k_row[layer], ids, vals, reuse)
-            span = self.feeder._span
-            assert span is not None
-            pin = self.pool is not None and self.pool.kv is not None
-            device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
-                                           span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
-                                           self.a.scale, ds.part_o, ds.part_m, ds.part_l,
-                                           ds.pin_slot[layer] if pin else None, self.pool.kv if pin else None,
-                                           *((reuse.entry, reuse.hit, cache.kv(layer))
-                                             if reuse is not None and cache is not None else ()))
-        device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
-                               ds.stream_m, ds.stream_l, ds.out[layer])
+                        flat: tuple[int, torch.Tensor, torch.Tensor]) -> None:
+        """_retrieve in device_kernels' kernels -> the partials ds.part_o/m/l that combine merges."""
+        width, flat_h, flat_j = flat
+        scores = device_kernels.block_scores(qg, self.dsum.layer(layer), ds.slots, ds.bounds, ds.n_blocks,
+                                             ds.pinned[layer], ds.scores)
+        cache, reuse = self._reuse_now, None
+        if self.torch_topk:
+            vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
+        else:  # the same blocks, unordered, without a sort (device_topk's docstring says why)
+            n = ds.batch * self.a.cfg.n_kv_heads * width
+            ids = ds.top_ids[:n].view(ds.batch, -1, width)  # [B, Hkv, width]
+            vals = ds.top_vals[:n].view(ds.batch, -1, width)
+            if cache is not None:
+                reuse = cache.views(layer, width)
+            device_topk.select_top(scores, ds.k_row[layer], ids, vals, reuse)
+        span = self.feeder._span
+        assert span is not None
+        pin = self.pool is not None and self.pool.kv is not None
+        device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
+                                       span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
+                                       self.a.scale, ds.part_o, ds.part_m, ds.part_l,
+                                       ds.pin_slot[layer] if pin else None, self.pool.kv if pin else None,
+                                       *((reuse.entry, reuse.hit, cache.kv(layer))
+                                         if reuse is not None and cache is not None else ()))
 
     def _retrieve(self, layer: int, qg: torch.Tensor, ds: DeviceStep, width: int, flat_h: torch.Tensor,
                   flat_j: torch.Tensor) -> None:

@@ -47,9 +47,12 @@ if triton is not None:
         k = tl.minimum(tl.load(krow_ptr + row), WIDTH).to(tl.int32)
         bits = tl.where(score == 0.0, 0, score.to(tl.uint32, bitcast=True))  # -0.0 ties with +0.0 as in float order
         # order-preserving key: negatives (sign set) reversed, positives above them; -inf -> 0x007FFFFF
-        key = tl.where((bits >> 31) != 0, ~bits, bits | 0x80000000)
+        key = tl.where((bits >> 31) != 0, bits ^ 0xFFFFFFFF, bits | 0x80000000)
         key = tl.where(inside, key, tl.zeros_like(key))  # padding lies below every real score
         # thr = the largest t with count(key >= t) >= k, i.e. the k-th largest key, decided from the top bit down
+        # (one count per bit: bench/topk_select.py measured counting 2 or 4 bits per round, all candidate digits in
+        # one reduction, 1.2-2.3x slower on the H200 at 2K-8K blocks: the extra compares cost more than the
+        # reductions they save)
         thr = tl.zeros((), tl.uint32)
         one = tl.full((), 1, tl.uint32)
         for i in tl.static_range(32):
@@ -70,27 +73,34 @@ if triton is not None:
         tl.store(vals_ptr + row * WIDTH + ww, tl.full((W_PAD,), float("-inf"), tl.float32), mask=rest)
         tl.store(ids_ptr + row * WIDTH + ww, tl.zeros((W_PAD,), tl.int64), mask=rest)
         if HAS_REUSE:
-            # pinned blocks come from the pin pool (or the host), never from this cache; -inf ones are not read
-            _reuse_entries(row, nn, inside, take, (score != PINNED) & (score > float("-inf")), out,
-                           held_ptr, owner_ptr, cursor_ptr, scratch_ptr, entry_ptr, hit_ptr, hits_ptr, NB, C, WIDTH,
-                           ww, rest, C_PAD)
+            _reuse_entries(row, k, ids_ptr, vals_ptr, held_ptr, owner_ptr, cursor_ptr, scratch_ptr, entry_ptr,
+                           hit_ptr, hits_ptr, NB, C, WIDTH, W_PAD, C_PAD, PINNED)
 
     @triton.jit
-    def _reuse_entries(row, nn, inside, take, cacheable, out, held_ptr, owner_ptr, cursor_ptr, scratch_ptr,
-                       entry_ptr, hit_ptr, hits_ptr, NB, C, WIDTH, ww, rest, C_PAD: tl.constexpr):
+    def _reuse_entries(row, k, ids_ptr, vals_ptr, held_ptr, owner_ptr, cursor_ptr, scratch_ptr, entry_ptr, hit_ptr,
+                       hits_ptr, NB, C, WIDTH, W_PAD: tl.constexpr, C_PAD: tl.constexpr, PINNED: tl.constexpr):
         """The reuse cache's bookkeeping for one row (reuse_cache.py): which chosen blocks are in device memory
         (hits), and which entries the others fill. An entry keeps its block until a miss needs it, so a block
         that comes back after a few steps still hits; misses take the entries not read this step in turn from a
-        rotating cursor (the least recently filled first, as long as they are not hits)."""
-        held = tl.load(held_ptr + row * NB + nn, mask=inside, other=-1)  # [NB_PAD]: entry holding the block, or -1
-        dynamic = take & cacheable
-        hit = dynamic & (held >= 0)
+        rotating cursor (the least recently filled first, as long as they are not hits). Works on the row's
+        chosen entries (width ~5-10% of the blocks), not on all of its blocks."""
+        ww = tl.arange(0, W_PAD)
+        base = row * WIDTH + ww
+        chosen = ww < k
+        tl.debug_barrier()  # the entries just stored by other threads are read back (one program per row)
+        block = tl.load(ids_ptr + base, mask=chosen, other=0).to(tl.int32)  # [W_PAD]
+        score = tl.load(vals_ptr + base, mask=chosen, other=float("-inf"))
+        # pinned blocks come from the pin pool (or the host), never from this cache; -inf ones are not read
+        cacheable = chosen & (score != PINNED) & (score > float("-inf"))
+        held = tl.load(held_ptr + row * NB + block, mask=cacheable, other=-1)  # entry holding the block, or -1
+        hit = cacheable & (held >= 0)
+        miss = cacheable & (held < 0)
         ee = tl.arange(0, C_PAD)
         busy_row = scratch_ptr + row * 2 * C_PAD  # [C_PAD] flags: entry read this step
         free_row = busy_row + C_PAD  # [C_PAD] the free entries in cursor order
         tl.store(busy_row + ee, tl.zeros(ee.shape, tl.int32))
-        tl.debug_barrier()  # what one thread stores, others load after a barrier (one program per row)
-        tl.store(busy_row + held, tl.full(nn.shape, 1, tl.int32), mask=hit)
+        tl.debug_barrier()  # what one thread stores, others load after a barrier
+        tl.store(busy_row + held, tl.full(ww.shape, 1, tl.int32), mask=hit)
         tl.debug_barrier()
         cursor = tl.load(cursor_ptr + row)
         turn = (cursor + ee) % C  # [C_PAD]: entries in the order misses take them
@@ -99,23 +109,22 @@ if triton is not None:
         n_free = tl.sum(free.to(tl.int32), axis=0)
         tl.store(free_row + free_rank, turn, mask=free)
         tl.debug_barrier()
-        miss = dynamic & (held < 0)
         miss_rank = tl.cumsum(miss.to(tl.int32), axis=0) - 1
         fill = miss & (miss_rank < n_free)  # more misses than free entries: the rest is read, not kept
         new_entry = tl.load(free_row + miss_rank, mask=fill, other=-1)
         evicted = tl.load(owner_ptr + row * C + new_entry, mask=fill, other=-1)  # the block the entry held
-        tl.store(held_ptr + row * NB + evicted, tl.full(nn.shape, -1, tl.int32), mask=fill & (evicted >= 0))
-        tl.debug_barrier()  # an evicted block is never one filled now (chosen and held, it would be a hit)
-        tl.store(held_ptr + row * NB + nn, new_entry, mask=fill)
-        tl.store(owner_ptr + row * C + new_entry, nn.to(tl.int32), mask=fill)
+        # an evicted block is held and not chosen (chosen and held, it would be a hit, its entry busy), a filled
+        # block missed: the two stores below never touch the same block
+        tl.store(held_ptr + row * NB + evicted, tl.full(ww.shape, -1, tl.int32), mask=fill & (evicted >= 0))
+        tl.store(held_ptr + row * NB + block, new_entry, mask=fill)
+        tl.store(owner_ptr + row * C + new_entry, block, mask=fill)
         n_fill = tl.minimum(tl.sum(miss.to(tl.int32), axis=0), n_free)
         used = tl.max(tl.where(free & (free_rank < n_fill), ee + 1, 0), axis=0)  # cursor positions consumed
         tl.store(cursor_ptr + row, (cursor + used) % C)
-        # per chosen entry: the cache entry to read (hit) or to fill after the PCIe read (miss), else -1
-        tl.store(entry_ptr + out, tl.where(hit, held, new_entry), mask=take)
-        tl.store(hit_ptr + out, hit.to(tl.int8), mask=take)
-        tl.store(entry_ptr + row * WIDTH + ww, tl.full(ww.shape, -1, tl.int32), mask=rest)
-        tl.store(hit_ptr + row * WIDTH + ww, tl.zeros(ww.shape, tl.int8), mask=rest)
+        # per entry of the row: the cache entry to read (hit) or to fill after the PCIe read (kept miss), else -1
+        in_row = ww < WIDTH
+        tl.store(entry_ptr + base, tl.where(hit, held, new_entry), mask=in_row)
+        tl.store(hit_ptr + base, hit.to(tl.int8), mask=in_row)
         tl.atomic_add(hits_ptr, tl.sum(hit.to(tl.int64), axis=0))
 
 
