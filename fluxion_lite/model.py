@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import dense_kernels
 from .attention import AttentionBackend, SeqChunk
 from .config import ModelConfig
 from .decode_graphs import DecodeGraphs, graphs_wanted
@@ -110,6 +111,8 @@ class RotaryEmbedding:
         else:  # 2i <-> 2i + 1
             swap = pair ^ 1
         self.swap_index = swap.to(device)  # [R] long, made once
+        # one Triton kernel instead of three torch ones on CUDA (dense_kernels.py says why)
+        self.fused = dense_kernels.enabled(device) and self.rope_dim & (self.rope_dim - 1) == 0
 
     def ensure(self, n_positions: int) -> torch.Tensor:
         """The table covering positions 0..n_positions-1 (grown by doubling; positions past the end never index it)."""
@@ -130,6 +133,9 @@ class RotaryEmbedding:
 
     def apply_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate x: [T, H, D] in place (any row stride; last dim contiguous) by cos, sin: [T, 1, R]."""
+        if self.fused:
+            dense_kernels.rope_(x, cos, sin, self.style == "neox")
+            return
         rot = x if self.rope_dim == x.shape[-1] else x[..., : self.rope_dim]  # [T, H, R]
         swapped = rot.index_select(-1, self.swap_index)  # [T, H, R] copy, read before rot is overwritten
         rot.mul_(cos).addcmul_(swapped, sin)
@@ -195,9 +201,12 @@ class Transformer:
         # On CUDA torch's rms_norm is one fused kernel (fp32 inside); on the CPU it is a slower composite of the same
         # ops, so the CPU keeps ours.
         self._fused_norm = self.device.type == "cuda"
+        self._triton_norm = dense_kernels.enabled(self.device)  # one short kernel at T = 1 (dense_kernels.py)
         self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, cuda_graphs) else None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self._triton_norm:
+            return dense_kernels.rms_norm(x, weight, self.cfg.rms_eps)
         if self._fused_norm:
             return F.rms_norm(x, weight.shape, weight, self.cfg.rms_eps)
         return rms_norm(x, weight, self.cfg.rms_eps)
