@@ -61,6 +61,11 @@ def enabled(device: torch.device) -> bool:
             and device_kernels.enabled(device))
 
 
+def rope_enabled(device: torch.device, rope_dim: int) -> bool:
+    """Whether rope_ serves a model on `device` whose heads rotate `rope_dim` dims (a power of two: one tl.arange)."""
+    return enabled(device) and rope_dim == pow2(rope_dim)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x [T, d] -> a new [T, d] tensor (see the module docstring)."""
     T, d = x.shape

@@ -112,7 +112,7 @@ class RotaryEmbedding:
             swap = pair ^ 1
         self.swap_index = swap.to(device)  # [R] long, made once
         # one Triton kernel instead of three torch ones on CUDA (dense_kernels.py says why)
-        self.fused = dense_kernels.enabled(device) and self.rope_dim & (self.rope_dim - 1) == 0
+        self.fused = dense_kernels.rope_enabled(device, self.rope_dim)
 
     def ensure(self, n_positions: int) -> torch.Tensor:
         """The table covering positions 0..n_positions-1 (grown by doubling; positions past the end never index it)."""
