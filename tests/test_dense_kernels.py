@@ -1,5 +1,5 @@
-"""dense_kernels' RMSNorm and RoPE against float64 references on random data (RoPE: test_decode_fastpath's textbook
-rotation with the model's RoPE table rows as input): several widths, batch rows, strided
+"""dense_kernels' RMSNorm and RoPE against float64 references on random data (RoPE: the kernel fed the model's
+RoPE table rows vs test_decode_fastpath's textbook rotation of the same positions): several widths, batch rows, strided
 inputs (the qkv buffer's q/k view), both RoPE pair layouts, bf16 and fp32. Runs the Triton kernels compiled on a GPU,
 else through the interpreter (TRITON_INTERPRET=1, FLUXION_TRITON=1 with Triton installed); skipped without Triton."""
 from __future__ import annotations
