@@ -201,11 +201,11 @@ class Transformer:
         # On CUDA torch's rms_norm is one fused kernel (fp32 inside); on the CPU it is a slower composite of the same
         # ops, so the CPU keeps ours.
         self._fused_norm = self.device.type == "cuda"
-        self._triton_norm = dense_kernels.enabled(self.device)  # one short kernel at T = 1 (dense_kernels.py)
+        self._dense_kernels = dense_kernels.enabled(self.device)  # norm and silu * mul: one short kernel each at T = 1
         self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, cuda_graphs) else None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if self._triton_norm:
+        if self._dense_kernels:
             return dense_kernels.rms_norm(x, weight, self.cfg.rms_eps)
         if self._fused_norm:
             return F.rms_norm(x, weight.shape, weight, self.cfg.rms_eps)
@@ -312,8 +312,11 @@ class Transformer:
             x = torch.ops.mkldnn._linear_pointwise.binary(o, x, lw.wo_packed, None, "add")  # x + o @ wo^T
         h = self._norm(x, lw.ffn_norm)
         gate_up = linear(h, lw.w_gate_up)  # [T, 2F]
-        gate, up = gate_up.chunk(2, dim=-1)  # [T, F] views
-        act = F.silu(gate).mul_(up)  # [T, F]
+        if self._dense_kernels:  # one kernel instead of two (dense_kernels.py)
+            act = dense_kernels.silu_mul(gate_up)  # [T, F]
+        else:
+            gate, up = gate_up.chunk(2, dim=-1)  # [T, F] views
+            act = F.silu(gate).mul_(up)  # [T, F]
         if lw.w_down_t is not None:
             x.addmm_(act, lw.w_down_t)
         else:

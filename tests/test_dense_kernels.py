@@ -1,4 +1,4 @@
-"""dense_kernels' RMSNorm and RoPE against float64 references on random data (RoPE: the kernel fed the model's
+"""dense_kernels' RMSNorm, RoPE and silu * mul against float64 references on random data (RoPE: the kernel fed the model's
 RoPE table rows vs test_decode_fastpath's textbook rotation of the same positions): several widths, batch rows, strided
 inputs (the qkv buffer's q/k view), both RoPE pair layouts, bf16 and fp32. Runs the Triton kernels compiled on a GPU,
 else through the interpreter (TRITON_INTERPRET=1, FLUXION_TRITON=1 with Triton installed); skipped without Triton."""
@@ -45,3 +45,16 @@ def test_rope_matches_float64(dtype: torch.dtype, arch: str, T: int, hq: int, hk
     want = rope_formula(qk.double().cpu(), positions, cfg)
     dense_kernels.rope_(qk, cs[:, 0], cs[:, 1], cfg.rope_style == "neox")
     torch.testing.assert_close(qk.double().cpu(), want, rtol=TOL[dtype], atol=TOL[dtype] * 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T,f", [(1, 4864), (3, 1000), (2, 14336), (4, 64)])
+def test_silu_mul_matches_float64(dtype: torch.dtype, T: int, f: int) -> None:
+    gen = torch.Generator().manual_seed(T * 5 + f)
+    wide = torch.randn(T, 2 * f + 7, generator=gen) * 4.0  # a row stride wider than 2F (as a sliced buffer)
+    gate_up = wide[:, 3:3 + 2 * f].to(dtype)
+    g64, u64 = gate_up[:, :f].double(), gate_up[:, f:].double()
+    want = g64 / (1.0 + torch.exp(-g64)) * u64
+    got = dense_kernels.silu_mul(gate_up.to(DEV) if dtype == torch.bfloat16 else wide.to(DEV)[:, 3:3 + 2 * f])
+    assert got.dtype == dtype and got.shape == (T, f)
+    torch.testing.assert_close(got.double().cpu(), want, rtol=TOL[dtype], atol=TOL[dtype])
