@@ -69,7 +69,7 @@ class DeviceStep:
     """Per step structure (batch, k_cap per (layer, group), blocks scanned): the tensors the graphs address."""
 
     def __init__(self, owner: SparseAttention, batch: int, k_cap: np.ndarray, n_blocks: int, page_cap: int,
-                 fused: bool, g: int):
+                 fused: bool):
         cfg, dev, store = owner.cfg, owner.device, owner.store
         hkv, d, n_layers = cfg.n_kv_heads, cfg.head_dim, cfg.n_layers
         cuda = dev.type == "cuda"
@@ -99,15 +99,10 @@ class DeviceStep:
                               torch.from_numpy(flat_j).to(dev)))
         self.fetched_blocks = int(caps.sum()) * batch  # per step, over PCIe, on the torch path (masked ranks too)
         r = owner.r
-        if fused:  # device_kernels: per layer the block runs and each group's slice of them; buffers for all layers
-            self.run = device_kernels.run_blocks(g)  # blocks per block_attention program
+        if fused:  # device_kernels: per layer each group's slice of the flat list, and buffers reused by all layers
             self.caps = torch.from_numpy(caps.astype(np.int64)).to(dev)  # [L, Hkv]
-            runs = [device_kernels.block_runs(caps[layer].astype(np.int64), self.run) for layer in range(n_layers)]
-            self.runs = [(torch.from_numpy(h).to(dev), torch.from_numpy(j).to(dev)) for h, j, _ in runs]
-            counts = np.stack([c for _, _, c in runs])  # [L, Hkv] runs per group
-            self.run_counts = torch.from_numpy(counts).to(dev)
-            self.starts = torch.from_numpy(np.cumsum(counts, axis=1) - counts).to(dev)
-            n_max = max(1, int(counts.sum(1).max()))
+            self.starts = torch.from_numpy((np.cumsum(caps, axis=1) - caps).astype(np.int64)).to(dev)
+            n_max = max(1, int(caps.sum(1).max()))
             self.scores = torch.empty(batch, hkv, n_blocks, dtype=torch.float32, device=dev)
             width_max = max(1, int(caps.max()))  # each layer's chosen blocks: a [B, Hkv, width] view of these
             self.top_ids = torch.zeros(batch * hkv * width_max, dtype=torch.long, device=dev)
@@ -215,7 +210,7 @@ class DeviceGraphedDecode:
         if self._shape not in self.static:
             if len(self.static) >= 4:  # an old bucket's buffers go with its graphs
                 self.static.pop(next(iter(self.static)))
-            self.static[self._shape] = DeviceStep(a, len(chunks), k_cap, nb // self.g, page_cap, self.fused, self.g)
+            self.static[self._shape] = DeviceStep(a, len(chunks), k_cap, nb // self.g, page_cap, self.fused)
         if self.reuse is not None:  # may reallocate: before the graphs' key is taken
             widths = tuple(int(w) for w in np.minimum(k_cap, nb // self.g).max(axis=1))  # per layer
             self._reuse_now = self.reuse if self.reuse.ensure(len(chunks), nb // self.g, widths) else None
@@ -405,7 +400,7 @@ class DeviceGraphedDecode:
                     self._stream_part(layer, qg, ds)
                 self._retrieve_fused(layer, qg, ds, flat)
                 main.wait_stream(side)  # join: combine reads both parts
-            device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.run_counts[layer], ds.stream_o,
+            device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
                                    ds.stream_m, ds.stream_l, ds.out[layer])
             return
         qg, ds.out_s[layer], ds.lse_s[layer] = stream_layer(a, layer, ds.slots, ds.ring, ds.bias, q, k, v)
@@ -440,9 +435,7 @@ class DeviceGraphedDecode:
         span = self.feeder._span
         assert span is not None
         pin = self.pool is not None and self.pool.kv is not None
-        run_h, run_j = ds.runs[layer]
-        device_kernels.block_attention(qg, ids, vals, run_h, run_j, ds.caps[layer], ds.run, ds.k_row[layer],
-                                       ds.slots, ds.tables[layer],
+        device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
                                        span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
                                        self.a.scale, ds.part_o, ds.part_m, ds.part_l,
                                        ds.pin_slot[layer] if pin else None, self.pool.kv if pin else None,

@@ -9,9 +9,13 @@ inside a CUDA graph. The same work in five kernels:
                                                                               (was ~17 torch kernels)
   stream_attention  sink + window of every group, online softmax, in one-tile splits merged by combine (was ~12)
   block_scores      Quest bound of every block, pins and the eligible range    (was ~20)
-  block_attention   one program per (row, run of a group's chosen blocks, ~64 tokens): read straight from the
-                    pinned host store through the zero-copy alias (or the pin pool / reuse cache on the device), the
+  block_attention   one program per (row, selected block): its g tokens read straight from the pinned host store
+                    through the zero-copy alias (or from the pin pool / reuse cache in device memory), the
                     group's r query heads -> partial (o, max, sum)   (was ~60, together with the combine)
+                    One block per program on purpose: runs of 4 blocks per program (1/4 of the programs and
+                    partials) measured no faster (H200, 8B shape, 32K b1: 7.46 / 7.39 vs 7.42 / 7.08 ms; the
+                    kernel 33.8 us per layer against combine's saving of ~4 us; 8 blocks: 14.3 ms), as the reads
+                    over PCIe want many programs in flight.
   combine           per (row, group, head): the partials and the streaming part merged by LSE -> output in the
                     model dtype
 
@@ -19,7 +23,7 @@ device_topk.select_top chooses the blocks between block_scores and block_attenti
   q           [B, Hkv, r, D] (any strides)               summaries [slots, Hkv, blocks, 2, D] bf16 (min, max)
   span        [chunks, CHUNK_TOKENS * D] store dtype: a page is Hkv * cph chunks of K then Hkv * cph chunks of V
   tables      [slots, pages] int64: the span row of each page's first chunk
-  runs        run i = ranks run_j[i] .. + run - 1 of group run_h[i]; a group's runs are contiguous (starts/counts)
+  flat list   entry i = rank flat_j[i] of group flat_h[i]; a group's entries are contiguous (starts/caps)
 
 Used on CUDA when Triton imports (FLUXION_TRITON=0 turns it off; =1 forces it on any device, which with
 TRITON_INTERPRET=1 runs the kernels on the CPU: that is how the tests check them against the torch path).
@@ -29,7 +33,6 @@ from __future__ import annotations
 import os
 import warnings
 
-import numpy as np
 import torch
 
 from .device_select import PINNED_SCORE
@@ -194,44 +197,44 @@ if triton is not None:
         tl.store(out_ptr + pid * NB + nn, score, mask=inside)
 
     @triton.jit
-    def _block_attention_kernel(q_ptr, ids_ptr, vals_ptr, run_h_ptr, run_j_ptr, caps_ptr, krow_ptr, slots_ptr,
-                                tab_ptr, span_ptr, pslot_ptr, pkv_ptr, entry_ptr, hit_ptr, rkv_ptr, o_ptr, m_ptr,
-                                l_ptr, N, HKV, R, WIDTH, PAGES, PAGE_TOKENS, CPH, NBS, RC, scale, q_b, q_h, q_r,
-                                tab_slot, D: tl.constexpr, G: tl.constexpr, RUN: tl.constexpr, R_PAD: tl.constexpr,
-                                CHUNK: tl.constexpr, HAS_CACHE: tl.constexpr, HAS_REUSE: tl.constexpr):
-        i, b = tl.program_id(0), tl.program_id(1)  # run i of batch row b: ranks j0 .. j0 + RUN - 1 of group h
-        h = tl.load(run_h_ptr + i)
-        j0 = tl.load(run_j_ptr + i)
-        rr, dd, tt = tl.arange(0, R_PAD), tl.arange(0, D), tl.arange(0, RUN * G)
-        jj = j0 + tt // G  # [RUN * G]: each token's rank
-        at = (b * HKV + h) * WIDTH + jj  # its entry in the top-k rows [B, Hkv, width]
-        ranked = (jj < tl.load(caps_ptr + h)) & (jj < tl.load(krow_ptr + b * HKV + h))  # rank >= cap or k: none
-        blk = tl.load(ids_ptr + at, mask=ranked, other=0)
-        live = ranked & (tl.load(vals_ptr + at, mask=ranked, other=float("-inf")) > float("-inf"))  # [RUN * G]
-        tok = blk * G + tt % G  # absolute positions
+    def _block_attention_kernel(q_ptr, ids_ptr, vals_ptr, flat_h_ptr, flat_j_ptr, krow_ptr, slots_ptr, tab_ptr,
+                                span_ptr, pslot_ptr, pkv_ptr, entry_ptr, hit_ptr, rkv_ptr, o_ptr, m_ptr, l_ptr, N,
+                                HKV, R, WIDTH, PAGES, PAGE_TOKENS, CPH, NBS, RC, scale, q_b, q_h, q_r, tab_slot,
+                                D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                                HAS_CACHE: tl.constexpr, HAS_REUSE: tl.constexpr):
+        i, b = tl.program_id(0), tl.program_id(1)  # flat entry i of batch row b
+        h = tl.load(flat_h_ptr + i)
+        j = tl.load(flat_j_ptr + i)
+        blk = tl.load(ids_ptr + (b * HKV + h) * WIDTH + j)
+        valid = (tl.load(vals_ptr + (b * HKV + h) * WIDTH + j) > float("-inf")) & (j < tl.load(krow_ptr + b * HKV + h))
+        rr, dd, tt = tl.arange(0, R_PAD), tl.arange(0, D), tl.arange(0, G)
+        tok = blk * G + tt  # [G] absolute positions
         page = tl.minimum(tok // PAGE_TOKENS, PAGES - 1)
         slot = tl.load(slots_ptr + b)
+        live = (tt * 0 + valid.to(tl.int32)) > 0  # [G]: a masked entry reads nothing
         if HAS_CACHE:  # a pinned block held in device memory (the pin pool [P, 2, G, D]) is read from there
-            slot_row = tl.load(pslot_ptr + (b * HKV + h) * NBS + blk, mask=live, other=-1).to(tl.int64)
+            cached_slot = tl.load(pslot_ptr + (b * HKV + h) * NBS + blk, mask=valid, other=-1).to(tl.int64)
+            slot_row = tt * 0 + cached_slot  # [G]
             on_host = live & (slot_row < 0)
             on_dev = live & (slot_row >= 0)
-            dev_k = ((slot_row * 2) * G + tt % G) * D  # K row starts in the pool; V follows at + G * D
+            dev_k = ((cached_slot * 2) * G + tt) * D  # [G] K row starts in the pool; V follows at + G * D
             k = tl.load(pkv_ptr + dev_k[:, None] + dd[None, :], mask=on_dev[:, None], other=0.0)
             v = tl.load(pkv_ptr + (dev_k + G * D)[:, None] + dd[None, :], mask=on_dev[:, None], other=0.0)
         else:
             on_host = live
         if HAS_REUSE:  # a block chosen at an earlier step may still be in the reuse cache [B, Hkv, RC, 2, G, D]
-            entry = tl.load(entry_ptr + at, mask=live, other=-1).to(tl.int64)
-            reused = tl.load(hit_ptr + at, mask=live, other=0) != 0
+            at = (b * HKV + h) * WIDTH + j
+            entry = tl.load(entry_ptr + at, mask=valid, other=-1).to(tl.int64)
+            reused = (tt * 0 + tl.load(hit_ptr + at, mask=valid, other=0).to(tl.int32)) > 0  # [G]
             on_reuse = on_host & reused
             on_host = on_host & ~reused
-            reuse_k = (((b * HKV + h) * RC + entry) * 2 * G + tt % G) * D  # V follows at + G * D
+            reuse_k = (((b * HKV + h) * RC + entry) * 2 * G + tt) * D  # [G]; V follows at + G * D
             k_r = tl.load(rkv_ptr + reuse_k[:, None] + dd[None, :], mask=on_reuse[:, None], other=0.0)
             v_r = tl.load(rkv_ptr + (reuse_k + G * D)[:, None] + dd[None, :], mask=on_reuse[:, None], other=0.0)
-        first = tl.load(tab_ptr + slot * tab_slot + page, mask=on_host, other=0)
-        k_off = ((first + h * CPH + (tok % PAGE_TOKENS) // CHUNK) * CHUNK + tok % CHUNK) * D  # K row starts
+        first = tl.load(tab_ptr + slot * tab_slot + page, mask=on_host, other=0)  # [G]
+        k_off = ((first + h * CPH + (tok % PAGE_TOKENS) // CHUNK) * CHUNK + tok % CHUNK) * D  # [G] K row starts
         v_off = k_off + HKV * CPH * CHUNK * D  # V chunks follow the page's K chunks
-        # [RUN * G, D]: the PCIe read (nothing for a masked or cached token; at most one of the loads is live)
+        # [G, D]: the PCIe read (nothing for a masked or cached entry; exactly one of the two loads is live)
         host_k = tl.load(span_ptr + k_off[:, None] + dd[None, :], mask=on_host[:, None], other=0.0)
         host_v = tl.load(span_ptr + v_off[:, None] + dd[None, :], mask=on_host[:, None], other=0.0)
         if HAS_CACHE:
@@ -240,18 +243,20 @@ if triton is not None:
             k, v = host_k, host_v
         if HAS_REUSE:
             k, v = k + k_r, v + v_r
-            keep = on_host & (entry >= 0)  # a miss with an entry, kept for the next steps
+            keep = on_host & ((tt * 0 + entry) >= 0)  # [G]: a miss with an entry, kept for the next steps
             tl.store(rkv_ptr + reuse_k[:, None] + dd[None, :], host_k, mask=keep[:, None])
             tl.store(rkv_ptr + (reuse_k + G * D)[:, None] + dd[None, :], host_v, mask=keep[:, None])
         q = _group_queries(q_ptr, b, h, R, q_b, q_h, q_r, D, R_PAD)  # [R_PAD, D]
-        # fp32 products (the dots are [R_PAD, D] x [D, RUN * G]: small next to the reads, so no tensor-core formats)
-        logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [R_PAD, RUN * G]
-        logits = tl.where(live[None, :], logits, float("-inf"))
-        m = tl.max(logits, axis=1)  # [R_PAD]; -inf for a run with nothing live
-        p = tl.exp(logits - tl.where(m == float("-inf"), 0.0, m)[:, None])  # 0 where not live
+        # fp32 products (the dots are [R_PAD, D] x [D, G]: tiny next to the PCIe read, so no tensor-core formats)
+        logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [R_PAD, G]
+        m = tl.max(logits, axis=1)  # [R_PAD]
+        p = tl.exp(logits - m[:, None])
         l_sum = tl.sum(p, axis=1)
         o = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [R_PAD, D], not yet divided by l_sum
-        row = (b * N + i) * R + rr  # partials: [B, N, R(, D)]; an empty run: m = -inf, l = 0, o = 0
+        m = tl.where(valid, m, float("-inf"))
+        l_sum = tl.where(valid, l_sum, 0.0)
+        o = tl.where(valid, o, 0.0)
+        row = (b * N + i) * R + rr  # partials: [B, N, R(, D)]
         tl.store(m_ptr + row, m, mask=rr < R)
         tl.store(l_ptr + row, l_sum, mask=rr < R)
         tl.store(o_ptr + row[:, None] * D + dd[None, :], o, mask=rr[:, None] < R)
@@ -362,40 +367,17 @@ def block_scores(q: torch.Tensor, s: torch.Tensor, slots: torch.Tensor, bounds: 
     return out
 
 
-RUN_TOKENS = 64  # tokens one block_attention program reads: RUN_TOKENS / g consecutive ranks of one group
-
-
-def run_blocks(g: int) -> int:
-    """How many of a group's chosen blocks one block_attention program reads (a power of two; at least one). Why
-    more than one: a program per block of 16 tokens left each with a [r, D] x [D, 16] product and a partial to
-    write, so the kernel and combine's merge were latency-bound (H200, 8B shape, 32K b1: 25 + 9.4 us per layer
-    for ~6.6 MB read). FLUXION_RUN_TOKENS overrides the 64 tokens (A/B runs)."""
-    tokens = int(os.environ.get("FLUXION_RUN_TOKENS", RUN_TOKENS))
-    return pow2(max(1, tokens // g))
-
-
-def block_runs(caps: np.ndarray, run: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A layer's block list in runs of `run` ranks: caps [Hkv] chosen blocks per group -> (run_h, run_j) [N] int64
-    (run i covers ranks run_j[i] .. + run - 1 of group run_h[i], the last run of a group cut at its cap) and the
-    runs per group [Hkv] (a group's runs are contiguous, in group order: combine's slices)."""
-    per_group = -(-caps // run)  # [Hkv]
-    run_h = np.repeat(np.arange(len(caps)), per_group).astype(np.int64)
-    run_j = np.concatenate([np.arange(n, dtype=np.int64) * run for n in per_group]) if len(caps) else run_h
-    return run_h, run_j, per_group.astype(np.int64)
-
-
-def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, run_h: torch.Tensor,
-                    run_j: torch.Tensor, caps: torch.Tensor, run: int, k_row: torch.Tensor, slots: torch.Tensor,
-                    tables: torch.Tensor, span: torch.Tensor, page_tokens: int, g: int, scale: float,
+def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat_h: torch.Tensor,
+                    flat_j: torch.Tensor, k_row: torch.Tensor, slots: torch.Tensor, tables: torch.Tensor,
+                    span: torch.Tensor, page_tokens: int, g: int, scale: float,
                     part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor,
                     pin_slot: torch.Tensor | None = None, pin_kv: torch.Tensor | None = None,
                     reuse_entry: torch.Tensor | None = None, reuse_hit: torch.Tensor | None = None,
                     reuse_kv: torch.Tensor | None = None) -> None:
-    """Partial attention of each (row, run of blocks): q [B, Hkv, r, D]; ids, vals [B, Hkv, width] (top-k of the
-    scores); run_h, run_j [N] int64 from block_runs(caps, run); caps [Hkv] int64 (ranks >= caps[h] are not read);
-    k_row [B, Hkv] int64 (ranks >= k are masked); tables [slots, pages]; span [chunks, CHUNK_TOKENS * D] in the
-    store dtype. Writes part_o [B, >= N, r, D], part_m, part_l [B, >= N, r] fp32, entries 0..N-1 (m = -inf, l = 0,
-    o = 0 for a run with nothing to read).
+    """Partial attention of each (row, flat entry): q [B, Hkv, r, D]; ids, vals [B, Hkv, width] (top-k of the
+    scores); flat_h, flat_j [N] int64; k_row [B, Hkv] int64 (entries with rank >= k are masked); tables [slots,
+    pages]; span [chunks, CHUNK_TOKENS * D] in the store dtype. Writes part_o [B, >= N, r, D], part_m, part_l
+    [B, >= N, r] fp32, entries 0..N-1 (m = -inf, l = 0, o = 0 for a masked entry).
     Optional pin cache: pin_slot int32 [B, Hkv, NB] (a block's entry in the pool, -1 when not cached) and the pool
     pin_kv [P, 2, g, D] in the store dtype, shared by all rows and groups (and layers: the caller's choice); a cached
     block is read from device memory instead of over PCIe.
@@ -403,10 +385,9 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, run_
     device_topk.select_top, reuse_kv [B, Hkv, RC, 2, g, D] in the store dtype: a hit is read from its entry, a miss
     with an entry is read over PCIe and written there for the next steps."""
     B, hkv, r, d = q.shape
-    n, width = run_h.shape[0], ids.shape[2]
+    n, width = flat_h.shape[0], ids.shape[2]
     assert ids.is_contiguous() and vals.is_contiguous() and k_row.is_contiguous() and tables.stride(1) == 1
     assert span.is_contiguous() and span.shape[1] == CHUNK_TOKENS * d and g % CHUNK_TOKENS == 0
-    assert run == pow2(run) and caps.shape == (hkv,) and caps.is_contiguous()
     cph = page_tokens // CHUNK_TOKENS
     assert part_m.shape[1] >= n and part_o.is_contiguous() and part_m.is_contiguous() and part_l.is_contiguous()
     has_cache = pin_slot is not None and pin_kv is not None
@@ -420,21 +401,21 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, run_
         assert reuse_kv.is_contiguous() and reuse_kv.shape[:2] == (B, hkv) and reuse_kv.shape[3:] == (2, g, d)
         assert reuse_kv.dtype == span.dtype
     _block_attention_kernel[(n, B)](  # the partials' row stride is their capacity (shared by all layers), not n
-        q, ids, vals, run_h, run_j, caps, k_row, slots, tables, span, pin_slot if has_cache else k_row,
+        q, ids, vals, flat_h, flat_j, k_row, slots, tables, span, pin_slot if has_cache else k_row,
         pin_kv if has_cache else span, reuse_entry if has_reuse else k_row, reuse_hit if has_reuse else k_row,
         reuse_kv if has_reuse else span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
         tables.shape[1], page_tokens, cph, nbs, reuse_kv.shape[2] if has_reuse else 0, scale, q.stride(0),
-        q.stride(1), q.stride(2), tables.stride(0), D=d, G=g, RUN=run, R_PAD=pow2(r, 16), CHUNK=CHUNK_TOKENS,
+        q.stride(1), q.stride(2), tables.stride(0), D=d, G=g, R_PAD=pow2(r, 16), CHUNK=CHUNK_TOKENS,
         HAS_CACHE=has_cache, HAS_REUSE=has_reuse)
 
 
 def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, starts: torch.Tensor,
-            counts: torch.Tensor, stream_o: torch.Tensor, stream_m: torch.Tensor, stream_l: torch.Tensor,
+            caps: torch.Tensor, stream_o: torch.Tensor, stream_m: torch.Tensor, stream_l: torch.Tensor,
             out: torch.Tensor) -> torch.Tensor:
     """LSE merge of the streaming partials (stream_attention's [B, Hkv, S, r(, D)]) with each group's retrieval
-    partials (its entries are starts[h] .. starts[h] + counts[h] - 1 of block_attention's runs) -> out [B, Hkv, r, D]."""
+    partials (its entries are starts[h] .. starts[h] + caps[h] - 1 of the flat list) -> out [B, Hkv, r, D]."""
     B, hkv, splits, r, d = stream_o.shape
     assert stream_o.is_contiguous() and stream_m.is_contiguous() and stream_l.is_contiguous() and out.is_contiguous()
-    _combine_kernel[(B * hkv * r,)](part_o, part_m, part_l, starts, counts, stream_o, stream_m, stream_l, out,
+    _combine_kernel[(B * hkv * r,)](part_o, part_m, part_l, starts, caps, stream_o, stream_m, stream_l, out,
                                     part_m.shape[1], hkv, r, splits, D=d, TILE=64)
     return out
