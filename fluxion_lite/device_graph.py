@@ -75,12 +75,15 @@ class DeviceStep:
         cuda = dev.type == "cuda"
         self.batch, self.n_blocks, self.k_cap = batch, n_blocks, k_cap  # k_cap: int64 [L, Hkv], 0 = no task
         self.serial = next(_serials)
-        self.slots = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] store slots = rows of the device slab
-        self.pos = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] the new token's position
-        self.ring = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] its slot in the ring
+        # The step's integer inputs in one tensor, so begin() moves them in one asynchronous copy (they were six
+        # copies, two of them pageable ones that wait for the device): views of it, in this order
+        self.ints = torch.zeros(5 * batch + n_layers * batch * hkv, dtype=torch.long, device=dev)
+        self.slots = self.ints[:batch]  # [B] store slots = rows of the device slab
+        self.pos = self.ints[batch: 2 * batch]  # [B] the new token's position
+        self.ring = self.ints[2 * batch: 3 * batch]  # [B] its slot in the ring
+        self.bounds = self.ints[3 * batch: 5 * batch].view(2, batch)  # [2, B] eligible blocks [lo, hi)
+        self.k_row = self.ints[5 * batch:].view(n_layers, batch, hkv)  # [L, B, Hkv] blocks to use
         self.bias = torch.zeros(len(GVALS), batch, owner.sink_cap + owner.ring_cap, dtype=torch.float32, device=dev)
-        self.bounds = torch.zeros(2, batch, dtype=torch.long, device=dev)  # [2, B] eligible blocks [lo, hi)
-        self.k_row = torch.zeros(n_layers, batch, hkv, dtype=torch.long, device=dev)  # [L, B, Hkv] blocks to use
         self.pinned = torch.zeros(n_layers, batch, hkv, n_blocks, dtype=torch.bool, device=dev)  # [L, B, Hkv, NB]
         # per layer: each page's first chunk in the zero-copy span, rows = store slots (static copies of the
         # feeder's tables, refreshed in place when the store's page tables change)
@@ -172,6 +175,8 @@ class DeviceGraphedDecode:
                       if self.fused and not self.torch_topk and keep_kv else None)
         self._reuse_now: DeviceReuseCache | None = None  # self.reuse when it holds the current step structure
         self.static: dict[tuple[object, ...], DeviceStep] = {}
+        # per length bucket (prepare): k_cap [L, Hkv], page_cap, k_cap's bytes (in the structure's key), widths
+        self._buckets: dict[int, tuple[np.ndarray, int, bytes, tuple[int, ...]]] = {}
         self.ds: DeviceStep | None = None
         self.st: DecodeStep | None = None
         self.chunks: list[SeqChunk] = []
@@ -184,7 +189,8 @@ class DeviceGraphedDecode:
         # store then lags the device by one more token, which top-k never reads (the newest tokens are in the window).
         self.overlap = os.environ.get("FLUXION_STEP_OVERLAP", "1") != "0"
         self._queued: tuple[DeviceStep, int] | None = None  # (step structure, row set) appended at the next end()
-        self._ahead: tuple[object, tuple[np.ndarray, ...]] | None = None  # (DecodeStep key, _plan_tasks of it)
+        # ((DecodeStep key, DeviceStep serial), _step_ints of them)
+        self._ahead: tuple[tuple[object, int], tuple[torch.Tensor, np.ndarray, int]] | None = None
         self.planned_ahead = 0  # steps that found their plan made by the previous end()
         # The streaming part of a retrieval layer does not wait for the retrieval chain (scores -> top-k -> block
         # attention): on CUDA it runs on a side stream, forked after append_token and joined before combine, so the
@@ -202,17 +208,20 @@ class DeviceGraphedDecode:
         n_max = max(c.start for c in chunks) + 1
         nb = bucket_tokens(n_max)
         self.dsum.reserve(a.cfg.n_layers, max(a._slot[c.seq_id] for c in chunks), nb // self.g)
-        # an upper bound of every row's k in this bucket: the short-context factor only falls as n grows
-        factor = float(a.plan.budget_factor(max(nb - BUCKET_TOKENS + 1, 1)))
-        k_cap = np.where(a._retrieval, np.ceil(a._budget * nb * factor / self.g), 0).astype(np.int64)  # [L, Hkv]
-        page_cap = -(-nb // a.store.page_tokens)
-        self._shape = (len(chunks), nb, page_cap, k_cap.tobytes())
+        bucket = self._buckets.get(nb)
+        if bucket is None:  # once per length bucket, not per step
+            # an upper bound of every row's k in this bucket: the short-context factor only falls as n grows
+            factor = float(a.plan.budget_factor(max(nb - BUCKET_TOKENS + 1, 1)))
+            k_cap = np.where(a._retrieval, np.ceil(a._budget * nb * factor / self.g), 0).astype(np.int64)  # [L, Hkv]
+            widths = tuple(int(w) for w in np.minimum(k_cap, nb // self.g).max(axis=1))  # per layer
+            bucket = self._buckets[nb] = (k_cap, -(-nb // a.store.page_tokens), k_cap.tobytes(), widths)
+        k_cap, page_cap, caps_key, widths = bucket
+        self._shape = (len(chunks), nb, page_cap, caps_key)
         if self._shape not in self.static:
             if len(self.static) >= 4:  # an old bucket's buffers go with its graphs
                 self.static.pop(next(iter(self.static)))
             self.static[self._shape] = DeviceStep(a, len(chunks), k_cap, nb // self.g, page_cap, self.fused)
         if self.reuse is not None:  # may reallocate: before the graphs' key is taken
-            widths = tuple(int(w) for w in np.minimum(k_cap, nb // self.g).max(axis=1))  # per layer
             self._reuse_now = self.reuse if self.reuse.ensure(len(chunks), nb // self.g, widths) else None
         if self.pool is not None and a.pins is not None:  # may grow the pool: before the graphs' key is taken
             self.pool.reserve(a.pins, np.array([a._slot[c.seq_id] for c in chunks]))
@@ -257,14 +266,8 @@ class DeviceGraphedDecode:
         self.ds = ds = self.static[self._shape]
         # pages for this step's appends (and the queued step's), before the tables are copied
         a.store.reserve_decode(st.slots, 2 if self.overlap else 1)
-        ds.slots.copy_(st.slots_dev)
-        ds.pos.copy_(st.pos_dev)
-        ds.ring.copy_(st.ring_dev)
-        ds.bias.copy_(st.bias)
+        ds.bias.copy_(st.bias)  # device to device: build_step sent it when it planned the step
         ds.slots32[ds.buf][:] = st.slots
-        gi = GVALS.index(self.g)
-        lo, hi = st.sink_hi[gi] // self.g, st.win_lo[gi] // self.g  # [B] eligible blocks, as the eager path's
-        ds.bounds.copy_(torch.from_numpy(np.stack([lo, hi])))
         self._load_tables(ds)
         self._load_pins(ds, st)
         self._load_tasks(ds, st)
@@ -284,20 +287,19 @@ class DeviceGraphedDecode:
                 ds.table_keys[layer] = tkey
 
     def _load_tasks(self, ds: DeviceStep, st: DecodeStep) -> None:
-        """Each (layer, row, group)'s k as the host paths compute it (sparse_graph.plan_tasks, made by the previous
-        end() when it planned these rows; count_step adds the step's streaming and context counters), the tokens it
-        selects, and the bytes fetched over PCIe."""
+        """The step's integer inputs (ds.ints: slots, positions, ring slots, eligible blocks, and each (layer, row,
+        group)'s k as the host paths compute it: sparse_graph.plan_tasks) in one copy, made by the previous end()
+        when it planned these rows; the counters (count_step: streaming and context; the tokens selected; the
+        bytes fetched over PCIe)."""
         a = self.a
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == st.key:
-            layer_of, rows, heads, k_task, selected = ahead[1]
+        if ahead is not None and ahead[0] == (st.key, ds.serial):
+            ints, k_row, selected = ahead[1]
             self.planned_ahead += 1
         else:
-            layer_of, rows, heads, k_task, selected = self._plan_tasks(st)
+            ints, k_row, selected = self._step_ints(ds, st)
+        ds.ints.copy_(ints, non_blocking=True)  # pinned on CUDA: asynchronous, after the previous step's reads
         count_step(a, st)
-        k_row = np.zeros(ds.k_row.shape, np.int64)  # [L, B, Hkv]
-        k_row[layer_of, rows, heads] = np.minimum(k_task, ds.k_cap[layer_of, heads])
-        ds.k_row.copy_(torch.from_numpy(k_row))
         a._read_tokens += float(selected)
         # the kernels skip masked ranks; the torch path reads every rank up to k_cap and masks afterwards
         fetched = int(k_row.sum()) if self.fused else ds.fetched_blocks
@@ -305,20 +307,34 @@ class DeviceGraphedDecode:
             fetched -= int(np.minimum(k_row, ds.pin_count).sum())
         self._count_pcie(fetched)
 
-    def _plan_tasks(self, st: DecodeStep) -> tuple[np.ndarray, ...]:
-        """sparse_graph.plan_tasks reduced to what _load_tasks needs: each task's layer, row, group and k (int64
-        [T] each) and the tokens the step selects (an int64 scalar)."""
-        tasks, _, ends, selected = plan_tasks(self.a, st)  # tasks: int32 [T, 9] (slot, row, group, g, k, ...)
+    def _step_ints(self, ds: DeviceStep, st: DecodeStep) -> tuple[torch.Tensor, np.ndarray, int]:
+        """ds.ints' contents for step st, on the host (pinned on CUDA), with k_row int64 [L, B, Hkv] (each (layer,
+        row, group)'s k: sparse_graph.plan_tasks capped at the structure's k_cap) and the tokens the step selects."""
+        a, B = self.a, st.batch
+        tasks, _, ends, selected = plan_tasks(a, st)  # tasks: int32 [T, 9] (slot, row, group, g, k, ...)
         layer_of = np.repeat(np.arange(len(ends) - 1), np.diff(ends))  # [T]
-        return (layer_of, tasks[:, 1].astype(np.int64), tasks[:, 2].astype(np.int64), tasks[:, 4].astype(np.int64),
-                selected.sum())
+        heads = tasks[:, 2].astype(np.int64)
+        host = torch.empty(ds.ints.shape[0], dtype=torch.long, pin_memory=a.device.type == "cuda")
+        ints = host.numpy()
+        pos = st.n - 1
+        gi = GVALS.index(self.g)
+        ints[:B], ints[B: 2 * B], ints[2 * B: 3 * B] = st.slots, pos, a.sink_cap + pos % a.ring_cap
+        ints[3 * B: 4 * B] = st.sink_hi[gi] // self.g  # eligible blocks [lo, hi), as the eager path's
+        ints[4 * B: 5 * B] = st.win_lo[gi] // self.g
+        k_row = ints[5 * B:].reshape(ds.k_row.shape)  # [L, B, Hkv]
+        k_row[:] = 0
+        k_row[layer_of, tasks[:, 1].astype(np.int64), heads] = np.minimum(tasks[:, 4], ds.k_cap[layer_of, heads])
+        return host, k_row, int(selected.sum())
 
     def _plan_next(self) -> None:
         """The likely next step (these rows, one token on) planned while the device runs this one: its DecodeStep
-        (SparseAttention._step_for keeps it) and its tasks; begin() uses them when the rows are as expected."""
+        (SparseAttention._step_for keeps it) and its integer inputs (_step_ints, for the same step structure);
+        begin() uses them when the rows and the structure are as expected."""
         nxt = [SeqChunk(c.seq_id, c.start + c.length, 1) for c in self.chunks]
         st = self.a._step_for(nxt)
-        self._ahead = (st.key, self._plan_tasks(st))
+        ds = self.ds
+        assert ds is not None
+        self._ahead = ((st.key, ds.serial), self._step_ints(ds, st))
 
     def flush_appends(self) -> None:
         """The queued step's K/V into the host store (SparseAttention._flush calls it before anything reads the
