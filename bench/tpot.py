@@ -187,6 +187,13 @@ def release_pinned_cache() -> None:
                 break
 
 
+def commit_label() -> str:
+    """The commit measured. A copied working tree (the device tool's) may carry a stale .git: FLUXION_COMMIT, when
+    set, names the real one."""
+    return os.environ.get("FLUXION_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+
+
 def decode_step(model: Transformer, attn: object, batch: int, token: int, pos: int) -> torch.Tensor:
     """One decode token for sequences 0..batch-1, all at position pos -> logits [batch, V]."""
     return model.forward(torch.full((batch,), token), torch.full((batch,), pos),
@@ -367,9 +374,7 @@ def main() -> None:
         name, weights = args.shape, "random weights"
     cfg = model.cfg
     plan = borrowed_plan(cfg, Path(args.plan_source))
-    # A copied working tree (the device tool's) may carry a stale .git: FLUXION_COMMIT, when set, names the real one.
-    commit = os.environ.get("FLUXION_COMMIT") or subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = commit_label()
     machine = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or platform.node()
     note = (f"{name} ({weights}, {dtype}); fluxion plan: {plan.source}; machine {machine}, {os.cpu_count()} CPUs, "
             f"native threads {native.get_threads()}, commit {commit or '?'}")
