@@ -50,7 +50,7 @@ from .attention import SeqChunk
 from .hybrid import lse_merge
 from .pin_pool import DevicePinPool, span_kv_rows
 from .reuse_cache import DeviceReuseCache
-from .sparse_graph import count_step, plan_tasks, stream_layer
+from .sparse_graph import add_counts, plan_tasks, step_counts, stream_layer
 from .sparse_step import DecodeStep, GVALS
 
 if TYPE_CHECKING:
@@ -88,7 +88,8 @@ class DeviceStep:
         # per layer: each page's first chunk in the zero-copy span, rows = store slots (static copies of the
         # feeder's tables, refreshed in place when the store's page tables change)
         self.tables = torch.zeros(n_layers, store.max_seqs, page_cap, dtype=torch.long, device=dev)
-        self.table_keys: list[tuple[int, int]] = [(-1, -1)] * n_layers
+        self.table_slabs = -1  # the store's slab_version and layer_version [L] that tables were copied at
+        self.table_versions = np.full(n_layers, -1, np.int64)
         # per layer: the flat block list, entry i = rank flat_j[i] of group flat_h[i] (k_cap entries per group)
         self.flat: list[tuple[int, torch.Tensor, torch.Tensor] | None] = []  # (top-k width, flat_h, flat_j)
         caps = np.minimum(k_cap, n_blocks)  # [L, Hkv]: ranks each group fetches
@@ -190,8 +191,9 @@ class DeviceGraphedDecode:
         self.overlap = os.environ.get("FLUXION_STEP_OVERLAP", "1") != "0"
         self._queued: tuple[DeviceStep, int] | None = None  # (step structure, row set) appended at the next end()
         # ((DecodeStep key, DeviceStep serial), _step_ints of them)
-        self._ahead: tuple[tuple[object, int], tuple[torch.Tensor, np.ndarray, int]] | None = None
+        self._ahead: tuple[tuple[object, int], tuple[torch.Tensor, np.ndarray, tuple[float, ...]]] | None = None
         self.planned_ahead = 0  # steps that found their plan made by the previous end()
+        self._reserved: object = None  # the DecodeStep key whose host pages _plan_next reserved
         # The streaming part of a retrieval layer does not wait for the retrieval chain (scores -> top-k -> block
         # attention): on CUDA it runs on a side stream, forked after append_token and joined before combine, so the
         # two run side by side (at batch 1 each fills a few SMs; captured graphs keep the fork as parallel branches).
@@ -260,12 +262,15 @@ class DeviceGraphedDecode:
     def begin(self, chunks: list[SeqChunk]) -> None:
         a = self.a
         self.chunks = chunks
-        for layer in range(a.cfg.n_layers):  # K/V queued by an eager step go in first
-            a._flush_eager(layer)
+        reserved, self._reserved = self._reserved, None
+        if any(p is not None for p in a._pending):  # K/V queued by an eager step go in first
+            reserved = None  # (they move the store's lengths that end()'s reservation counted from)
+            for layer in range(a.cfg.n_layers):
+                a._flush_eager(layer)
         self.st = st = a._step_for(chunks)  # planned by the last end() when these are its rows one token on
         self.ds = ds = self.static[self._shape]
-        # pages for this step's appends (and the queued step's), before the tables are copied
-        a.store.reserve_decode(st.slots, 2 if self.overlap else 1)
+        if reserved != st.key:  # pages for this step's appends (and the queued step's), before the tables are copied
+            a.store.reserve_decode(st.slots, 2 if self.overlap else 1)
         ds.bias.copy_(st.bias)  # device to device: build_step sent it when it planned the step
         ds.slots32[ds.buf][:] = st.slots
         self._load_tables(ds)
@@ -276,40 +281,44 @@ class DeviceGraphedDecode:
         self._t0 = time.perf_counter()
 
     def _load_tables(self, ds: DeviceStep) -> None:
-        a = self.a
-        for layer in range(a.cfg.n_layers):
-            tkey = (a.store.slab_version, int(a.store.layer_version[layer]))
-            if ds.table_keys[layer] != tkey:
+        """Each layer's page table into ds.tables when the store's slabs or that layer's table changed."""
+        store = self.a.store
+        if ds.table_slabs == store.slab_version and ds.table_versions.tobytes() == store.layer_version.tobytes():
+            return  # the usual step: one comparison (of raw bytes: the cheapest in numpy) instead of one per layer
+        for layer in range(self.a.cfg.n_layers):
+            if ds.table_slabs != store.slab_version or ds.table_versions[layer] != store.layer_version[layer]:
                 _, table = self.feeder._refresh(layer)  # [S, max_pages] chunk index of each page in the span
                 w = min(table.shape[1], ds.tables.shape[2])
                 ds.tables[layer].zero_()
                 ds.tables[layer, : table.shape[0], :w] = table[:, :w]
-                ds.table_keys[layer] = tkey
+        ds.table_slabs = store.slab_version
+        ds.table_versions[:] = store.layer_version
 
     def _load_tasks(self, ds: DeviceStep, st: DecodeStep) -> None:
         """The step's integer inputs (ds.ints: slots, positions, ring slots, eligible blocks, and each (layer, row,
         group)'s k as the host paths compute it: sparse_graph.plan_tasks) in one copy, made by the previous end()
-        when it planned these rows; the counters (count_step: streaming and context; the tokens selected; the
+        when it planned these rows; the counters (step_counts' streaming and context, planned with them; the
         bytes fetched over PCIe)."""
         a = self.a
         ahead, self._ahead = self._ahead, None
         if ahead is not None and ahead[0] == (st.key, ds.serial):
-            ints, k_row, selected = ahead[1]
+            ints, k_row, counts = ahead[1]
             self.planned_ahead += 1
         else:
-            ints, k_row, selected = self._step_ints(ds, st)
+            ints, k_row, counts = self._step_ints(ds, st)
         ds.ints.copy_(ints, non_blocking=True)  # pinned on CUDA: asynchronous, after the previous step's reads
-        count_step(a, st)
-        a._read_tokens += float(selected)
+        add_counts(a, counts)
         # the kernels skip masked ranks; the torch path reads every rank up to k_cap and masks afterwards
         fetched = int(k_row.sum()) if self.fused else ds.fetched_blocks
         if self.pin_cache:  # pinned blocks rank first and come from the device cache
             fetched -= int(np.minimum(k_row, ds.pin_count).sum())
         self._count_pcie(fetched)
 
-    def _step_ints(self, ds: DeviceStep, st: DecodeStep) -> tuple[torch.Tensor, np.ndarray, int]:
+    def _step_ints(self, ds: DeviceStep, st: DecodeStep
+                   ) -> tuple[torch.Tensor, np.ndarray, tuple[float, float, float, float]]:
         """ds.ints' contents for step st, on the host (pinned on CUDA), with k_row int64 [L, B, Hkv] (each (layer,
-        row, group)'s k: sparse_graph.plan_tasks capped at the structure's k_cap) and the tokens the step selects."""
+        row, group)'s k: sparse_graph.plan_tasks capped at the structure's k_cap) and the step's counters
+        (sparse_graph.step_counts with the tokens the step selects added to the tokens read)."""
         a, B = self.a, st.batch
         tasks, _, ends, selected = plan_tasks(a, st)  # tasks: int32 [T, 9] (slot, row, group, g, k, ...)
         layer_of = np.repeat(np.arange(len(ends) - 1), np.diff(ends))  # [T]
@@ -324,7 +333,8 @@ class DeviceGraphedDecode:
         k_row = ints[5 * B:].reshape(ds.k_row.shape)  # [L, B, Hkv]
         k_row[:] = 0
         k_row[layer_of, tasks[:, 1].astype(np.int64), heads] = np.minimum(tasks[:, 4], ds.k_cap[layer_of, heads])
-        return host, k_row, int(selected.sum())
+        read, context, streaming, groups = step_counts(a, st)
+        return host, k_row, (read + float(selected.sum()), context, streaming, groups)
 
     def _plan_next(self) -> None:
         """The likely next step (these rows, one token on) planned while the device runs this one: its DecodeStep
@@ -335,6 +345,10 @@ class DeviceGraphedDecode:
         ds = self.ds
         assert ds is not None
         self._ahead = ((st.key, ds.serial), self._step_ints(ds, st))
+        # its pages too: the store holds what begin() would count from (the queued step just went in), and the
+        # running step reads the device copies of the page tables, which the next begin() refreshes
+        self.a.store.reserve_decode(st.slots, 2)
+        self._reserved = st.key
 
     def flush_appends(self) -> None:
         """The queued step's K/V into the host store (SparseAttention._flush calls it before anything reads the

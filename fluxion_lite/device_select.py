@@ -53,6 +53,8 @@ class DeviceSummaries:
         self._s: list[torch.Tensor] = [torch.empty(0, n_kv_heads, 0, 2, head_dim, dtype=SUMMARY_DTYPE, device=device)
                                        for _ in range(n_layers)]
         self.version = 0  # bumped when a layer's tensor is reallocated (captured graphs address them)
+        # what the last full reserve() left: (version, layers, slots, blocks) that every one of those layers holds
+        self._room: tuple[int, int, int, int] | None = None
 
     def layer(self, layer: int) -> torch.Tensor:
         """The layer's summaries [slot_cap, Hkv, block_cap, 2, D] bf16 (device_kernels reads and updates them)."""
@@ -80,8 +82,14 @@ class DeviceSummaries:
 
     def reserve(self, n_layers: int, slot: int, n_blocks: int) -> None:
         """Room for `slot` and `n_blocks` blocks in every layer, ahead of a captured step that must not grow them."""
+        room = self._room
+        if (room is not None and room[0] == self.version and n_layers <= room[1] and slot < room[2]
+                and n_blocks <= room[3]):
+            return  # the usual decode step: no layer to look at (called once per step)
         for layer in range(n_layers):
             self._ensure(layer, slot, n_blocks)
+        layers = self._s[:n_layers]
+        self._room = (self.version, n_layers, min(t.shape[0] for t in layers), min(t.shape[2] for t in layers))
 
     def append_chunk(self, layer: int, slot: int, start: int, k: torch.Tensor) -> None:
         """Keys k [n, Hkv, D] at positions start..start+n-1 of one sequence (a prefill chunk)."""

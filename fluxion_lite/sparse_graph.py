@@ -68,14 +68,25 @@ def plan_tasks(a: SparseAttention, st: DecodeStep) -> tuple[np.ndarray, np.ndarr
     return tasks, bi * hkv + h, ends.tolist(), selected
 
 
-def count_step(a: SparseAttention, st: DecodeStep) -> None:
-    """The step's streaming reads and context, streaming and all groups into the backend's counters (stats())."""
+def step_counts(a: SparseAttention, st: DecodeStep) -> tuple[float, float, float, float]:
+    """The step's streaming reads and context (tokens), streaming and all groups: what count_step adds."""
     n_layers, hkv, B = a.cfg.n_layers, a.cfg.n_kv_heads, st.batch
     gi = a._gidx[:, None, :]  # [L, 1, Hkv]
-    a._read_tokens += float(st.stream_read[gi, np.arange(B)[None, :, None]].sum())
-    a._context_tokens += float(st.n.sum()) * hkv * n_layers
-    a._stream_groups += float(n_layers * B * hkv - B * a._retrieval.sum())
-    a._all_groups += float(n_layers * B * hkv)
+    return (float(st.stream_read[gi, np.arange(B)[None, :, None]].sum()), float(st.n.sum()) * hkv * n_layers,
+            float(n_layers * B * hkv - B * a._retrieval.sum()), float(n_layers * B * hkv))
+
+
+def add_counts(a: SparseAttention, counts: tuple[float, float, float, float]) -> None:
+    """step_counts' values into the backend's counters (stats())."""
+    a._read_tokens += counts[0]
+    a._context_tokens += counts[1]
+    a._stream_groups += counts[2]
+    a._all_groups += counts[3]
+
+
+def count_step(a: SparseAttention, st: DecodeStep) -> None:
+    """The step's streaming reads and context, streaming and all groups into the backend's counters (stats())."""
+    add_counts(a, step_counts(a, st))
 
 
 def expected_sizes(selected: np.ndarray, ends: list[int]) -> list[tuple[int, int]]:
