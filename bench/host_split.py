@@ -65,7 +65,7 @@ def install_timers(acc: dict[str, float]) -> None:
         setattr(owner, name, wrap(getattr(owner, name), label))
 
 
-def cpu_setup(shape: str, context: int, batch: int, plan_source: Path) -> tuple[Any, Any, Any]:
+def cpu_setup(shape: str, context: int, batch: int, plan_source: Path) -> tuple[Any, Any]:
     """The shape's layers and heads with small widths, in fp32 on the CPU, and a filled device-selection backend
     whose "device" is torch on the CPU (zero-copy: the alias is the host store itself)."""
     small = "host-" + shape
@@ -77,7 +77,7 @@ def cpu_setup(shape: str, context: int, batch: int, plan_source: Path) -> tuple[
     attn = sparse_attention.SparseAttention(model.cfg, plan, torch.float32, torch.device("cpu"), max_seqs=batch + 1,
                                             placement="gpu", selection="gpu", costs=costs, zero_copy=True)
     tpot.fill_context(attn, model.cfg, batch, context, torch.device("cpu"), seed=context + batch)
-    return model, plan, attn
+    return model, attn
 
 
 def main() -> None:
@@ -98,10 +98,10 @@ def main() -> None:
     if dev.type == "cuda":
         native.set_threads(max(1, native.physical_cores() - 1))  # as bench/tpot.py on CUDA
         model = tpot.random_model(args.shape, dev, torch.bfloat16)
-        plan = tpot.borrowed_plan(model.cfg, Path(args.plan_source))
-        attn = tpot.new_attention(model, "fluxion-gpu", args.context, args.batch, plan)
+        attn = tpot.new_attention(model, "fluxion-gpu", args.context, args.batch,
+                                  tpot.borrowed_plan(model.cfg, Path(args.plan_source)))
     else:
-        model, plan, attn = cpu_setup(args.shape, args.context, args.batch, Path(args.plan_source))
+        model, attn = cpu_setup(args.shape, args.context, args.batch, Path(args.plan_source))
     for i in range(6):  # graphs captured, caches warm
         tpot.decode_step(model, attn, args.batch, 5, args.context + i)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)

@@ -59,6 +59,8 @@ if TYPE_CHECKING:
 
 BUCKET_TOKENS = 1024  # k_cap follows the longest sequence in steps of this many tokens (a capture per bucket)
 PIN_CACHE_SHARE = 0.5  # the pin cache may take at most this share of the free device memory when it (re)grows
+# a step's integer inputs on the host (pinned on CUDA), its k_row [L, B, Hkv] (a view of them) and its counters
+StepInputs = tuple[torch.Tensor, np.ndarray, tuple[float, float, float, float]]
 
 
 def bucket_tokens(n_max: int) -> int:
@@ -111,10 +113,9 @@ class DeviceGraphedDecode:
         # store then lags the device by one more token, which top-k never reads (the newest tokens are in the window).
         self.overlap = os.environ.get("FLUXION_STEP_OVERLAP", "1") != "0"
         self._queued: tuple[DeviceStep, int] | None = None  # (step structure, row set) appended at the next end()
-        # ((DecodeStep key, DeviceStep serial), _step_ints of them)
-        self._ahead: tuple[tuple[object, int], tuple[torch.Tensor, np.ndarray, tuple[float, ...]]] | None = None
+        # the next step as end() planned it: ((DecodeStep key, DeviceStep serial), its inputs), its host pages reserved
+        self._ahead: tuple[tuple[object, int], StepInputs] | None = None
         self.planned_ahead = 0  # steps that found their plan made by the previous end()
-        self._reserved: object = None  # the DecodeStep key whose host pages _plan_next reserved
         # The streaming part of a retrieval layer does not wait for the retrieval chain (scores -> top-k -> block
         # attention): on CUDA it runs on a side stream, forked after append_token and joined before combine, so the
         # two run side by side (at batch 1 each fills a few SMs; captured graphs keep the fork as parallel branches).
@@ -183,20 +184,25 @@ class DeviceGraphedDecode:
     def begin(self, chunks: list[SeqChunk]) -> None:
         a = self.a
         self.chunks = chunks
-        reserved, self._reserved = self._reserved, None
-        if any(p is not None for p in a._pending):  # K/V queued by an eager step go in first
-            reserved = None  # (they move the store's lengths that end()'s reservation counted from)
+        eager = any(p is not None for p in a._pending)
+        if eager:  # K/V queued by an eager step go in first
             for layer in range(a.cfg.n_layers):
                 a._flush_eager(layer)
         self.st = st = a._step_for(chunks)  # planned by the last end() when these are its rows one token on
         self.ds = ds = self.static[self._shape]
-        if reserved != st.key:  # pages for this step's appends (and the queued step's), before the tables are copied
+        ahead, self._ahead = self._ahead, None
+        planned: StepInputs | None = None
+        if ahead is not None and ahead[0] == (st.key, ds.serial):
+            self.planned_ahead += 1
+            planned = ahead[1]
+        if planned is None or eager:  # pages for this step's appends (and the queued step's), before the tables
+            # are copied (the eager K/V moved the store lengths that end()'s reservation counted from)
             a.store.reserve_decode(st.slots, 2 if self.overlap else 1)
         ds.bias.copy_(st.bias)  # device to device: build_step sent it when it planned the step
         ds.slots32[ds.buf][:] = st.slots
         self._load_tables(ds)
         self._load_pins(ds, st)
-        self._load_tasks(ds, st)
+        self._load_tasks(ds, st, planned)
         if self._reuse_now is not None:
             self._reuse_now.start_step(tuple(c.seq_id for c in chunks))
         self._t0 = time.perf_counter()
@@ -215,18 +221,13 @@ class DeviceGraphedDecode:
         ds.table_slabs = store.slab_version
         ds.table_versions[:] = store.layer_version
 
-    def _load_tasks(self, ds: DeviceStep, st: DecodeStep) -> None:
+    def _load_tasks(self, ds: DeviceStep, st: DecodeStep, planned: StepInputs | None) -> None:
         """The step's integer inputs (ds.ints: slots, positions, ring slots, eligible blocks, and each (layer, row,
         group)'s k as the host paths compute it: sparse_graph.plan_tasks) in one copy, made by the previous end()
-        when it planned these rows; the counters (step_counts' streaming and context, planned with them; the
-        bytes fetched over PCIe)."""
+        when it planned these rows (`planned`; else now); the counters (step_counts' streaming and context,
+        planned with them; the bytes fetched over PCIe)."""
         a = self.a
-        ahead, self._ahead = self._ahead, None
-        if ahead is not None and ahead[0] == (st.key, ds.serial):
-            ints, k_row, counts = ahead[1]
-            self.planned_ahead += 1
-        else:
-            ints, k_row, counts = self._step_ints(ds, st)
+        ints, k_row, counts = planned if planned is not None else self._step_ints(ds, st)
         ds.ints.copy_(ints, non_blocking=True)  # pinned on CUDA: asynchronous, after the previous step's reads
         add_counts(a, counts)
         # the kernels skip masked ranks; the torch path reads every rank up to k_cap and masks afterwards
@@ -235,8 +236,7 @@ class DeviceGraphedDecode:
             fetched -= int(np.minimum(k_row, ds.pin_count).sum())
         self._count_pcie(fetched)
 
-    def _step_ints(self, ds: DeviceStep, st: DecodeStep
-                   ) -> tuple[torch.Tensor, np.ndarray, tuple[float, float, float, float]]:
+    def _step_ints(self, ds: DeviceStep, st: DecodeStep) -> StepInputs:
         """ds.ints' contents for step st, on the host (pinned on CUDA), with k_row int64 [L, B, Hkv] (each (layer,
         row, group)'s k: sparse_graph.plan_tasks capped at the structure's k_cap) and the step's counters
         (sparse_graph.step_counts with the tokens the step selects added to the tokens read)."""
@@ -246,9 +246,8 @@ class DeviceGraphedDecode:
         heads = tasks[:, 2].astype(np.int64)
         host = torch.empty(ds.ints.shape[0], dtype=torch.long, pin_memory=a.device.type == "cuda")
         ints = host.numpy()
-        pos = st.n - 1
         gi = GVALS.index(self.g)
-        ints[:B], ints[B: 2 * B], ints[2 * B: 3 * B] = st.slots, pos, a.sink_cap + pos % a.ring_cap
+        ints[: 3 * B] = st.idx.reshape(-1)  # slots, positions, ring slots, as build_step made them
         ints[3 * B: 4 * B] = st.sink_hi[gi] // self.g  # eligible blocks [lo, hi), as the eager path's
         ints[4 * B: 5 * B] = st.win_lo[gi] // self.g
         k_row = ints[5 * B:].reshape(ds.k_row.shape)  # [L, B, Hkv]
@@ -265,11 +264,10 @@ class DeviceGraphedDecode:
         st = self.a._step_for(nxt)
         ds = self.ds
         assert ds is not None
-        self._ahead = ((st.key, ds.serial), self._step_ints(ds, st))
         # its pages too: the store holds what begin() would count from (the queued step just went in), and the
         # running step reads the device copies of the page tables, which the next begin() refreshes
         self.a.store.reserve_decode(st.slots, 2)
-        self._reserved = st.key
+        self._ahead = ((st.key, ds.serial), self._step_ints(ds, st))
 
     def flush_appends(self) -> None:
         """The queued step's K/V into the host store (SparseAttention._flush calls it before anything reads the

@@ -29,6 +29,7 @@ class DecodeStep:
     slots_dev: torch.Tensor  # int64 [B]
     pos_dev: torch.Tensor  # int64 [B] position of the new token
     ring_dev: torch.Tensor  # int64 [B] its slot in the ring (sink_cap + pos % ring_cap)
+    idx: np.ndarray  # int64 [3, B] the host copy of slots, positions and ring slots (the three above)
     first_slot: int | None  # slots are first_slot .. first_slot + B - 1: the slab is sliced, not gathered
     sink_rows: list[int]  # rows whose new token also belongs in the sink slots (position < sink_cap)
     # float64 [B]: each row's retrieval budgets x this at its context n (SparsePlan.budget_factor); None = x1
@@ -66,7 +67,7 @@ def build_step(key: tuple[tuple[int, int], ...], slots: list[int], sink: int, wi
     bias_d, idx_d = bias_t.to(device, non_blocking=True), idx_t.to(device, non_blocking=True)
     contiguous = len(slots) > 0 and bool((np.diff(slots_a) == 1).all())
     return DecodeStep(key, slots_a, n, sink_hi, win_lo, valid.sum(-1).astype(np.float64), bias_d, idx_d[0],
-                      idx_d[1], idx_d[2], int(slots_a[0]) if contiguous else None,
+                      idx_d[1], idx_d[2], idx, int(slots_a[0]) if contiguous else None,
                       [b for b in range(len(pos)) if pos[b] < sink_cap],
                       short_factor(n, short_scale, short_tokens) if short_scale != 1.0 else None)
 
