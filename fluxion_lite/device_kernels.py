@@ -263,26 +263,24 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(o_ptr, m_ptr, l_ptr, starts_ptr, caps_ptr, so_ptr, sm_ptr, sl_ptr, out_ptr, N, HKV, R, S,
-                        D: tl.constexpr, TILE: tl.constexpr):
+                        D: tl.constexpr, TILE: tl.constexpr, S_PAD: tl.constexpr):
         pid = tl.program_id(0)  # = (b * HKV + h) * R + r
         r = pid % R
         bh = pid // R
         b, h = bh // HKV, bh % HKV
         dd, ee = tl.arange(0, D), tl.arange(0, TILE)
-        run_m = tl.full((), float("-inf"), tl.float32)
-        run_l = tl.zeros((), tl.float32)
-        acc = tl.zeros((D,), tl.float32)
-        # the streaming splits first (at least one holds the sink, so run_m is finite after them), then the
-        # group's retrieval partials: entries starts[h] .. starts[h] + caps[h] - 1
-        for s in range(0, S):
-            row = (bh * S + s) * R + r
-            m = tl.load(sm_ptr + row)
-            new_m = tl.maximum(run_m, m)
-            safe = tl.where(new_m == float("-inf"), 0.0, new_m)
-            w, old = tl.exp(m - safe), tl.exp(run_m - safe)  # 0 for an empty split / nothing yet
-            run_l = run_l * old + w * tl.load(sl_ptr + row)
-            acc = acc * old + w * tl.load(so_ptr + row * D + dd)
-            run_m = new_m
+        # the streaming splits first, all in one load (a loop over them was a chain of S dependent load rounds);
+        # at least one split holds the sink, so run_m is finite after them
+        ss = tl.arange(0, S_PAD)
+        srow = (bh * S + ss) * R + r  # [S_PAD]
+        s_in = ss < S
+        sm = tl.load(sm_ptr + srow, mask=s_in, other=float("-inf"))
+        run_m = tl.max(sm, axis=0)
+        w = tl.exp(sm - tl.where(run_m == float("-inf"), 0.0, run_m))  # 0 for an empty split
+        run_l = tl.sum(w * tl.load(sl_ptr + srow, mask=s_in, other=0.0), axis=0)
+        so = tl.load(so_ptr + srow[:, None] * D + dd[None, :], mask=s_in[:, None], other=0.0)  # [S_PAD, D]
+        acc = tl.sum(w[:, None] * so, axis=0)
+        # then the group's retrieval partials: entries starts[h] .. starts[h] + caps[h] - 1
         start = tl.load(starts_ptr + h)
         cap = tl.load(caps_ptr + h)
         for e0 in range(0, cap, TILE):
@@ -417,5 +415,6 @@ def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, st
     B, hkv, splits, r, d = stream_o.shape
     assert stream_o.is_contiguous() and stream_m.is_contiguous() and stream_l.is_contiguous() and out.is_contiguous()
     _combine_kernel[(B * hkv * r,)](part_o, part_m, part_l, starts, caps, stream_o, stream_m, stream_l, out,
-                                    part_m.shape[1], hkv, r, splits, D=d, TILE=64)
+                                    part_m.shape[1], hkv, r, splits, D=d, TILE=64,
+                                    S_PAD=pow2(splits, 2))
     return out

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import torch
 
@@ -39,8 +40,23 @@ REUSE_SHARE = 0.5  # entries per (layer, row, group), as a share of the layer's 
 FREE_MEMORY_SHARE = 0.25  # the cache may take at most this share of the free device memory, else it stays off
 
 
+def reuse_share() -> float:
+    """Entries per (layer, row, group) as a share of the layer's widest top-k: FLUXION_REUSE_SHARE (for A/B
+    runs) or REUSE_SHARE."""
+    text = os.environ.get("FLUXION_REUSE_SHARE", "")
+    if not text:
+        return REUSE_SHARE
+    try:
+        share = float(text)
+    except ValueError:
+        share = -1.0
+    if not 0.0 < share <= 16.0:
+        raise ValueError(f"FLUXION_REUSE_SHARE must be a number in (0, 16], got {text!r}")
+    return share
+
+
 def _entries(width: int) -> int:
-    return max(1, math.ceil(REUSE_SHARE * width))
+    return max(1, math.ceil(reuse_share() * width))
 
 
 def _layout_bytes(layout: dict[object, tuple[tuple[int, ...], torch.dtype, int | None]]) -> int:
