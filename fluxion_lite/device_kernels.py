@@ -276,10 +276,10 @@ if triton is not None:
         s_in = ss < S
         sm = tl.load(sm_ptr + srow, mask=s_in, other=float("-inf"))
         run_m = tl.max(sm, axis=0)
-        w = tl.exp(sm - tl.where(run_m == float("-inf"), 0.0, run_m))  # 0 for an empty split
-        run_l = tl.sum(w * tl.load(sl_ptr + srow, mask=s_in, other=0.0), axis=0)
+        ws = tl.exp(sm - tl.where(run_m == float("-inf"), 0.0, run_m))  # 0 for an empty split
+        run_l = tl.sum(ws * tl.load(sl_ptr + srow, mask=s_in, other=0.0), axis=0)
         so = tl.load(so_ptr + srow[:, None] * D + dd[None, :], mask=s_in[:, None], other=0.0)  # [S_PAD, D]
-        acc = tl.sum(w[:, None] * so, axis=0)
+        acc = tl.sum(ws[:, None] * so, axis=0)
         # then the group's retrieval partials: entries starts[h] .. starts[h] + caps[h] - 1
         start = tl.load(starts_ptr + h)
         cap = tl.load(caps_ptr + h)
