@@ -205,47 +205,44 @@ if triton is not None:
         i, b = tl.program_id(0), tl.program_id(1)  # flat entry i of batch row b
         h = tl.load(flat_h_ptr + i)
         j = tl.load(flat_j_ptr + i)
-        blk = tl.load(ids_ptr + (b * HKV + h) * WIDTH + j)
-        valid = (tl.load(vals_ptr + (b * HKV + h) * WIDTH + j) > float("-inf")) & (j < tl.load(krow_ptr + b * HKV + h))
+        at = (b * HKV + h) * WIDTH + j
+        blk = tl.load(ids_ptr + at)
+        valid = (tl.load(vals_ptr + at) > float("-inf")) & (j < tl.load(krow_ptr + b * HKV + h))
         rr, dd, tt = tl.arange(0, R_PAD), tl.arange(0, D), tl.arange(0, G)
         tok = blk * G + tt  # [G] absolute positions
         page = tl.minimum(tok // PAGE_TOKENS, PAGES - 1)
         slot = tl.load(slots_ptr + b)
         live = (tt * 0 + valid.to(tl.int32)) > 0  # [G]: a masked entry reads nothing
+        # Each token row is read from exactly one place: the host store over PCIe, the pin pool or the reuse
+        # cache. The three row addresses are looked up side by side and one pointer per row is chosen, so the
+        # K and V tiles are loaded once (three masked loads of each kept ~3x the registers live, and the host
+        # address waited for the cache lookups)
+        first = tl.load(tab_ptr + slot * tab_slot + page, mask=live, other=0)  # [G]
+        k_ptr = span_ptr + ((first + h * CPH + (tok % PAGE_TOKENS) // CHUNK) * CHUNK + tok % CHUNK) * D  # [G]
+        v_ptr = k_ptr + HKV * CPH * CHUNK * D  # V chunks follow the page's K chunks
+        on_host = live
         if HAS_CACHE:  # a pinned block held in device memory (the pin pool [P, 2, G, D]) is read from there
             cached_slot = tl.load(pslot_ptr + (b * HKV + h) * NBS + blk, mask=valid, other=-1).to(tl.int64)
-            slot_row = tt * 0 + cached_slot  # [G]
-            on_host = live & (slot_row < 0)
-            on_dev = live & (slot_row >= 0)
+            on_dev = live & ((tt * 0 + cached_slot) >= 0)  # [G]
             dev_k = ((cached_slot * 2) * G + tt) * D  # [G] K row starts in the pool; V follows at + G * D
-            k = tl.load(pkv_ptr + dev_k[:, None] + dd[None, :], mask=on_dev[:, None], other=0.0)
-            v = tl.load(pkv_ptr + (dev_k + G * D)[:, None] + dd[None, :], mask=on_dev[:, None], other=0.0)
-        else:
-            on_host = live
+            k_ptr = tl.where(on_dev, pkv_ptr + dev_k, k_ptr)
+            v_ptr = tl.where(on_dev, pkv_ptr + dev_k + G * D, v_ptr)
+            on_host = on_host & ~on_dev
         if HAS_REUSE:  # a block chosen at an earlier step may still be in the reuse cache [B, Hkv, RC, 2, G, D]
-            at = (b * HKV + h) * WIDTH + j
             entry = tl.load(entry_ptr + at, mask=valid, other=-1).to(tl.int64)
             reused = (tt * 0 + tl.load(hit_ptr + at, mask=valid, other=0).to(tl.int32)) > 0  # [G]
             on_reuse = on_host & reused
             on_host = on_host & ~reused
             reuse_k = (((b * HKV + h) * RC + entry) * 2 * G + tt) * D  # [G]; V follows at + G * D
-            k_r = tl.load(rkv_ptr + reuse_k[:, None] + dd[None, :], mask=on_reuse[:, None], other=0.0)
-            v_r = tl.load(rkv_ptr + (reuse_k + G * D)[:, None] + dd[None, :], mask=on_reuse[:, None], other=0.0)
-        first = tl.load(tab_ptr + slot * tab_slot + page, mask=on_host, other=0)  # [G]
-        k_off = ((first + h * CPH + (tok % PAGE_TOKENS) // CHUNK) * CHUNK + tok % CHUNK) * D  # [G] K row starts
-        v_off = k_off + HKV * CPH * CHUNK * D  # V chunks follow the page's K chunks
-        # [G, D]: the PCIe read (nothing for a masked or cached entry; exactly one of the two loads is live)
-        host_k = tl.load(span_ptr + k_off[:, None] + dd[None, :], mask=on_host[:, None], other=0.0)
-        host_v = tl.load(span_ptr + v_off[:, None] + dd[None, :], mask=on_host[:, None], other=0.0)
-        if HAS_CACHE:
-            k, v = k + host_k, v + host_v
-        else:
-            k, v = host_k, host_v
+            k_ptr = tl.where(on_reuse, rkv_ptr + reuse_k, k_ptr)
+            v_ptr = tl.where(on_reuse, rkv_ptr + reuse_k + G * D, v_ptr)
+        # [G, D]: a PCIe read for the rows on the host, a device read for the others, nothing for a masked entry
+        k = tl.load(k_ptr[:, None] + dd[None, :], mask=live[:, None], other=0.0)
+        v = tl.load(v_ptr[:, None] + dd[None, :], mask=live[:, None], other=0.0)
         if HAS_REUSE:
-            k, v = k + k_r, v + v_r
             keep = on_host & ((tt * 0 + entry) >= 0)  # [G]: a miss with an entry, kept for the next steps
-            tl.store(rkv_ptr + reuse_k[:, None] + dd[None, :], host_k, mask=keep[:, None])
-            tl.store(rkv_ptr + (reuse_k + G * D)[:, None] + dd[None, :], host_v, mask=keep[:, None])
+            tl.store(rkv_ptr + reuse_k[:, None] + dd[None, :], k, mask=keep[:, None])
+            tl.store(rkv_ptr + (reuse_k + G * D)[:, None] + dd[None, :], v, mask=keep[:, None])
         q = _group_queries(q_ptr, b, h, R, q_b, q_h, q_r, D, R_PAD)  # [R_PAD, D]
         # fp32 products (the dots are [R_PAD, D] x [D, G]: tiny next to the PCIe read, so no tensor-core formats)
         logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [R_PAD, G]
