@@ -1,5 +1,7 @@
-"""Online cost of the per-request plan, per layer: features (head_features.layer_features) + predictor MLP + selector,
-i.e. what RequestPlanner.prefill_done does once per layer when a sequence's prefill ends.
+"""Online cost of the per-request plan, per layer: features (head_features.layer_features) + predictor MLP + selector.
+RequestPlanner.prefill_done computes all layers' features in one head_features.prompt_features call when a
+sequence's prefill ends: the last two columns ("req") time that call plus every layer's MLP + selector, divided by
+the layer count; the other columns time one layer on its own (layer_features), as the planner did before.
 
 Shapes of the three catalog models, random tensors (the cost depends on shapes only), fp32, on the CPU (one thread by
 default) or with --device cuda on the GPU, where a served prefill leaves its K/V and the features run. Reports
@@ -27,7 +29,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from fluxion_lite import head_features
-from fluxion_lite.head_features import FEATURE_QUERIES, N_FEATURES, layer_features
+from fluxion_lite.head_features import FEATURE_QUERIES, N_FEATURES, layer_features, prompt_features
 from fluxion_lite.predictor import config_costs, select_groups, train
 
 SHAPES = {  # n_layers, n_heads, n_kv_heads, head_dim, d_model
@@ -80,6 +82,37 @@ def time_layer(shape: tuple[int, int, int, int, int], n: int, pred: object, reps
     return float(np.median(feat_s)), float(np.median(pred_s)), float(np.median(wall_s)), first, later
 
 
+def time_request(shape: tuple[int, int, int, int, int], n: int, pred: object, reps: int,
+                 device: torch.device) -> tuple[float, float]:
+    """What RequestPlanner.prefill_done does once per request: every layer's features in one prompt_features call
+    (layers batched), then the MLP and selector per layer. Returns (thread CPU ms, wall ms) per layer, medians.
+    The layers share one set of random tensors (the cost depends on shapes only; prompt_features copies them
+    into its batches anyway)."""
+    n_layers, hq, hkv, d, dm = shape
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(FEATURE_QUERIES, hkv, hq // hkv, d, generator=gen).to(device)
+    keys = torch.randn(hkv, n, d, generator=gen).to(device)
+    values = torch.randn(hkv, n, d, generator=gen).to(device)
+    wo = torch.randn(dm, hq * d, generator=gen).to(device)
+    layers = list(range(n_layers))
+    costs = config_costs(n, 16, 64, d)
+
+    def call() -> None:
+        feats = prompt_features([q] * n_layers, [keys] * n_layers, [values] * n_layers, [wo] * n_layers, layers,
+                                n_layers, 16, 64)
+        for layer, f in zip(layers, feats):
+            select_groups(*pred.predict_layer(f.numpy(), layer), costs, 0.1)  # type: ignore[attr-defined]
+
+    call()  # warm-up
+    cpu_s, wall_s = [], []
+    for _ in range(reps):
+        w0, t0 = time.perf_counter(), time.thread_time()
+        call()
+        cpu_s.append(time.thread_time() - t0)
+        wall_s.append(time.perf_counter() - w0)
+    return 1e3 * float(np.median(cpu_s)) / n_layers, 1e3 * float(np.median(wall_s)) / n_layers
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -95,17 +128,20 @@ def main() -> None:
                  prior_table=np.full((30, 3, 21), 0.05))  # weights do not change the cost
     rows = []
     print(f"{'model':<20} {'context':>8} {'features ms':>12} {'MLP+select ms':>14} {'total ms/layer':>15}"
-          f" {'wall ms':>8} {'aten ops first/later':>21} {'item':>5} {'launches':>9} {'syncs':>6}")
+          f" {'wall ms':>8} {'aten ops first/later':>21} {'item':>5} {'launches':>9} {'syncs':>6}"
+          f" {'req cpu ms/L':>12} {'req wall ms/L':>13}")
     for name, shape in SHAPES.items():
         for n in args.contexts:
             f, p, w, first, later = time_layer(shape, n, pred, args.reps, device)
+            req_cpu, req_wall = time_request(shape, n, pred, args.reps, device)
             rows.append({"model": name, "context": n, "features_cpu_ms": 1e3 * f, "predict_select_cpu_ms": 1e3 * p,
                          "total_cpu_ms": 1e3 * (f + p), "total_wall_ms": 1e3 * w,
+                         "request_cpu_ms_per_layer": req_cpu, "request_wall_ms_per_layer": req_wall,
                          "features_profile_first_layer": first, "features_profile_later_layer": later})
             print(f"{name:<20} {n:>8} {1e3 * f:>12.3f} {1e3 * p:>14.3f} {1e3 * (f + p):>15.3f} {1e3 * w:>8.2f}"
                   f" {str(first['aten_ops']) + '/' + str(later['aten_ops']):>21} {later['item_calls']:>5}"
                   f" {_opt(first['kernel_launches'], later['kernel_launches']):>9}"
-                  f" {_opt(first['host_syncs'], later['host_syncs']):>6}")
+                  f" {_opt(first['host_syncs'], later['host_syncs']):>6} {req_cpu:>12.3f} {req_wall:>13.3f}")
     later_ops = sorted({r["features_profile_later_layer"]["aten_ops"] for r in rows})
     first_ops = sorted({r["features_profile_first_layer"]["aten_ops"] for r in rows})
     print(f"aten ops per call (features, torch.profiler on {device}): {later_ops} on a prompt's later layers, "

@@ -34,6 +34,7 @@ RECALL_BUDGETS = (0.02, 0.10)  # budgets at which the Quest top-k recall of outs
 ORACLE_TOP = 0.05  # share of g=16 blocks (by true mass) for the concentration feature
 MAX_LOG_CONTEXT = math.log(32768.0)
 _TINY = 1e-6
+BATCH_BYTES = 256 << 20  # prompt_features: fp32 scores per batch of layers
 
 FEATURE_NAMES: tuple[str, ...] = (
     "mass_sink", "mass_window", "log_mass_rest", "entropy_norm", "log_dev_stream", "contribution",
@@ -50,7 +51,6 @@ _ROWS = _LEVELS + 1  # rows of the shared sort: one per granularity, then the or
 _TAKES = len(RECALL_BUDGETS) + 1  # per row: the top-k mass at each budget, then the whole eligible mass
 
 
-@torch.no_grad()
 def layer_features(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, wo: torch.Tensor, layer: int,
                    n_layers: int, sink: int, window: int) -> torch.Tensor:
     """Features of every KV group of one layer.
@@ -60,13 +60,55 @@ def layer_features(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, wo
     after the sink; the planner only asks from sink + window + 128 on). Returns [Hkv, N_FEATURES] float32 on the
     CPU, all finite.
     """
-    n_q, hkv, r, d = q.shape
-    n = keys.shape[1]
+    return prompt_features([q], [keys], [values], [wo], [layer], n_layers, sink, window)[0]
+
+
+@torch.no_grad()
+def prompt_features(qs: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
+                    wos: list[torch.Tensor], layers: list[int], n_layers: int, sink: int, window: int,
+                    batch_bytes: int | None = None) -> list[torch.Tensor]:
+    """layer_features of several layers of one prompt (same Q, Hkv, r, D, N), computed together: the layers' groups
+    are stacked on one group axis, so the ~60 tensor ops run once per batch of layers instead of once per layer (on
+    a GPU each op costs a launch whatever its size: one layer at a time took 1.75-2.37 ms per layer on the H200,
+    nearly all of it launches). Layers go together up to ~batch_bytes of fp32 scores [groups, Q, r, N], which
+    bounds the memory (a few tensors of that size are live at once). batch_bytes None: BATCH_BYTES on a GPU, one
+    layer at a time on the CPU, where the ops are not launch-bound and batches measured slower (bigger tensors
+    than the caches: bench/predictor_cost.py on the VM, 4K, 0.5b shape: 7.3 ms per layer alone, 13.3 batched).
+    Returns one [Hkv, N_FEATURES] per layer."""
+    n_q, hkv, r, d = qs[0].shape
+    n = keys[0].shape[1]
     w_lo = n - n_q - window + 1  # query i's window: keys w_lo + i .. w_lo + i + window - 1 (ending at itself)
     if n_q < 1 or sink < 0 or window < 0 or w_lo < sink:
         raise ValueError(f"layer_features needs 1 <= Q and N >= sink + window + Q - 1 (got Q={n_q}, N={n}, "
                          f"sink={sink}, window={window})")
-    q, keys, values, wo = (t if t.dtype == torch.float32 else t.float() for t in (q, keys, values, wo))
+    if not len(qs) == len(keys) == len(values) == len(wos) == len(layers) > 0:
+        raise ValueError("prompt_features: one q, keys, values, wo and layer index per layer, at least one layer")
+    n_pad = -(-n // _TOP_G) * _TOP_G
+    if batch_bytes is None:
+        batch_bytes = BATCH_BYTES if keys[0].device.type == "cuda" else 0
+    step = max(1, batch_bytes // (hkv * n_q * r * n_pad * 4))  # layers per batch
+    out: list[torch.Tensor] = []
+    for lo in range(0, len(qs), step):
+        hi = min(len(qs), lo + step)
+
+        def joined(ts: list[torch.Tensor], dim: int) -> torch.Tensor:
+            t = ts[lo] if hi - lo == 1 else torch.cat(ts[lo:hi], dim=dim)
+            return t if t.dtype == torch.float32 else t.float()
+
+        packed = _packed_sums(joined(qs, 1), joined(keys, 0), joined(values, 0), wos[lo:hi], sink, window)
+        for i, layer in enumerate(layers[lo:hi]):
+            out.append(_finish(packed[i * hkv:(i + 1) * hkv], n_q, r, n, sink, layer, n_layers))
+    return out
+
+
+def _packed_sums(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, wos: list[torch.Tensor], sink: int,
+                 window: int) -> np.ndarray:
+    """The per-query sums _finish turns into features, for G groups at once: q [Q, G, r, D]; keys, values [G, N, D]
+    fp32, the G groups being len(wos) layers' groups in layer order (wos: each layer's [d_model, Hq*D] output
+    projection). Returns [G, ...] float64 on the host."""
+    n_q, hkv, r, d = q.shape  # hkv: all the stacked groups
+    n = keys.shape[1]
+    w_lo = n - n_q - window + 1
     dev = keys.device
     n_pad = -(-n // _TOP_G) * _TOP_G  # keys padded to whole blocks of every granularity
     nb = n_pad // _G0  # g=16 blocks
@@ -93,8 +135,12 @@ def layer_features(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, wo
     out_norm = torch.linalg.vector_norm(o_full, dim=(2, 3))  # [Hkv, Q]
     # ||W_o o|| of each group's slice of the output (the contribution share, as the calibration label defines it);
     # a bmm against W_o's column blocks read in place (einsum copies W_o here)
-    proj = torch.bmm(o_full.view(hkv, n_q, r * d), wo.view(-1, hkv, r * d).permute(1, 2, 0))  # [Hkv, Q, d_model]
-    proj_norm = torch.linalg.vector_norm(proj, dim=-1)  # [Hkv, Q]
+    # (one bmm per layer: W_o differs by layer; a model-dtype W_o is cast per call, not kept in fp32)
+    per = hkv // len(wos)  # each layer's groups
+    proj_norm = torch.cat([torch.linalg.vector_norm(torch.bmm(
+        o_full[i * per:(i + 1) * per].view(per, n_q, r * d),
+        (wo if wo.dtype == torch.float32 else wo.float()).view(-1, per, r * d).permute(1, 2, 0)), dim=-1)
+        for i, wo in enumerate(wos)])  # [G, Q]
 
     # Recall of outside-window mass by the Quest-bound top-k blocks (the selection the backend runs), per g and budget.
     # Quest bound of a block, summed over the group's heads: sum_d max(q_d kmin_d, q_d kmax_d)
@@ -124,7 +170,7 @@ def layer_features(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, wo
                         proj_norm, picked.flatten(1), vnorm[:, :sink], vnorm.sum(-1, keepdim=True)], dim=1)
     # .cpu() is the one point where the host waits for the device; dlpack hands the buffer to numpy without the
     # four dispatcher ops of .numpy()
-    return _finish(np.from_dlpack(packed.cpu()).astype(np.float64), n_q, r, n, sink, layer, n_layers)
+    return np.from_dlpack(packed.cpu()).astype(np.float64)
 
 
 def _finish(packed: np.ndarray, n_q: int, r: int, n: int, sink: int, layer: int, n_layers: int) -> torch.Tensor:

@@ -2,14 +2,16 @@
 
 SparseAttention calls three hooks (and nothing else changes for it):
   record(layer, seq, q_chunk)          every prefill chunk: keep the last FEATURE_QUERIES queries of the layer
-  prefill_done(layer, seq, keys, vals) the sequence's first decode step, per layer, while the dense scratch still holds
-                                       the prompt's K/V: features -> predictor -> selector -> that layer's plan rows
+  prefill_done(layer, seq, views)      the sequence's first decode step, per layer, while the dense scratch still holds
+                                       every layer's prompt K/V: at the first call, features of all layers at once ->
+                                       predictor -> selector -> every layer's plan rows
   rows(step)                           the step's [L, B, Hkv] plan arrays, or None when no row has its own plan
 A sequence without a per-request plan (no predictor file, or a prompt too short to matter) keeps the static plan.
 """
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +19,7 @@ import numpy as np
 import torch
 
 from .config import ModelConfig
-from .head_features import FEATURE_QUERIES, layer_features
+from .head_features import FEATURE_QUERIES, prompt_features
 from .predictor import Predictor, config_costs, select_groups
 from .sparse_plan import GroupPlan, SparsePlan
 
@@ -48,6 +50,7 @@ class RequestPlanner:
                         np.array([[gp.budget for gp in row] for row in st], np.float64))
         self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [<=Q, Hq, D]
         self._plans: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # seq -> ([L,Hkv] x 3)
+        self._done: set[int] = set()  # sequences whose first decode step planned them (or found nothing to plan)
         self._version = 0
         self._cache: tuple[object, int, RowPlan | None] | None = None
         self._costs: dict[int, np.ndarray] = {}
@@ -64,33 +67,45 @@ class RequestPlanner:
             tail = torch.cat([prev, tail])[-FEATURE_QUERIES:]
         self._q[(seq_id, layer)] = tail.detach().clone()
 
-    def prefill_done(self, layer: int, seq_id: int, keys: torch.Tensor, values: torch.Tensor) -> None:
-        q = self._q.pop((seq_id, layer), None)
-        n = keys.shape[1]
-        if q is None or n < self.min_context:
+    def prefill_done(self, layer: int, seq_id: int, views: Callable[[int], tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Called per layer at the sequence's first decode step (layer 0 first), views(l) giving layer l's prompt
+        K/V [Hkv, N, D] from the dense scratch, which holds every layer until that step ends. The first call plans
+        all layers at once (head_features.prompt_features: the features' tensor ops once per batch of layers, not
+        per layer); the other calls return at once."""
+        if seq_id in self._done:
+            return
+        self._done.add(seq_id)
+        c = self.cfg
+        qs = [self._q.pop((seq_id, i), None) for i in range(c.n_layers)]
+        layers = [i for i, q in enumerate(qs) if q is not None]
+        if not layers or views(layers[0])[0].shape[1] < self.min_context:
             return
         t0 = time.perf_counter()
-        c = self.cfg
-        feats = layer_features(q.view(q.shape[0], c.n_kv_heads, self.r, c.head_dim), keys, values, self.wo[layer],
-                               layer, c.n_layers, self.static.sink, self.static.window).numpy()
-        p, err = self.pred.predict_layer(feats, layer)
+        kv = [views(i) for i in layers]
+        n = kv[0][0].shape[1]
+        feats = prompt_features([qs[i].view(qs[i].shape[0], c.n_kv_heads, self.r, c.head_dim) for i in layers],
+                                [k for k, _ in kv], [v for _, v in kv], [self.wo[i] for i in layers], layers,
+                                c.n_layers, self.static.sink, self.static.window)
         if n not in self._costs:
             self._costs = {n: config_costs(n, self.static.sink, self.static.window, c.head_dim)}
-        streaming, g, budget = select_groups(p, err, self._costs[n], self.pred.epsilon)
         if seq_id not in self._plans:
             self._plans[seq_id] = tuple(a.copy() for a in self._static)  # type: ignore[assignment]
         ret_a, g_a, b_a = self._plans[seq_id]
-        ret_a[layer], g_a[layer], b_a[layer] = ~streaming, np.where(streaming, 1, g), budget
+        for i, f in zip(layers, feats):
+            p, err = self.pred.predict_layer(f.numpy(), i)
+            streaming, g, budget = select_groups(p, err, self._costs[n], self.pred.epsilon)
+            ret_a[i], g_a[i], b_a[i] = ~streaming, np.where(streaming, 1, g), budget
         self._version += 1
         self.last_seq = seq_id
         self.seconds += time.perf_counter() - t0
-        self.layer_calls += 1
+        self.layer_calls += len(layers)
 
     def forget(self, seq_id: int) -> None:
         if seq_id == self.last_seq:  # keep the latest per-request plan for explain()
             self.last_plan = self.plan_of(seq_id)
             self.last_seq = None
         self._plans.pop(seq_id, None)
+        self._done.discard(seq_id)
         for key in [k for k in self._q if k[0] == seq_id]:
             del self._q[key]
 

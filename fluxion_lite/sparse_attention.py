@@ -318,7 +318,7 @@ class SparseAttention(AttentionBackend):
                 rows.append(offset)
                 dec.append(c)
                 if self.planner is not None and c.seq_id in self._prefilling:  # prefill ended: plan this layer
-                    self.planner.prefill_done(layer, c.seq_id, *self.scratch.view(layer, c.seq_id))
+                    self.planner.prefill_done(layer, c.seq_id, lambda i, s=c.seq_id: self.scratch.view(i, s))
                 if self.pins is not None and self.planner is None and c.seq_id in self._prefilling:
                     self.pins.pin(layer, c.seq_id, slot, self.scratch.view(layer, c.seq_id)[0], c.start + 1,
                                   self.scale)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from fluxion_lite import head_features
 from fluxion_lite.head_features import (FEATURE_NAMES, FEATURE_QUERIES, MAX_LOG_CONTEXT, ORACLE_TOP, RECALL_BUDGETS,
                                         layer_features)
 from fluxion_lite.sparse_plan import GRANULARITIES
@@ -195,6 +196,34 @@ def test_no_host_sync_inside() -> None:
     syncing = {"aten::item", "aten::_local_scalar_dense", "aten::nonzero", "aten::is_nonzero", "aten::equal"}
     assert names.isdisjoint(syncing), names & syncing
     assert "aten::sort" in names  # the profile did see the function's ops
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layers_per_batch", [1, 2, 5])
+def test_prompt_features_equal_each_layers_reference(layers_per_batch: int, device: str) -> None:
+    """Several layers stacked on one group axis (the per-request planner's call) give each layer's own float64
+    reference features: layer index, contribution share among that layer's groups only, its own W_o. batch_bytes
+    set so that 1, 2 or all 5 layers go together (a last, shorter batch included)."""
+    hkv, r, d, n, n_layers = 2, 3, 32, 1300, 5
+    cases = [binary_fraction_case(hkv, r, d, n, seed=40 + i) for i in range(n_layers)]
+    qs, keys, values, wos = (list(t) for t in zip(*cases))
+    wos[1] = wos[1] * 3.0  # layers differ in W_o scale: a share taken across layers would show
+    per_layer = hkv * FEATURE_QUERIES * r * (-(-n // 128) * 128) * 4
+    with exact_fp32_matmul():
+        got = head_features.prompt_features([t.to(device) for t in qs], [t.to(device) for t in keys],
+                                            [t.to(device) for t in values], [t.to(device) for t in wos],
+                                            list(range(n_layers)), n_layers, 16, 64,
+                                            batch_bytes=layers_per_batch * per_layer)
+    assert len(got) == n_layers
+    for layer in range(n_layers):
+        want = reference_features(qs[layer], keys[layer], values[layer], wos[layer], layer, n_layers, 16, 64)
+        np.testing.assert_allclose(got[layer].numpy(), want, rtol=1e-4, atol=2e-5, err_msg=f"layer {layer}")
+
+
+def test_prompt_features_reject_mismatched_lists() -> None:
+    q, keys, values, wo = binary_fraction_case(1, 2, 32, 500, seed=2)
+    with pytest.raises(ValueError, match="one q, keys, values, wo and layer index per layer"):
+        head_features.prompt_features([q, q], [keys], [values], [wo], [0], 2, 16, 64)
 
 
 @pytest.mark.parametrize("n, sink, window", [(16 + 64 + FEATURE_QUERIES - 2, 16, 64), (100, 90, 4), (5, 0, 0)])
