@@ -5,6 +5,7 @@ blocks never cached. (That cached
 entries hold the store's K/V and give the eager path's logits: tests/test_device_graph.py, the reuse cases.)"""
 from __future__ import annotations
 
+import math
 import pytest
 import torch
 
@@ -106,3 +107,17 @@ def test_a_block_that_skips_a_step_still_hits() -> None:
     assert choose(9) == (0, 0)
     assert choose(7) == (1, 1)  # block 7, filled at the second step, is still there
     assert choose(3) == (1, 0)  # block 3 left: a miss, into entry 1 (block 7 leaves)
+
+
+def test_reuse_share_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLUXION_REUSE_SHARE sizes the entries (an A/B knob); a bad value is an error naming the variable."""
+    from fluxion_lite.reuse_cache import REUSE_SHARE, _entries, reuse_share
+
+    monkeypatch.delenv("FLUXION_REUSE_SHARE", raising=False)
+    assert reuse_share() == REUSE_SHARE and _entries(100) == math.ceil(REUSE_SHARE * 100)
+    monkeypatch.setenv("FLUXION_REUSE_SHARE", "1.5")
+    assert reuse_share() == 1.5 and _entries(100) == 150 and _entries(1) == 2
+    for bad in ("0", "-1", "abc", "nan", "100"):
+        monkeypatch.setenv("FLUXION_REUSE_SHARE", bad)
+        with pytest.raises(ValueError, match="FLUXION_REUSE_SHARE"):
+            reuse_share()
