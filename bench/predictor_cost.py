@@ -54,14 +54,21 @@ def op_profile(call: Callable[[], object], device: torch.device) -> dict[str, in
             "host_syncs": sum(x.endswith("Synchronize") for x in names) if cuda else None}
 
 
-def time_layer(shape: tuple[int, int, int, int, int], n: int, pred: object, reps: int,
-               device: torch.device) -> tuple[float, float, float, dict[str, int | None], dict[str, int | None]]:
-    n_layers, hq, hkv, d, dm = shape
-    gen = torch.Generator().manual_seed(0)
+def layer_inputs(shape: tuple[int, int, int, int, int], n: int, seed: int,
+                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q [Q, Hkv, r, D], keys, values [Hkv, n, D] and W_o [d_model, Hq*D] of one layer of the shape."""
+    _, hq, hkv, d, dm = shape
+    gen = torch.Generator().manual_seed(seed)
     q = torch.randn(FEATURE_QUERIES, hkv, hq // hkv, d, generator=gen).to(device)
     keys = torch.randn(hkv, n, d, generator=gen).to(device)
     values = torch.randn(hkv, n, d, generator=gen).to(device)
-    wo = torch.randn(dm, hq * d, generator=gen).to(device)
+    return q, keys, values, torch.randn(dm, hq * d, generator=gen).to(device)
+
+
+def time_layer(shape: tuple[int, int, int, int, int], n: int, pred: object, reps: int,
+               device: torch.device) -> tuple[float, float, float, dict[str, int | None], dict[str, int | None]]:
+    n_layers, _, hkv, d, _ = shape
+    q, keys, values, wo = layer_inputs(shape, n, 0, device)
     layer_features(q, keys, values, wo, 3, n_layers, 16, 64)  # warm-up (CUDA: kernels, allocator)
     head_features._selection_plan.cache_clear()  # profile a prompt's first layer, then a later one
     first = op_profile(lambda: layer_features(q, keys, values, wo, 3, n_layers, 16, 64), device)
@@ -88,12 +95,8 @@ def time_request(shape: tuple[int, int, int, int, int], n: int, pred: object, re
     (layers batched), then the MLP and selector per layer. Returns (thread CPU ms, wall ms) per layer, medians.
     The layers share one set of random tensors (the cost depends on shapes only; prompt_features copies them
     into its batches anyway)."""
-    n_layers, hq, hkv, d, dm = shape
-    gen = torch.Generator().manual_seed(1)
-    q = torch.randn(FEATURE_QUERIES, hkv, hq // hkv, d, generator=gen).to(device)
-    keys = torch.randn(hkv, n, d, generator=gen).to(device)
-    values = torch.randn(hkv, n, d, generator=gen).to(device)
-    wo = torch.randn(dm, hq * d, generator=gen).to(device)
+    n_layers, d = shape[0], shape[3]
+    q, keys, values, wo = layer_inputs(shape, n, 1, device)
     layers = list(range(n_layers))
     costs = config_costs(n, 16, 64, d)
 
