@@ -16,13 +16,18 @@ Per decode position, layer and retrieval group of the plan:
          could overlap all of layer l - 1, not only its MLP)
   prev   the same from the previous position's real query (what choosing one step late would read)
   oracle the k blocks with the most true attention mass (no bound can do better)
+and, with the real query, other block scorings at the same k (is the Quest bound the right score at all?):
+  quest_max  the largest of the group's per-head Quest bounds (not their sum)
+  mean_sum   q . (the block's mean key), summed over the group's heads
+  mean_max   the largest of the heads' q . (mean key)
 Means over (position, layer, group): block recall |X & true| / k, and mass share = the true attention mass (the
 group's heads, full softmax) on X's blocks over the mass of all eligible blocks. Pins are not modelled here: every
 eligible block competes (the shipped plan pins pin_fraction of each budget at prefill, chooses the rest per step).
 
 Part 2 (--fidelity), the choice in the loop: three teacher-forced decodes from the same dense prefill, each with its
 own K/V from there on: full attention (the reference), sparse with blocks chosen by the real query, sparse with
-blocks chosen by the predicted one (layer 0: the real one). Sparse = per group sink + window + the plan's whole
+blocks chosen by the predicted one (layer 0: the real one), and sparse_mean: the real query's choice by mean-key
+scores instead of the Quest bound. Sparse = per group sink + window + the plan's whole
 budget of g-blocks by the Quest bound (no pins), streaming groups sink + window. KL(full || mode) and top-1
 agreement with full, per mode.
 
@@ -45,7 +50,7 @@ from fluxion_lite.eval_text import essay_text
 from fluxion_lite.model import Transformer
 from fluxion_lite.sparse_plan import SparsePlan
 
-VARIANTS = ("true", "spec", "early", "prev", "oracle")
+VARIANTS = ("true", "spec", "early", "prev", "oracle", "quest_max", "mean_sum", "mean_max")
 KV = list[torch.Tensor]  # per layer [Hkv, context, D]
 
 
@@ -83,11 +88,16 @@ def eligible(plan: SparsePlan, g: int, ctx: int) -> tuple[int, int]:
     return -(-plan.sink // g), (ctx - plan.window) // g
 
 
-def block_bounds(k: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k [N, D] -> per whole g-block min and max [NB, D]."""
+def top_of(score: torch.Tensor, lo: int, k: int) -> list[int]:
+    """The k best entries of score (over blocks lo..) as block ids."""
+    return (torch.topk(score, min(k, score.shape[0])).indices + lo).tolist()
+
+
+def block_bounds(k: torch.Tensor, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """k [N, D] -> per whole g-block min, max and mean [NB, D]."""
     nb = k.shape[0] // g
     blocks = k[: nb * g].view(nb, g, -1)
-    return blocks.amin(1), blocks.amax(1)
+    return blocks.amin(1), blocks.amax(1), blocks.mean(1)
 
 
 def selection_run(model: Transformer, plan: SparsePlan, pin_fraction: float, tokens: list[int], n_prefix: int,
@@ -122,14 +132,20 @@ def selection_run(model: Transformer, plan: SparsePlan, pin_fraction: float, tok
                 k_dyn = max(1, round((1 - pin_fraction) * math.ceil(gp.budget * factor * ctx / g)))
                 if hi - lo <= k_dyn:
                     continue
-                kmin, kmax = block_bounds(kk[h], g)
+                kmin, kmax, kmean = block_bounds(kk[h], g)
                 nb = kmin.shape[0]
                 mass = probs[h, :, : nb * g].sum(0).view(nb, g).sum(1)  # [NB]: the group's heads' mass per block
                 pick = {"true": quest_top(q[0].view(hkv, r, d)[h], kmin, kmax, lo, hi, k_dyn),
                         "spec": quest_top(spec_q.view(hkv, r, d)[h], kmin, kmax, lo, hi, k_dyn),
                         "early": quest_top(early_q.view(hkv, r, d)[h], kmin, kmax, lo, hi, k_dyn),
                         "prev": quest_top(prev_q[i].view(hkv, r, d)[h], kmin, kmax, lo, hi, k_dyn),  # type: ignore[union-attr]
-                        "oracle": (torch.topk(mass[lo:hi], k_dyn).indices + lo).tolist()}
+                        "oracle": top_of(mass[lo:hi], lo, k_dyn)}
+                qh = q[0].view(hkv, r, d)[h]  # [r, D]
+                per_head = kmax[lo:hi] @ qh.clamp(min=0).T + kmin[lo:hi] @ qh.clamp(max=0).T  # [n, r]
+                by_mean = kmean[lo:hi] @ qh.T  # [n, r]
+                pick.update({"quest_max": top_of(per_head.amax(1), lo, k_dyn),
+                             "mean_sum": top_of(by_mean.sum(1), lo, k_dyn),
+                             "mean_max": top_of(by_mean.amax(1), lo, k_dyn)})
                 true, total = set(pick["true"]), float(mass[lo:hi].sum())
                 for name, got in pick.items():
                     sums[name]["recall"] += len(set(got) & true) / len(true)
@@ -144,11 +160,12 @@ def selection_run(model: Transformer, plan: SparsePlan, pin_fraction: float, tok
 
 
 def sparse_attention(plan: SparsePlan, layer: int, q: torch.Tensor, sel_q: torch.Tensor, kk: torch.Tensor,
-                     vv: torch.Tensor, bounds: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]],
-                     scale: float) -> torch.Tensor:
+                     vv: torch.Tensor, bounds: dict[tuple[int, int], tuple[torch.Tensor, ...]], scale: float,
+                     mean_scoring: bool = False) -> torch.Tensor:
     """One decode row's attention under the plan: q, sel_q [Hq, D] (sel_q chooses the blocks); kk, vv [Hkv, N, D];
-    bounds[(h, g)] the prefix's block min/max. Per group: sink + window + the budget's Quest top-k g-blocks
-    (retrieval) or sink + window (streaming). Returns [Hq, D]."""
+    bounds[(h, g)] the prefix's block min/max/mean. Per group: sink + window + the budget's top-k g-blocks by the
+    Quest bound (or, mean_scoring, by sel_q . mean key summed over the group's heads) for retrieval groups, sink +
+    window for streaming ones. Returns [Hq, D]."""
     hkv, n, d = kk.shape
     r = q.shape[0] // hkv
     out = torch.empty_like(q)
@@ -160,9 +177,11 @@ def sparse_attention(plan: SparsePlan, layer: int, q: torch.Tensor, sel_q: torch
             g = gp.g
             lo, hi = eligible(plan, g, n)
             if hi > lo:
-                kmin, kmax = bounds[(h, g)]
+                kmin, kmax, kmean = bounds[(h, g)]
                 k_all = math.ceil(gp.budget * factor * n / g)
-                chosen = quest_top(sel_q.view(hkv, r, d)[h], kmin, kmax, lo, hi, k_all)
+                qs = sel_q.view(hkv, r, d)[h]
+                chosen = (top_of((kmean[lo:hi] @ qs.T).sum(1), lo, k_all) if mean_scoring
+                          else quest_top(qs, kmin, kmax, lo, hi, k_all))
                 idx = near + [b * g + t for b in chosen for t in range(g)]
         sel = torch.tensor(sorted(set(idx)))
         qh = q.view(hkv, r, d)[h]  # [r, D]
@@ -173,11 +192,12 @@ def sparse_attention(plan: SparsePlan, layer: int, q: torch.Tensor, sel_q: torch
 
 def fidelity_run(model: Transformer, plan: SparsePlan, tokens: list[int], n_prefix: int, keys: KV,
                  vals: KV) -> dict[str, dict[str, float]]:
-    """Part 2: KL(full || mode) and top-1 agreement for sparse decoding with the real and the predicted choice."""
+    """Part 2: KL(full || mode) and top-1 agreement for sparse decoding with the real and the predicted choice (Quest
+    bound), and with the real query's choice by mean-key scores (sparse_mean)."""
     cfg = model.cfg
     d = cfg.head_dim
     scale = d ** -0.5
-    modes = ("full", "sparse_true", "sparse_spec")
+    modes = ("full", "sparse_true", "sparse_spec", "sparse_mean")
     kv = {m: ([k.clone() for k in keys], [v.clone() for v in vals]) for m in modes}  # each decodes on its own K/V
     # every eligible block lies in the prefix for the positions measured here (the decoded ones are in the window)
     bounds = [{(h, gp.g): block_bounds(keys[i][h, :n_prefix], gp.g) for h, gp in enumerate(plan.groups[i])
@@ -198,8 +218,8 @@ def fidelity_run(model: Transformer, plan: SparsePlan, tokens: list[int], n_pref
                 if m == "full":
                     o = causal_attention(q, kk, vv, p, scale)
                 else:
-                    sel_q = q[0] if m == "sparse_true" or spec_q is None else spec_q
-                    o = sparse_attention(plan, i, q[0], sel_q, kk, vv, bounds[i], scale)[None]
+                    sel_q = spec_q if m == "sparse_spec" and spec_q is not None else q[0]
+                    o = sparse_attention(plan, i, q[0], sel_q, kk, vv, bounds[i], scale, m == "sparse_mean")[None]
                 x_mid = x + o.reshape(1, -1) @ lw.wo.t()
                 x = model.post_attention(lw, x, o)
                 if m == "sparse_spec" and i + 1 < cfg.n_layers:
