@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -123,8 +122,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps({
             "shape": args.shape, "context": args.context, "batch": args.batch, "steps": args.steps,
-            "device": args.device, "machine": torch.cuda.get_device_name(dev) if dev.type == "cuda" else
-            platform.processor() or platform.node(), "commit": tpot.commit_label(),
+            "device": args.device, "machine": tpot.machine_name(dev), "commit": tpot.commit_label(),
             "command": "python " + " ".join(sys.argv), "step_median_ms": step_ms,
             "mean_ms_per_step": {label.strip(): ms for label, ms in per_step.items()}}, indent=1))
 

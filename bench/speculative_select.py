@@ -56,7 +56,7 @@ KV = list[torch.Tensor]  # per layer [Hkv, context, D]
 
 def queries(model: Transformer, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Layer `layer`'s rotated queries [T, Hq, D] for residual stream x [T, d] (k and v computed and dropped)."""
-    q, _, _ = model.pre_attention(model.layers[layer], x.clone(), cos, sin)
+    q, _, _ = model.pre_attention(model.layers[layer], x, cos, sin)  # reads x (the norm makes a new tensor)
     return q.clone()
 
 
@@ -220,10 +220,9 @@ def fidelity_run(model: Transformer, plan: SparsePlan, tokens: list[int], n_pref
                 else:
                     sel_q = spec_q if m == "sparse_spec" and spec_q is not None else q[0]
                     o = sparse_attention(plan, i, q[0], sel_q, kk, vv, bounds[i], scale, m == "sparse_mean")[None]
-                x_mid = x + o.reshape(1, -1) @ lw.wo.t()
+                if m == "sparse_spec" and i + 1 < cfg.n_layers:  # the stream after attention, before the MLP
+                    spec_q = queries(model, i + 1, x + o.reshape(1, -1) @ lw.wo.t(), cos, sin)[0]
                 x = model.post_attention(lw, x, o)
-                if m == "sparse_spec" and i + 1 < cfg.n_layers:
-                    spec_q = queries(model, i + 1, x_mid, cos, sin)[0]
             logp[m].append(torch.log_softmax(model.logits(x, None)[0].double(), -1))
     ref = torch.stack(logp["full"])
     result = {}

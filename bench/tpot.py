@@ -187,6 +187,11 @@ def release_pinned_cache() -> None:
                 break
 
 
+def machine_name(dev: torch.device) -> str:
+    """The GPU's name on CUDA, else the processor (or host) name: the machine a result file names."""
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or platform.node()
+
+
 def commit_label() -> str:
     """The commit measured. A copied working tree (the device tool's) may carry a stale .git: FLUXION_COMMIT, when
     set, names the real one."""
@@ -375,7 +380,7 @@ def main() -> None:
     cfg = model.cfg
     plan = borrowed_plan(cfg, Path(args.plan_source))
     commit = commit_label()
-    machine = torch.cuda.get_device_name() if dev.type == "cuda" else platform.processor() or platform.node()
+    machine = machine_name(dev)
     note = (f"{name} ({weights}, {dtype}); fluxion plan: {plan.source}; machine {machine}, {os.cpu_count()} CPUs, "
             f"native threads {native.get_threads()}, commit {commit or '?'}")
     zc_ok, zc_why = (zero_copy.check(dev) if dev.type == "cuda" else

@@ -212,12 +212,13 @@ class DeviceGraphedDecode:
         store = self.a.store
         if ds.table_slabs == store.slab_version and ds.table_versions.tobytes() == store.layer_version.tobytes():
             return  # the usual step: one comparison (of raw bytes: the cheapest in numpy) instead of one per layer
-        for layer in range(self.a.cfg.n_layers):
-            if ds.table_slabs != store.slab_version or ds.table_versions[layer] != store.layer_version[layer]:
-                _, table = self.feeder._refresh(layer)  # [S, max_pages] chunk index of each page in the span
-                w = min(table.shape[1], ds.tables.shape[2])
-                ds.tables[layer].zero_()
-                ds.tables[layer, : table.shape[0], :w] = table[:, :w]
+        stale = (range(self.a.cfg.n_layers) if ds.table_slabs != store.slab_version
+                 else np.flatnonzero(ds.table_versions != store.layer_version).tolist())
+        for layer in stale:
+            _, table = self.feeder._refresh(layer)  # [S, max_pages] chunk index of each page in the span
+            w = min(table.shape[1], ds.tables.shape[2])
+            ds.tables[layer].zero_()
+            ds.tables[layer, : table.shape[0], :w] = table[:, :w]
         ds.table_slabs = store.slab_version
         ds.table_versions[:] = store.layer_version
 

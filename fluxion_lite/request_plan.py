@@ -78,11 +78,11 @@ class RequestPlanner:
         c = self.cfg
         qs = [self._q.pop((seq_id, i), None) for i in range(c.n_layers)]
         layers = [i for i, q in enumerate(qs) if q is not None]
-        if not layers or views(layers[0])[0].shape[1] < self.min_context:
+        kv = [views(i) for i in layers]  # views into the scratch: no copies
+        n = kv[0][0].shape[1] if kv else 0
+        if n < self.min_context:
             return
         t0 = time.perf_counter()
-        kv = [views(i) for i in layers]
-        n = kv[0][0].shape[1]
         feats = prompt_features([qs[i].view(qs[i].shape[0], c.n_kv_heads, self.r, c.head_dim) for i in layers],
                                 [k for k, _ in kv], [v for _, v in kv], [self.wo[i] for i in layers], layers,
                                 c.n_layers, self.static.sink, self.static.window)
