@@ -62,6 +62,8 @@ class DecodeHooks(Protocol):
     def host(self, layer: int) -> None: ...
     def epilogue(self, layer: int) -> torch.Tensor: ...
     def end(self) -> None: ...
+    # optional: early(layer, x, query) is called inside layer - 1's post_attention with the stream x after its
+    # attention; query(snapshot of x) -> layer's predicted q [B, Hq, D] (Transformer.query_ahead)
 
 
 def _whole_step(hooks: DecodeHooks | None) -> bool:
@@ -121,7 +123,14 @@ class _GraphSet:
     def _post(self, i: int) -> None:
         m = self.model
         o = self.o_in if self.hooks is None else self.hooks.epilogue(i)
-        x = m.post_attention(m.layers[i], self.x, o)
+        ahead = None
+        early = getattr(self.hooks, "early", None)  # hooks that choose layer i + 1's blocks during layer i's MLP
+        if early is not None and i + 1 < m.cfg.n_layers:
+            nxt = m.layers[i + 1]
+
+            def ahead(x: torch.Tensor) -> None:
+                early(i + 1, x, lambda snap: m.query_ahead(nxt, snap, self.cos, self.sin))
+        x = m.post_attention(m.layers[i], self.x, o, ahead)
         assert x is self.x, "graphed layers must update the residual stream in place"
 
     def _first(self) -> None:

@@ -37,10 +37,11 @@ DeviceSummaries mirrors); anything else runs eagerly.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 import torch
@@ -52,6 +53,7 @@ from .pin_pool import DevicePinPool, span_kv_rows
 from .reuse_cache import DeviceReuseCache
 from .sparse_graph import add_counts, plan_tasks, step_counts, stream_layer
 from .device_step import DeviceStep
+from .device_topk import ReuseViews
 from .sparse_step import DecodeStep, GVALS
 
 if TYPE_CHECKING:
@@ -123,6 +125,22 @@ class DeviceGraphedDecode:
         self._side = (torch.cuda.Stream(owner.device)
                       if self.fused and owner.device.type == "cuda"
                       and os.environ.get("FLUXION_STREAM_BRANCH", "1") != "0" else None)
+        # Early block choice (FLUXION_EARLY_SELECT=1; off by default until RULER has measured its quality): layer l's
+        # blocks are chosen with a query predicted from the stream after layer l-1's attention (Transformer.
+        # query_ahead), on a second side stream while layer l-1's MLP runs, and with the reuse cache the chosen
+        # blocks' PCIe reads run there too (block_attention stage 1). Layer l's own chain then keeps block attention
+        # over device memory only: at batch 1 scores + top-k + the PCIe latency were ~40 of its ~160 us (H200, 8B
+        # shape, 32K). The predicted query's choice held 97-99% of the real choice's attention mass
+        # (bench/speculative_select.py, docs/hybrid.md).
+        self.early_on = (self.fused and not self.torch_topk
+                         and os.environ.get("FLUXION_EARLY_SELECT", "0") == "1")
+        self._early_stream = (torch.cuda.Stream(owner.device)
+                              if self.early_on and owner.device.type == "cuda" else None)
+        self._early_layers: set[int] = set()  # layers whose blocks early() chose in the current pass
+        # per layer: the pass's stream snapshot and predicted query, kept so that no buffer a side stream reads is
+        # handed to another tensor while it runs (inside a capture they become the graph's own buffers)
+        self._early_refs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.early_choices = 0  # layers whose blocks were chosen early (tests check the path ran)
 
     # ---- the step's structure (decode_hooks calls prepare before key) -------------------------------------------
     def prepare(self, chunks: list[SeqChunk]) -> None:
@@ -369,28 +387,76 @@ class DeviceGraphedDecode:
     def _retrieve_fused(self, layer: int, qg: torch.Tensor, ds: DeviceStep,
                         flat: tuple[int, torch.Tensor, torch.Tensor]) -> None:
         """_retrieve in device_kernels' kernels -> the partials ds.part_o/m/l that combine merges."""
-        width, flat_h, flat_j = flat
+        width = flat[0]
+        if layer in self._early_layers:  # chosen (and fetched) during the previous layer's MLP: wait for it
+            self._early_layers.discard(layer)
+            if self._early_stream is not None:
+                torch.cuda.current_stream(qg.device).wait_stream(self._early_stream)
+            ids, vals, reuse = self._chosen(layer, ds, width)
+            self._attend(layer, qg, ds, flat, ids, vals, reuse, 0 if reuse is None else 2)
+            return
+        self._choose(layer, qg, ds, width)
+        self._attend(layer, qg, ds, flat, *self._chosen(layer, ds, width), 0)
+
+    def _chosen(self, layer: int, ds: DeviceStep, width: int
+                ) -> tuple[torch.Tensor, torch.Tensor, ReuseViews | None]:
+        """The layer's chosen blocks: ids, vals [B, Hkv, width] (views of ds.top_*), and its reuse cache views."""
+        n = ds.batch * self.a.cfg.n_kv_heads * width
+        reuse = self._reuse_now.views(layer, width) if self._reuse_now is not None and not self.torch_topk else None
+        return ds.top_ids[:n].view(ds.batch, -1, width), ds.top_vals[:n].view(ds.batch, -1, width), reuse
+
+    def _choose(self, layer: int, qg: torch.Tensor, ds: DeviceStep, width: int) -> None:
+        """Block scores of query qg [B, Hkv, r, D] and the top-k into ds.top_ids / top_vals (with the reuse cache:
+        its hits and entries)."""
         scores = device_kernels.block_scores(qg, self.dsum.layer(layer), ds.slots, ds.bounds, ds.n_blocks,
                                              ds.pinned[layer], ds.scores)
-        cache, reuse = self._reuse_now, None
+        ids, vals, reuse = self._chosen(layer, ds, width)
         if self.torch_topk:
-            vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
+            top = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
+            vals.copy_(top.values)
+            ids.copy_(top.indices)
         else:  # the same blocks, unordered, without a sort (device_topk's docstring says why)
-            n = ds.batch * self.a.cfg.n_kv_heads * width
-            ids = ds.top_ids[:n].view(ds.batch, -1, width)  # [B, Hkv, width]
-            vals = ds.top_vals[:n].view(ds.batch, -1, width)
-            if cache is not None:
-                reuse = cache.views(layer, width)
             device_topk.select_top(scores, ds.k_row[layer], ids, vals, reuse)
+
+    def _attend(self, layer: int, qg: torch.Tensor, ds: DeviceStep, flat: tuple[int, torch.Tensor, torch.Tensor],
+                ids: torch.Tensor, vals: torch.Tensor, reuse: ReuseViews | None, stage: int) -> None:
+        """device_kernels.block_attention over the chosen blocks (stage: see there) -> ds.part_o/m/l."""
+        _, flat_h, flat_j = flat
         span = self.feeder._span
         assert span is not None
         pin = self.pool is not None and self.pool.kv is not None
+        cache = self._reuse_now
         device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
                                        span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
                                        self.a.scale, ds.part_o, ds.part_m, ds.part_l,
                                        ds.pin_slot[layer] if pin else None, self.pool.kv if pin else None,
                                        *((reuse.entry, reuse.hit, cache.kv(layer))
-                                         if reuse is not None and cache is not None else ()))
+                                         if reuse is not None and cache is not None else ()), stage=stage)
+
+    def early(self, layer: int, x: torch.Tensor, query: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Called inside layer - 1's post_attention (decode_graphs) with the stream x [B, d] after its attention:
+        with FLUXION_EARLY_SELECT=1, choose layer's blocks from query(x) [B, Hq, D] on the early stream, and
+        fetch the chosen misses into the reuse cache there (see __init__); _retrieve_fused then waits for it."""
+        ds = self.ds
+        if not self.early_on or ds is None or ds.flat[layer] is None:
+            return
+        a = self.a
+        snap = x.clone()  # [B, d]: the MLP's residual add changes x in place while the early stream reads it
+        es = self._early_stream
+        if es is not None:
+            es.wait_stream(torch.cuda.current_stream(x.device))  # fork: after the attention's residual add
+        with torch.cuda.stream(es) if es is not None else contextlib.nullcontext():
+            q = query(snap)  # [B, Hq, D]
+            qg = q.view(ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim)
+            flat = ds.flat[layer]
+            assert flat is not None
+            self._choose(layer, qg, ds, flat[0])
+            ids, vals, reuse = self._chosen(layer, ds, flat[0])
+            if reuse is not None:  # the PCIe reads now; the real query attends over device memory later
+                self._attend(layer, qg, ds, flat, ids, vals, reuse, 1)
+        self._early_refs[layer] = (snap, q)
+        self._early_layers.add(layer)
+        self.early_choices += 1
 
     def _retrieve(self, layer: int, qg: torch.Tensor, ds: DeviceStep, width: int, flat_h: torch.Tensor,
                   flat_j: torch.Tensor) -> None:

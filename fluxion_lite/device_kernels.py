@@ -201,7 +201,7 @@ if triton is not None:
                                 span_ptr, pslot_ptr, pkv_ptr, entry_ptr, hit_ptr, rkv_ptr, o_ptr, m_ptr, l_ptr, N,
                                 HKV, R, WIDTH, PAGES, PAGE_TOKENS, CPH, NBS, RC, scale, q_b, q_h, q_r, tab_slot,
                                 D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                                HAS_CACHE: tl.constexpr, HAS_REUSE: tl.constexpr):
+                                HAS_CACHE: tl.constexpr, HAS_REUSE: tl.constexpr, STAGE: tl.constexpr):
         i, b = tl.program_id(0), tl.program_id(1)  # flat entry i of batch row b
         h = tl.load(flat_h_ptr + i)
         j = tl.load(flat_j_ptr + i)
@@ -221,6 +221,7 @@ if triton is not None:
         k_ptr = span_ptr + ((first + h * CPH + (tok % PAGE_TOKENS) // CHUNK) * CHUNK + tok % CHUNK) * D  # [G]
         v_ptr = k_ptr + HKV * CPH * CHUNK * D  # V chunks follow the page's K chunks
         on_host = live
+        entry, reuse_k = b * 0 - 1, tt * 0  # no reuse entry (HAS_REUSE replaces them)
         if HAS_CACHE:  # a pinned block held in device memory (the pin pool [P, 2, G, D]) is read from there
             cached_slot = tl.load(pslot_ptr + (b * HKV + h) * NBS + blk, mask=valid, other=-1).to(tl.int64)
             on_dev = live & ((tt * 0 + cached_slot) >= 0)  # [G]
@@ -230,16 +231,36 @@ if triton is not None:
             on_host = on_host & ~on_dev
         if HAS_REUSE:  # a block chosen at an earlier step may still be in the reuse cache [B, Hkv, RC, 2, G, D]
             entry = tl.load(entry_ptr + at, mask=valid, other=-1).to(tl.int64)
-            reused = (tt * 0 + tl.load(hit_ptr + at, mask=valid, other=0).to(tl.int32)) > 0  # [G]
+            if STAGE == 2:  # a fetch (STAGE 1) put every kept miss in its entry: all blocks with one are there
+                reused = (tt * 0 + entry) >= 0  # [G]
+            else:
+                reused = (tt * 0 + tl.load(hit_ptr + at, mask=valid, other=0).to(tl.int32)) > 0  # [G]
             on_reuse = on_host & reused
             on_host = on_host & ~reused
             reuse_k = (((b * HKV + h) * RC + entry) * 2 * G + tt) * D  # [G]; V follows at + G * D
             k_ptr = tl.where(on_reuse, rkv_ptr + reuse_k, k_ptr)
             v_ptr = tl.where(on_reuse, rkv_ptr + reuse_k + G * D, v_ptr)
+        if STAGE == 1:  # fetch only: the kept misses over PCIe into their entries, no attention
+            keep = on_host & ((tt * 0 + entry) >= 0)  # [G]
+            k = tl.load(k_ptr[:, None] + dd[None, :], mask=keep[:, None], other=0.0)
+            v = tl.load(v_ptr[:, None] + dd[None, :], mask=keep[:, None], other=0.0)
+            tl.store(rkv_ptr + reuse_k[:, None] + dd[None, :], k, mask=keep[:, None])
+            tl.store(rkv_ptr + (reuse_k + G * D)[:, None] + dd[None, :], v, mask=keep[:, None])
+        else:
+            _attend_block(q_ptr, k_ptr, v_ptr, live, valid, on_host, entry, reuse_k, rkv_ptr, o_ptr, m_ptr, l_ptr,
+                          b, h, i, N, R, scale, q_b, q_h, q_r, D, G, R_PAD, HAS_REUSE and STAGE == 0)
+
+    @triton.jit
+    def _attend_block(q_ptr, k_ptr, v_ptr, live, valid, on_host, entry, reuse_k, rkv_ptr, o_ptr, m_ptr, l_ptr, b, h,
+                      i, N, R, scale, q_b, q_h, q_r, D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr,
+                      KEEP: tl.constexpr):
+        """One block's partial attention from the chosen row pointers k_ptr, v_ptr [G]; KEEP: the misses with a
+        reuse entry are written there for the next steps."""
+        rr, dd, tt = tl.arange(0, R_PAD), tl.arange(0, D), tl.arange(0, G)
         # [G, D]: a PCIe read for the rows on the host, a device read for the others, nothing for a masked entry
         k = tl.load(k_ptr[:, None] + dd[None, :], mask=live[:, None], other=0.0)
         v = tl.load(v_ptr[:, None] + dd[None, :], mask=live[:, None], other=0.0)
-        if HAS_REUSE:
+        if KEEP:
             keep = on_host & ((tt * 0 + entry) >= 0)  # [G]: a miss with an entry, kept for the next steps
             tl.store(rkv_ptr + reuse_k[:, None] + dd[None, :], k, mask=keep[:, None])
             tl.store(rkv_ptr + (reuse_k + G * D)[:, None] + dd[None, :], v, mask=keep[:, None])
@@ -368,7 +389,7 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
                     part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor,
                     pin_slot: torch.Tensor | None = None, pin_kv: torch.Tensor | None = None,
                     reuse_entry: torch.Tensor | None = None, reuse_hit: torch.Tensor | None = None,
-                    reuse_kv: torch.Tensor | None = None) -> None:
+                    reuse_kv: torch.Tensor | None = None, stage: int = 0) -> None:
     """Partial attention of each (row, flat entry): q [B, Hkv, r, D]; ids, vals [B, Hkv, width] (top-k of the
     scores); flat_h, flat_j [N] int64; k_row [B, Hkv] int64 (entries with rank >= k are masked); tables [slots,
     pages]; span [chunks, CHUNK_TOKENS * D] in the store dtype. Writes part_o [B, >= N, r, D], part_m, part_l
@@ -378,7 +399,10 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
     block is read from device memory instead of over PCIe.
     Optional reuse cache (reuse_cache.py): reuse_entry int32 / reuse_hit int8 [B, Hkv, width] from
     device_topk.select_top, reuse_kv [B, Hkv, RC, 2, g, D] in the store dtype: a hit is read from its entry, a miss
-    with an entry is read over PCIe and written there for the next steps."""
+    with an entry is read over PCIe and written there for the next steps.
+    stage (reuse cache only) splits that in two, so the PCIe reads can run ahead of the query (device_graph.py's
+    early choice): 1 fetches the kept misses into their entries and attends nothing (q and the partials are not
+    touched); 2 then attends, reading every block with an entry from the cache."""
     B, hkv, r, d = q.shape
     n, width = flat_h.shape[0], ids.shape[2]
     assert ids.is_contiguous() and vals.is_contiguous() and k_row.is_contiguous() and tables.stride(1) == 1
@@ -395,13 +419,14 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
         assert reuse_entry.shape == ids.shape and reuse_hit.shape == ids.shape and reuse_entry.dtype == torch.int32
         assert reuse_kv.is_contiguous() and reuse_kv.shape[:2] == (B, hkv) and reuse_kv.shape[3:] == (2, g, d)
         assert reuse_kv.dtype == span.dtype
+    assert stage == 0 or (stage in (1, 2) and has_reuse), "stages 1 and 2 work on the reuse cache"
     _block_attention_kernel[(n, B)](  # the partials' row stride is their capacity (shared by all layers), not n
         q, ids, vals, flat_h, flat_j, k_row, slots, tables, span, pin_slot if has_cache else k_row,
         pin_kv if has_cache else span, reuse_entry if has_reuse else k_row, reuse_hit if has_reuse else k_row,
         reuse_kv if has_reuse else span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
         tables.shape[1], page_tokens, cph, nbs, reuse_kv.shape[2] if has_reuse else 0, scale, q.stride(0),
         q.stride(1), q.stride(2), tables.stride(0), D=d, G=g, R_PAD=pow2(r, 16), CHUNK=CHUNK_TOKENS,
-        HAS_CACHE=has_cache, HAS_REUSE=has_reuse)
+        HAS_CACHE=has_cache, HAS_REUSE=has_reuse, STAGE=stage)
 
 
 def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, starts: torch.Tensor,

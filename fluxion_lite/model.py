@@ -12,6 +12,7 @@ one host->device copy per forward (non-blocking, from pinned memory) with no dev
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -302,14 +303,30 @@ class Transformer:
         q, k = qk.split((hq, hkv), dim=1)  # [T, Hq, D], [T, Hkv, D]
         return q, k, v.view(n_tok, hkv, d)
 
-    def post_attention(self, lw: LayerWeights, x: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+    def query_ahead(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """A layer's query from a residual stream x [T, d] other than its own input: norm, the q rows of the qkv
+        projection, RoPE -> q [T, Hq, D]. Given the stream after the previous layer's attention (before its MLP),
+        this predicts the layer's query one MLP early (device_graph.py's early block choice)."""
+        cfg = self.cfg
+        n_q = cfg.n_heads * cfg.head_dim
+        assert not lw.wqkv.is_mkldnn, "a packed qkv weight has no q rows to slice"
+        bias = lw.bqkv[:n_q] if lw.bqkv is not None else None
+        q = linear(self._norm(x, lw.attn_norm), lw.wqkv[:n_q], bias).view(x.shape[0], cfg.n_heads, cfg.head_dim)
+        self.rope.apply_(q, cos, sin)
+        return q
+
+    def post_attention(self, lw: LayerWeights, x: torch.Tensor, o: torch.Tensor,
+                       after_attention: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Output projection and MLP with both residual adds: x [T, d], o [T, Hq, D] -> the new x (the same tensor,
-        updated in place, except with oneDNN-packed weights on the CPU)."""
+        updated in place, except with oneDNN-packed weights on the CPU). after_attention(x) is called between the
+        two, with the stream after the attention's residual add (read it before the MLP's add changes it)."""
         o = o.reshape(x.shape[0], -1)  # [T, Hq D]
         if lw.wo_packed is None:
             x.addmm_(o, lw.wo_t)  # x += o @ wo^T in the matmul itself
         else:
             x = torch.ops.mkldnn._linear_pointwise.binary(o, x, lw.wo_packed, None, "add")  # x + o @ wo^T
+        if after_attention is not None:
+            after_attention(x)
         h = self._norm(x, lw.ffn_norm)
         gate_up = linear(h, lw.w_gate_up)  # [T, 2F]
         if self._dense_kernels:  # one kernel instead of two (dense_kernels.py)

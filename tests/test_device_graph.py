@@ -1,7 +1,8 @@
 """The captured device-selection step (device_graph.DeviceGraphedDecode) against the eager device-selection path:
 same logits step by step, same KV read counters, pins honoured, and the graphs captured again only per length
-bucket. On this CPU-only machine the "device" is torch on the CPU and the zero-copy alias is the host memory itself,
-so the code that runs is the one the H200 captures (decode_graphs' segments run eagerly here)."""
+bucket. On a CPU-only machine the "device" is torch on the CPU and the zero-copy alias is the host memory itself,
+so the code that runs is the one the H200 captures (decode_graphs' segments run eagerly); with CUDA the cases with
+device_kernels' Triton kernels run on the GPU, captured into real graphs (side streams included)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -23,35 +24,47 @@ from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
 from decode_compare import decode_and_compare, prefill
 from test_decode_fastpath import make_cfg, random_weights
 
+CPU = torch.device("cpu")
 COSTS = Costs(cpu_gbs=10.0, gather_gbs=10.0, h2d_gbs=None, zero_copy=True, pcie_read_gbs=10.0)
 
 
-def _models(seed: int) -> tuple[Transformer, Transformer]:
+def _models(seed: int, no_mlp: bool = False, device: torch.device = CPU) -> tuple[Transformer, Transformer]:
+    """no_mlp: every layer's MLP adds nothing (zero down projections), so a layer's query predicted from the stream
+    after the previous layer's attention (Transformer.query_ahead) is its real query."""
     cfg = make_cfg("llama", hq=6, hkv=3, d=32)
     w = random_weights(cfg, seed=seed)
-    eager = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
-    runner = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
-    runner.graphs = DecodeGraphs(runner, capture=False)
+    if no_mlp:
+        for name in w:
+            if name.endswith("ffn_down.weight"):
+                w[name] = torch.zeros_like(w[name])
+    eager = Transformer(GGUFModel(Path("x"), cfg, {}, w), device=device, dtype=torch.float32, cuda_graphs=False)
+    runner = Transformer(GGUFModel(Path("x"), cfg, {}, w), device=device, dtype=torch.float32)
+    runner.graphs = DecodeGraphs(runner, capture=device.type == "cuda")  # real captures on a GPU
     return eager, runner
 
 
-def _backends(plan: SparsePlan, cfg: object) -> list[SparseAttention]:
-    return [SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, placement="gpu",  # type: ignore[arg-type]
+def _backends(plan: SparsePlan, cfg: object, device: torch.device = CPU) -> list[SparseAttention]:
+    return [SparseAttention(cfg, plan, torch.float32, device, max_seqs=4, placement="gpu",  # type: ignore[arg-type]
                             selection="gpu", costs=COSTS, zero_copy=True) for _ in range(2)]
 
 
-@pytest.mark.parametrize("pin_fraction,short_scale,graphs,fused,pin_cache,reuse,overlap", [
-    (0.0, 1.0, "step", False, False, False, True), (0.5, 1.0, "step", False, False, False, True),
-    (0.5, 1.0, "step", False, False, False, False), (0.5, 1.6, "step", False, False, False, True),
-    (0.5, 1.0, "layer", False, False, False, True), (0.5, 1.6, "step", True, False, False, True),
-    (0.5, 1.6, "step", True, True, True, True), (0.0, 1.0, "step", True, True, True, True)])
+@pytest.mark.parametrize("pin_fraction,short_scale,graphs,fused,pin_cache,reuse,overlap,early", [
+    (0.0, 1.0, "step", False, False, False, True, False), (0.5, 1.0, "step", False, False, False, True, False),
+    (0.5, 1.0, "step", False, False, False, False, False), (0.5, 1.6, "step", False, False, False, True, False),
+    (0.5, 1.0, "layer", False, False, False, True, False), (0.5, 1.6, "step", True, False, False, True, False),
+    (0.5, 1.6, "step", True, True, True, True, False), (0.0, 1.0, "step", True, True, True, True, False),
+    # the early block choice (FLUXION_EARLY_SELECT=1) on a model whose predicted queries are the real ones: with the
+    # reuse cache (fetch during the previous layer, attend from device memory) and without (choice only)
+    (0.5, 1.6, "step", True, True, True, True, True), (0.5, 1.6, "layer", True, False, False, True, True)])
 def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, pin_fraction: float,
                                                            short_scale: float, graphs: str, fused: bool,
-                                                           pin_cache: bool, reuse: bool, overlap: bool) -> None:
+                                                           pin_cache: bool, reuse: bool, overlap: bool,
+                                                           early: bool) -> None:
+    device = CPU
     if fused:  # device_kernels' Triton kernels (the interpreter's, without CUDA) instead of the torch ops
         pytest.importorskip("triton")
-        if torch.cuda.is_available():
-            pytest.skip("this test's device is the CPU: compiled Triton kernels need CUDA tensors")
+        if torch.cuda.is_available():  # compiled kernels in captured graphs on the GPU
+            device = torch.device("cuda", torch.cuda.current_device())
     monkeypatch.setenv("FLUXION_TRITON", "1" if fused else "0")
     monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)  # k_cap above the rows' own k: the masking is exercised
     monkeypatch.setenv("FLUXION_DEVICE_GRAPHS", graphs)  # one graph per step, or one per layer
@@ -62,7 +75,8 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
         monkeypatch.setenv("FLUXION_REUSE_CACHE", "1" if reuse else "0")
     else:
         monkeypatch.delenv("FLUXION_REUSE_CACHE", raising=False)
-    eager, runner = _models(seed=7)
+    monkeypatch.setenv("FLUXION_EARLY_SELECT", "1" if early else "0")
+    eager, runner = _models(seed=7, no_mlp=early, device=device)
     cfg = eager.cfg
     # one block size (what the device summaries mirror), budgets that differ inside a layer, a streaming group
     groups = [[GroupPlan(False, 16, 0.07), GroupPlan(False, 16, 0.2), GroupPlan(True)],
@@ -70,7 +84,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     # short_tokens 300: the rows sit below, across and above the short-context scale's ramp
     plan = SparsePlan(sink=20, window=33, groups=groups, source="test", pin_fraction=pin_fraction, obs_window=8,
                       pin_span=2, short_scale=short_scale, short_tokens=300)
-    backends = _backends(plan, cfg)
+    backends = _backends(plan, cfg, device)
     g = torch.Generator().manual_seed(3)
     lengths = [250, 700, 180]  # the first crosses a 256-token page boundary while decoding, rows differ in k
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
@@ -84,6 +98,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     hooked = backends[1]._device_graphed
     assert isinstance(hooked, DeviceGraphedDecode) and hooked.ds is not None
     assert hooked.whole_step == (graphs == "step") and hooked.fused == fused
+    assert hooked.early_on == early and (hooked.early_choices > 0) == early
     assert hooked.ds.k_cap.max() > hooked.ds.k_row.max().item()  # padded top-k, masked to each row's k
     assert bool(hooked.ds.pinned.any()) == bool(pin_fraction)  # the pins reached the device mask
     if pin_cache and pin_fraction:  # every pinned block has a place in the device cache holding its K/V
@@ -95,8 +110,8 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
         for layer, b, h, blk in torch.nonzero(ds.pinned).tolist():  # each in its own entry of the layer's pool
             k, v = backends[1].store.read(layer, int(ds.slots[b]))  # [n, Hkv, D] each
             c = int(ds.pin_slot[layer, b, h, blk])
-            assert torch.equal(kv[c, 0], k[blk * g:(blk + 1) * g, h].to(kv.dtype))
-            assert torch.equal(kv[c, 1], v[blk * g:(blk + 1) * g, h].to(kv.dtype))
+            assert torch.equal(kv[c, 0].cpu(), k[blk * g:(blk + 1) * g, h].to(kv.dtype))
+            assert torch.equal(kv[c, 1].cpu(), v[blk * g:(blk + 1) * g, h].to(kv.dtype))
         used = ds.pin_slot[ds.pin_slot >= 0]
         assert used.unique().numel() == used.numel()  # no two blocks share an entry
     if reuse:  # blocks of earlier steps were read from the reuse cache, whose entries hold the store's K/V
@@ -108,7 +123,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
             k, v = backends[1].store.read(layer, int(ds.slots[b]))
             e = int(held[layer, b, h, blk])
             assert int(cache.owner(layer)[b, h, e]) == blk
-            kv = cache.kv(layer)[b, h, e]  # [2, g, D]
+            kv = cache.kv(layer)[b, h, e].cpu()  # [2, g, D]
             assert torch.equal(kv[0], k[blk * hooked.g:(blk + 1) * hooked.g, h].to(kv.dtype))
             assert torch.equal(kv[1], v[blk * hooked.g:(blk + 1) * hooked.g, h].to(kv.dtype))
     elif fused:

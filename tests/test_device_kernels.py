@@ -191,6 +191,69 @@ def test_block_attention_and_combine(dk, r: int, d: int, g: int, dtype: torch.dt
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("r,d,g,dtype", [(4, 32, 16, torch.float32), (7, 64, 32, torch.bfloat16),
+                                         (1, 32, 16, torch.bfloat16)])
+def test_block_attention_fetch_then_attend_equals_one_pass(dk, r: int, d: int, g: int, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """With the reuse cache, stage 1 (fetch the kept misses into their entries) then stage 2 (attend, every block
+    with an entry read from the cache) gives the one-pass kernel's partials and cache contents, bit for bit; the
+    one pass itself against the float64 reference (hits read from the cache, whose host copies are poisoned)."""
+    gen = torch.Generator().manual_seed(11 * r + d + g)
+    B, hkv, page_tokens, pages, slot_cap, rc = 2, 3, 64, 4, 3, 6
+    span, tables, kv = paged_store(gen, slot_cap, hkv, d, page_tokens, pages, dtype)
+    nb = pages * page_tokens // g
+    caps = torch.tensor([4, 0, 5])
+    flat_h = torch.repeat_interleave(torch.arange(hkv), caps)
+    flat_j = torch.cat([torch.arange(int(c)) for c in caps])
+    width = int(caps.max())
+    ids = torch.stack([torch.randperm(nb, generator=gen)[:width] for _ in range(B * hkv)]).view(B, hkv, width)
+    vals = torch.randn(B, hkv, width, generator=gen)
+    k_row = torch.tensor([[4, 0, 3], [2, 0, 5]])
+    slots = torch.tensor([2, 0])
+    q = torch.randn(B, hkv, r, d, generator=gen).to(dtype)
+    # per (row, group): ranks 0, 1 hit entries 0, 1 (their K/V in the cache); rank 2 a miss kept in entry 3; the
+    # rest misses without an entry (read, not kept); the other entries hold NaN, as does every kept miss before
+    entry = torch.full((B, hkv, width), -1, dtype=torch.int32)
+    hit = torch.zeros(B, hkv, width, dtype=torch.int8)
+    entry[:, :, 0], entry[:, :, 1], entry[:, :, 2] = 0, 1, 3
+    hit[:, :, :2] = 1
+    cache = torch.full((B, hkv, rc, 2, g, d), float("nan"), dtype=dtype)
+    for b in range(B):
+        for h in range(hkv):
+            for j in range(2):
+                blk = int(ids[b, h, j])
+                cache[b, h, j] = kv[slots[b], :, h, blk * g:(blk + 1) * g]
+    scale = d ** -0.5
+    n = flat_h.shape[0]
+    results = []
+    for stages in ((0,), (1, 2)):
+        parts = on(torch.zeros(B, n, r, d), torch.zeros(B, n, r), torch.zeros(B, n, r))
+        c = on(cache.clone())[0]
+        for stage in stages:
+            dk.block_attention(*on(q, ids, vals, flat_h, flat_j, k_row, slots, tables, span), page_tokens, g, scale,
+                               *parts, None, None, *on(entry, hit), c, stage=stage)
+        results.append([t.cpu() for t in parts + [c]])
+    for one, two in zip(*results):
+        assert torch.equal(one.nan_to_num(7.0), two.nan_to_num(7.0))
+    o, m, l_sum, c = results[0]
+    for i in range(n):
+        h, j = int(flat_h[i]), int(flat_j[i])
+        for b in range(B):
+            if j >= int(k_row[b, h]):
+                assert torch.all(m[b, i] == float("-inf")) and torch.all(l_sum[b, i] == 0)
+                continue
+            blk = int(ids[b, h, j])
+            keys, values = (kv[slots[b], p, h, blk * g:(blk + 1) * g].double() for p in range(2))
+            logits = q[b, h].double() @ keys.T * scale  # [r, g]
+            want_m = logits.max(-1).values
+            p_ = torch.exp(logits - want_m[:, None])
+            tol = 1e-5 if dtype == torch.float32 else 2e-2
+            torch.testing.assert_close(m[b, i].double(), want_m, rtol=tol, atol=tol)
+            torch.testing.assert_close(l_sum[b, i].double(), p_.sum(-1), rtol=tol, atol=tol)
+            torch.testing.assert_close(o[b, i].double(), p_ @ values, rtol=tol, atol=tol)
+            if j == 2:  # the kept miss reached its entry
+                assert torch.equal(c[b, h, 3], kv[slots[b], :, h, blk * g:(blk + 1) * g])
+
+
 def test_enabled_follows_the_setting_and_falls_back_when_the_probe_fails(dk, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.delenv("FLUXION_TRITON", raising=False)
     assert not dk.enabled(torch.device("cpu"))  # the CPU device keeps the torch ops unless forced
