@@ -123,15 +123,17 @@ class _GraphSet:
     def _post(self, i: int) -> None:
         m = self.model
         o = self.o_in if self.hooks is None else self.hooks.epilogue(i)
-        ahead = None
-        early = getattr(self.hooks, "early", None)  # hooks that choose layer i + 1's blocks during layer i's MLP
-        if early is not None and i + 1 < m.cfg.n_layers:
-            nxt = m.layers[i + 1]
-
-            def ahead(x: torch.Tensor) -> None:
-                early(i + 1, x, lambda snap: m.query_ahead(nxt, snap, self.cos, self.sin))
-        x = m.post_attention(m.layers[i], self.x, o, ahead)
+        x = m.post_attention(m.layers[i], self.x, o, self._ahead(i + 1))
         assert x is self.x, "graphed layers must update the residual stream in place"
+
+    def _ahead(self, layer: int) -> Callable[[torch.Tensor], None] | None:
+        """For hooks with early(): the call post_attention makes for `layer` (the next one) after its attention."""
+        m = self.model
+        early = getattr(self.hooks, "early", None)
+        if early is None or layer >= m.cfg.n_layers:
+            return None
+        lw = m.layers[layer]
+        return lambda x: early(layer, x, lambda snap: m.query_ahead(lw, snap, self.cos, self.sin))
 
     def _first(self) -> None:
         self.x, self.cos, self.sin = self.model.embed_tokens(self.inputs[0], self.inputs[1])

@@ -208,7 +208,7 @@ if triton is not None:
         at = (b * HKV + h) * WIDTH + j
         blk = tl.load(ids_ptr + at)
         valid = (tl.load(vals_ptr + at) > float("-inf")) & (j < tl.load(krow_ptr + b * HKV + h))
-        rr, dd, tt = tl.arange(0, R_PAD), tl.arange(0, D), tl.arange(0, G)
+        dd, tt = tl.arange(0, D), tl.arange(0, G)
         tok = blk * G + tt  # [G] absolute positions
         page = tl.minimum(tok // PAGE_TOKENS, PAGES - 1)
         slot = tl.load(slots_ptr + b)
