@@ -277,6 +277,9 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
             if dev.type == "cuda":
                 torch.cuda.synchronize()
             wall = time.perf_counter() - t
+        # the timeline too (which kernels overlap on which stream): <profile stem>.<mode>.<context>.<batch>.json
+        prof.export_chrome_trace(str(kernel_profile.with_name(
+            f"{kernel_profile.stem}.{mode}.{context}.{batch}.trace.json")))
         events = prof.key_averages()
         busy_us = sum(e.self_device_time_total for e in events) if dev.type == "cuda" else 0.0
         with kernel_profile.open("a") as f:
