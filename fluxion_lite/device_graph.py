@@ -135,7 +135,8 @@ class DeviceGraphedDecode:
         self.early_on = (self.fused and not self.torch_topk
                          and os.environ.get("FLUXION_EARLY_SELECT", "0") == "1")
         # high priority: its kernels take SMs as the MLP's GEMM blocks retire, instead of queueing behind them
-        self._early_stream = (torch.cuda.Stream(owner.device, priority=-1)
+        self._early_stream = (torch.cuda.Stream(owner.device, priority=int(os.environ.get("FLUXION_EARLY_PRIORITY",
+                                                                                          "-1")))
                               if self.early_on and owner.device.type == "cuda" else None)
         self._early_layers: set[int] = set()  # layers whose blocks early() chose in the current pass
         # per layer: the pass's stream snapshot and predicted query, kept so that no buffer a side stream reads is

@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 _probed: dict[str, bool] = {}
+_BA_WARPS = int(os.environ.get("FLUXION_BA_WARPS", "4"))  # block_attention's warps per program (A/B knob)
 
 
 def enabled(device: torch.device) -> bool:
@@ -426,7 +427,7 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
         reuse_kv if has_reuse else span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
         tables.shape[1], page_tokens, cph, nbs, reuse_kv.shape[2] if has_reuse else 0, scale, q.stride(0),
         q.stride(1), q.stride(2), tables.stride(0), D=d, G=g, R_PAD=pow2(r, 16), CHUNK=CHUNK_TOKENS,
-        HAS_CACHE=has_cache, HAS_REUSE=has_reuse, STAGE=stage)
+        HAS_CACHE=has_cache, HAS_REUSE=has_reuse, STAGE=stage, num_warps=_BA_WARPS)
 
 
 def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, starts: torch.Tensor,
