@@ -47,6 +47,9 @@ except ImportError:  # pragma: no cover - depends on the install
 
 _probed: dict[str, bool] = {}
 _BA_WARPS = int(os.environ.get("FLUXION_BA_WARPS", "4"))  # block_attention's warps per program (A/B knob)
+# block_attention multiplies in registers (broadcast and sum) up to this many query heads per group (padded to a
+# power of two), with tl.dot above; FLUXION_BA_DOT=1 takes tl.dot always, padded to 16 rows (A/B knob)
+BROADCAST_MAX_R = 0 if os.environ.get("FLUXION_BA_DOT", "0") == "1" else 8
 
 
 def enabled(device: torch.device) -> bool:
@@ -202,7 +205,8 @@ if triton is not None:
                                 span_ptr, pslot_ptr, pkv_ptr, entry_ptr, hit_ptr, rkv_ptr, o_ptr, m_ptr, l_ptr, N,
                                 HKV, R, WIDTH, PAGES, PAGE_TOKENS, CPH, NBS, RC, scale, q_b, q_h, q_r, tab_slot,
                                 D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                                HAS_CACHE: tl.constexpr, HAS_REUSE: tl.constexpr, STAGE: tl.constexpr):
+                                HAS_CACHE: tl.constexpr, HAS_REUSE: tl.constexpr, STAGE: tl.constexpr,
+                                DOT: tl.constexpr):
         i, b = tl.program_id(0), tl.program_id(1)  # flat entry i of batch row b
         h = tl.load(flat_h_ptr + i)
         j = tl.load(flat_j_ptr + i)
@@ -249,12 +253,12 @@ if triton is not None:
             tl.store(rkv_ptr + (reuse_k + G * D)[:, None] + dd[None, :], v, mask=keep[:, None])
         else:
             _attend_block(q_ptr, k_ptr, v_ptr, live, valid, on_host, entry, reuse_k, rkv_ptr, o_ptr, m_ptr, l_ptr,
-                          b, h, i, N, R, scale, q_b, q_h, q_r, D, G, R_PAD, HAS_REUSE and STAGE == 0)
+                          b, h, i, N, R, scale, q_b, q_h, q_r, D, G, R_PAD, HAS_REUSE and STAGE == 0, DOT)
 
     @triton.jit
     def _attend_block(q_ptr, k_ptr, v_ptr, live, valid, on_host, entry, reuse_k, rkv_ptr, o_ptr, m_ptr, l_ptr, b, h,
                       i, N, R, scale, q_b, q_h, q_r, D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr,
-                      KEEP: tl.constexpr):
+                      KEEP: tl.constexpr, DOT: tl.constexpr):
         """One block's partial attention from the chosen row pointers k_ptr, v_ptr [G]; KEEP: the misses with a
         reuse entry are written there for the next steps."""
         rr, dd, tt = tl.arange(0, R_PAD), tl.arange(0, D), tl.arange(0, G)
@@ -266,12 +270,18 @@ if triton is not None:
             tl.store(rkv_ptr + reuse_k[:, None] + dd[None, :], k, mask=keep[:, None])
             tl.store(rkv_ptr + (reuse_k + G * D)[:, None] + dd[None, :], v, mask=keep[:, None])
         q = _group_queries(q_ptr, b, h, R, q_b, q_h, q_r, D, R_PAD)  # [R_PAD, D]
-        # fp32 products (the dots are [R_PAD, D] x [D, G]: tiny next to the PCIe read, so no tensor-core formats)
-        logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [R_PAD, G]
+        # fp32 products (the dots are [R_PAD, D] x [D, G]: tiny next to the reads, so no tensor-core formats)
+        if DOT:  # tl.dot wants R_PAD >= 16
+            logits = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee") * scale  # [R_PAD, G]
+        else:  # few heads: broadcast products in registers, no padding to 16 rows and no shared-memory operands
+            logits = tl.sum(q[:, None, :] * k.to(tl.float32)[None, :, :], axis=2) * scale  # [R_PAD, G]
         m = tl.max(logits, axis=1)  # [R_PAD]
         p = tl.exp(logits - m[:, None])
         l_sum = tl.sum(p, axis=1)
-        o = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [R_PAD, D], not yet divided by l_sum
+        if DOT:
+            o = tl.dot(p, v.to(tl.float32), input_precision="ieee")  # [R_PAD, D], not yet divided by l_sum
+        else:
+            o = tl.sum(p[:, :, None] * v.to(tl.float32)[None, :, :], axis=1)  # [R_PAD, D]
         m = tl.where(valid, m, float("-inf"))
         l_sum = tl.where(valid, l_sum, 0.0)
         o = tl.where(valid, o, 0.0)
@@ -421,13 +431,14 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
         assert reuse_kv.is_contiguous() and reuse_kv.shape[:2] == (B, hkv) and reuse_kv.shape[3:] == (2, g, d)
         assert reuse_kv.dtype == span.dtype
     assert stage == 0 or (stage in (1, 2) and has_reuse), "stages 1 and 2 work on the reuse cache"
+    dot = pow2(r) > BROADCAST_MAX_R  # FLUXION_BA_DOT=1: tl.dot for any r (A/B)
     _block_attention_kernel[(n, B)](  # the partials' row stride is their capacity (shared by all layers), not n
         q, ids, vals, flat_h, flat_j, k_row, slots, tables, span, pin_slot if has_cache else k_row,
         pin_kv if has_cache else span, reuse_entry if has_reuse else k_row, reuse_hit if has_reuse else k_row,
         reuse_kv if has_reuse else span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
         tables.shape[1], page_tokens, cph, nbs, reuse_kv.shape[2] if has_reuse else 0, scale, q.stride(0),
-        q.stride(1), q.stride(2), tables.stride(0), D=d, G=g, R_PAD=pow2(r, 16), CHUNK=CHUNK_TOKENS,
-        HAS_CACHE=has_cache, HAS_REUSE=has_reuse, STAGE=stage, num_warps=_BA_WARPS)
+        q.stride(1), q.stride(2), tables.stride(0), D=d, G=g, R_PAD=pow2(r, 16) if dot else pow2(r),
+        CHUNK=CHUNK_TOKENS, HAS_CACHE=has_cache, HAS_REUSE=has_reuse, STAGE=stage, DOT=dot, num_warps=_BA_WARPS)
 
 
 def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, starts: torch.Tensor,
