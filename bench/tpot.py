@@ -57,7 +57,10 @@ SHAPES = {
 # window; called fluxion-gpu before the ninth session); fluxion-gpu-layers: one graph per layer. Since the tenth
 # session fluxion-gpu also keeps the blocks read over PCIe for the next steps (reuse_cache.py);
 # fluxion-gpu-noreuse: the pin cache without the reuse cache (fluxion-gpu before the tenth session)
-MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-noreuse", "fluxion-gpu-nocache", "fluxion-gpu-layers",
+# fluxion-gpu-early: fluxion-gpu with the early block choice (FLUXION_EARLY_SELECT=1, device_graph.py; batch 1 only)
+EARLY_ENV = os.environ.get("FLUXION_EARLY_SELECT", "0")  # what the other fluxion-gpu modes keep
+MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-early", "fluxion-gpu-noreuse", "fluxion-gpu-nocache",
+         "fluxion-gpu-layers",
          "fixed", "gpu-sparse", "full-host")
 # llama.cpp on the same H200 host, Llama-3.1-8B shape, random F16 GGUF, batch 1, 16 threads (issue 5 / DESIGN.md 7)
 PEER_KV_GPU_MS = {8192: 5.33, 32768: 6.81, 65536: 8.65}
@@ -154,6 +157,7 @@ def new_attention(model: Transformer, mode: str, context: int, batch: int, plan:
         os.environ["FLUXION_DEVICE_GRAPHS"] = "layer" if mode == "fluxion-gpu-layers" else "step"
         os.environ["FLUXION_PIN_CACHE"] = "0" if mode == "fluxion-gpu-nocache" else "1"  # read when the step is made
         os.environ["FLUXION_REUSE_CACHE"] = "0" if mode == "fluxion-gpu-noreuse" else "1"  # (nocache: off with it)
+        os.environ["FLUXION_EARLY_SELECT"] = "1" if mode == "fluxion-gpu-early" else EARLY_ENV
         attn: object = SparseAttention(model.cfg, plan, model.dtype, model.device, max_seqs=batch + 1, placement="gpu",
                                        selection="gpu")
     else:

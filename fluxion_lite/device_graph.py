@@ -60,6 +60,10 @@ if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
 
 BUCKET_TOKENS = 1024  # k_cap follows the longest sequence in steps of this many tokens (a capture per bucket)
+# The early block choice (FLUXION_EARLY_SELECT=1) runs for steps of at most this many rows: at batch 4 its extra
+# query projection and side-stream kernels slowed the step (H200, 8B shape, 32K: 9.65 vs 9.27 ms), at batch 1 they
+# shortened it (6.38-6.44 vs 6.60-6.68 ms; docs/hybrid.md)
+EARLY_MAX_BATCH = 1
 PIN_CACHE_SHARE = 0.5  # the pin cache may take at most this share of the free device memory when it (re)grows
 # a step's integer inputs on the host (pinned on CUDA), its k_row [L, B, Hkv] (a view of them) and its counters
 StepInputs = tuple[torch.Tensor, np.ndarray, tuple[float, float, float, float]]
@@ -440,7 +444,7 @@ class DeviceGraphedDecode:
         with FLUXION_EARLY_SELECT=1, choose layer's blocks from query(x) [B, Hq, D] on the early stream, and
         fetch the chosen misses into the reuse cache there (see __init__); _retrieve_fused then waits for it."""
         ds = self.ds
-        if not self.early_on or ds is None or ds.flat[layer] is None:
+        if not self.early_on or ds is None or ds.flat[layer] is None or ds.batch > EARLY_MAX_BATCH:
             return
         a = self.a
         snap = x.clone()  # [B, d]: the MLP's residual add changes x in place while the early stream reads it

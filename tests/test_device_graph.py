@@ -76,6 +76,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     else:
         monkeypatch.delenv("FLUXION_REUSE_CACHE", raising=False)
     monkeypatch.setenv("FLUXION_EARLY_SELECT", "1" if early else "0")
+    monkeypatch.setattr(device_graph, "EARLY_MAX_BATCH", 3)  # this test's three rows
     eager, runner = _models(seed=7, no_mlp=early, device=device)
     cfg = eager.cfg
     # one block size (what the device summaries mirror), budgets that differ inside a layer, a streaming group
