@@ -375,7 +375,7 @@ class DeviceGraphedDecode:
                 self._retrieve_fused(layer, qg, ds, flat)
                 main.wait_stream(side)  # join: combine reads both parts
             device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
-                                   ds.stream_m, ds.stream_l, ds.out[layer])
+                                   ds.stream_m, ds.stream_l, ds.out[layer], flat[0] if flat is not None else 0)
             return
         qg, ds.out_s[layer], ds.lse_s[layer] = stream_layer(a, layer, ds.slots, ds.ring, ds.bias, q, k, v)
         ds.stage[layer, :, 0] = k  # [B, Hkv, D] each, for the host store

@@ -46,6 +46,8 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 _probed: dict[str, bool] = {}
+COMBINE_COLUMNS = 32  # combine: output columns per program
+COMBINE_TILE_MAX = 256  # combine: the most retrieval entries a program merges per round
 _BA_WARPS = int(os.environ.get("FLUXION_BA_WARPS", "4"))  # block_attention's warps per program (A/B knob)
 # block_attention multiplies in registers (broadcast and sum) up to this many query heads per group (padded to a
 # power of two), with tl.dot above; FLUXION_BA_DOT=1 takes tl.dot always, padded to 16 rows (A/B knob)
@@ -292,12 +294,13 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(o_ptr, m_ptr, l_ptr, starts_ptr, caps_ptr, so_ptr, sm_ptr, sl_ptr, out_ptr, N, HKV, R, S,
-                        D: tl.constexpr, TILE: tl.constexpr, S_PAD: tl.constexpr):
+                        D: tl.constexpr, DC: tl.constexpr, TILE: tl.constexpr, S_PAD: tl.constexpr):
         pid = tl.program_id(0)  # = (b * HKV + h) * R + r
         r = pid % R
         bh = pid // R
         b, h = bh // HKV, bh % HKV
-        dd, ee = tl.arange(0, D), tl.arange(0, TILE)
+        # this program's DC of the D output columns (the weights are recomputed per slice: a few loads of m and l)
+        dd, ee = tl.program_id(1) * DC + tl.arange(0, DC), tl.arange(0, TILE)
         # the streaming splits first, all in one load (a loop over them was a chain of S dependent load rounds);
         # at least one split holds the sink, so run_m is finite after them
         ss = tl.arange(0, S_PAD)
@@ -443,12 +446,19 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
 
 def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, starts: torch.Tensor,
             caps: torch.Tensor, stream_o: torch.Tensor, stream_m: torch.Tensor, stream_l: torch.Tensor,
-            out: torch.Tensor) -> torch.Tensor:
+            out: torch.Tensor, max_entries: int = COMBINE_TILE_MAX) -> torch.Tensor:
     """LSE merge of the streaming partials (stream_attention's [B, Hkv, S, r(, D)]) with each group's retrieval
-    partials (its entries are starts[h] .. starts[h] + caps[h] - 1 of the flat list) -> out [B, Hkv, r, D]."""
+    partials (its entries are starts[h] .. starts[h] + caps[h] - 1 of the flat list) -> out [B, Hkv, r, D].
+    max_entries: the most entries a group has (any larger caps still merge, in more rounds).
+
+    One program per (row, group, head) and COMBINE_COLUMNS output columns, taking up to COMBINE_TILE_MAX entries per
+    round: at batch 1 the 8B shape has 32 (row, group, head)s, and one program each, walking a wide layer's ~250
+    entries 64 at a time, made combine a chain of 4 dependent load rounds on 32 SMs (8.4 us per layer, H200)."""
     B, hkv, splits, r, d = stream_o.shape
     assert stream_o.is_contiguous() and stream_m.is_contiguous() and stream_l.is_contiguous() and out.is_contiguous()
-    _combine_kernel[(B * hkv * r,)](part_o, part_m, part_l, starts, caps, stream_o, stream_m, stream_l, out,
-                                    part_m.shape[1], hkv, r, splits, D=d, TILE=64,
-                                    S_PAD=pow2(splits, 2))
+    dc = COMBINE_COLUMNS if d % COMBINE_COLUMNS == 0 else d
+    tile = min(COMBINE_TILE_MAX, pow2(max(max_entries, 1), 16))
+    _combine_kernel[(B * hkv * r, d // dc)](part_o, part_m, part_l, starts, caps, stream_o, stream_m, stream_l, out,
+                                            part_m.shape[1], hkv, r, splits, D=d, DC=dc, TILE=tile,
+                                            S_PAD=pow2(splits, 2))
     return out

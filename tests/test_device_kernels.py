@@ -254,6 +254,36 @@ def test_block_attention_fetch_then_attend_equals_one_pass(dk, r: int, d: int, g
                 assert torch.equal(c[b, h, 3], kv[slots[b], :, h, blk * g:(blk + 1) * g])
 
 
+@pytest.mark.parametrize("d,max_entries", [(32, 300), (64, 40), (128, 17)])
+def test_combine_many_entries(dk, d: int, max_entries: int) -> None:  # type: ignore[no-untyped-def]
+    """combine over groups of 300, 0 and 17 retrieval entries (several rounds when max_entries is below the widest,
+    column slices when D > 32), against a float64 log-sum-exp merge; masked entries (m = -inf) weigh nothing."""
+    gen = torch.Generator().manual_seed(d + max_entries)
+    B, hkv, r, splits = 2, 3, 3, 2
+    caps = torch.tensor([300, 0, 17])
+    starts = torch.cumsum(caps, 0) - caps
+    n = int(caps.sum()) + 5  # capacity beyond the entries, as the shared buffers have
+    part_o = torch.randn(B, n, r, d, generator=gen)
+    part_m = torch.randn(B, n, r, generator=gen) * 3
+    part_l = torch.rand(B, n, r, generator=gen) + 0.1
+    masked = torch.rand(B, n, generator=gen) < 0.2
+    part_m[masked], part_l[masked], part_o[masked] = float("-inf"), 0.0, 0.0
+    s_o = torch.randn(B, hkv, splits, r, d, generator=gen)
+    s_m = torch.randn(B, hkv, splits, r, generator=gen)
+    s_l = torch.rand(B, hkv, splits, r, generator=gen) + 0.5
+    out = dk.combine(*on(part_o, part_m, part_l, starts, caps, s_o, s_m, s_l, torch.empty(B, hkv, r, d)),
+                     max_entries=max_entries).cpu()
+    for b in range(B):
+        for h in range(hkv):
+            rows = list(range(int(starts[h]), int(starts[h] + caps[h])))
+            m = torch.cat([s_m[b, h].double(), part_m[b, rows].double()])  # [S + E, r]
+            lsum = torch.cat([s_l[b, h].double(), part_l[b, rows].double()])
+            o = torch.cat([s_o[b, h].double(), part_o[b, rows].double()])  # [S + E, r, D]
+            w = torch.where(torch.isfinite(m), torch.exp(m - m.max(0).values), torch.zeros_like(m))
+            want = (w[..., None] * o).sum(0) / (w * lsum).sum(0)[:, None]  # o holds unnormalised sums
+            torch.testing.assert_close(out[b, h].double(), want, rtol=1e-5, atol=1e-5)
+
+
 def test_enabled_follows_the_setting_and_falls_back_when_the_probe_fails(dk, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     monkeypatch.delenv("FLUXION_TRITON", raising=False)
     assert not dk.enabled(torch.device("cpu"))  # the CPU device keeps the torch ops unless forced
