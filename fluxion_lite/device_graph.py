@@ -22,6 +22,9 @@ It is KV on the GPU beyond sink + window (the pinned share of each budget, ~3% o
 plan), so it is counted in SparseAttention.bytes_used and left out when it would take more than PIN_CACHE_SHARE of
 the free device memory.
 
+Early block choice (FLUXION_EARLY_SELECT=1, batch-1 steps): layer l's scores, top-k and PCIe reads run on a side
+stream during layer l - 1's MLP, from layer l's query predicted off the stream after l - 1's attention (early()).
+
 All layers are one graph (decode_graphs' whole_step), replayed once per step (FLUXION_DEVICE_GRAPHS=layer: one graph
 per layer, launched back to back with nothing in between). The newest tokens are in the device
 window, which top-k never selects, so the host store may lag by a step.
@@ -133,9 +136,10 @@ class DeviceGraphedDecode:
         # blocks are chosen with a query predicted from the stream after layer l-1's attention (Transformer.
         # query_ahead), on a second side stream while layer l-1's MLP runs, and with the reuse cache the chosen
         # blocks' PCIe reads run there too (block_attention stage 1). Layer l's own chain then keeps block attention
-        # over device memory only: at batch 1 scores + top-k + the PCIe latency were ~40 of its ~160 us (H200, 8B
-        # shape, 32K). The predicted query's choice held 97-99% of the real choice's attention mass
-        # (bench/speculative_select.py, docs/hybrid.md).
+        # over device memory only (stage 2). Measured (H200, 8B shape, 32K b1): the retrieval chain 1506 -> 1017 us
+        # per step, the step ~0.2 ms shorter (the extra q GEMV and side kernels slow the MLP's GEMMs by ~6 us per
+        # layer). The predicted query's choice held 97-99% of the real choice's attention mass on real models
+        # (bench/speculative_select.py, docs/hybrid.md, fifteenth session).
         self.early_on = (self.fused and not self.torch_topk
                          and os.environ.get("FLUXION_EARLY_SELECT", "0") == "1")
         # high priority: its kernels take SMs as the MLP's GEMM blocks retire, instead of queueing behind them
