@@ -16,19 +16,24 @@ import numpy as np
 
 @contextlib.contextmanager
 def _no_extra_buffer_types() -> Iterator[None]:
+    # Llama.__init__ calls the function through the bindings module (llama_cpp.llama_cpp); the package only re-exports
+    # it, so patching the package's name alone left the repacking buffers on (a segfault on an AMX Xeon)
     import llama_cpp
+    import llama_cpp.llama_cpp as bindings
 
-    original = llama_cpp.llama_model_default_params
+    original = bindings.llama_model_default_params
 
     def patched() -> Any:
         params = original()
         params.use_extra_bufts = False
         return params
 
+    bindings.llama_model_default_params = patched
     llama_cpp.llama_model_default_params = patched
     try:
         yield
     finally:
+        bindings.llama_model_default_params = original
         llama_cpp.llama_model_default_params = original
 
 

@@ -55,3 +55,16 @@ def test_greedy_chat_diverges_only_at_near_ties(pair: tuple[Engine, object]) -> 
             # rounding emulated (bench/parity_activation_quant.py's q8_round) chooses 'L' too
             assert gaps[diff] < 0.5, f"{prompt!r}: diverged at token {diff} where llama.cpp's top-2 gap is {gaps[diff]}"
     assert identical >= 1
+
+
+def test_the_peer_loads_without_repacking_buffers() -> None:
+    """Llama.__init__ takes its model params from the bindings module: inside load_peer's patch they come without
+    the extra (repacking) buffer types, whose AMX path segfaults in llama_decode; outside it, unchanged."""
+    import llama_cpp.llama_cpp as bindings
+
+    from fluxion_lite.llamacpp_peer import _no_extra_buffer_types
+
+    default = bool(bindings.llama_model_default_params().use_extra_bufts)
+    with _no_extra_buffer_types():
+        assert bindings.llama_model_default_params().use_extra_bufts is False
+    assert bool(bindings.llama_model_default_params().use_extra_bufts) == default
