@@ -15,9 +15,11 @@ inside a CUDA graph. The same work in five kernels:
                     One block per program on purpose: runs of 4 blocks per program (1/4 of the programs and
                     partials) measured no faster (H200, 8B shape, 32K b1: 7.46 / 7.39 vs 7.42 / 7.08 ms; the
                     kernel 33.8 us per layer against combine's saving of ~4 us; 8 blocks: 14.3 ms), as the reads
-                    over PCIe want many programs in flight.
-  combine           per (row, group, head): the partials and the streaming part merged by LSE -> output in the
-                    model dtype
+                    over PCIe want many programs in flight. The products are broadcast sums in registers for
+                    groups of <= 8 query heads (tl.dot padded to 16 rows above). Stages 1 / 2 split it into a
+                    fetch into the reuse cache and the attention (device_graph.py's early block choice)
+  combine           per (row, group, head) and 32 output columns: the partials and the streaming part merged by
+                    LSE -> output in the model dtype
 
 device_topk.select_top chooses the blocks between block_scores and block_attention. Layouts are device_graph's and device_select's:
   q           [B, Hkv, r, D] (any strides)               summaries [slots, Hkv, blocks, 2, D] bf16 (min, max)
