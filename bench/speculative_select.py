@@ -54,17 +54,10 @@ VARIANTS = ("true", "spec", "early", "prev", "oracle", "quest_max", "mean_sum", 
 KV = list[torch.Tensor]  # per layer [Hkv, context, D]
 
 
-def queries(model: Transformer, layer: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Layer `layer`'s rotated queries [T, Hq, D] for residual stream x [T, d] (k and v computed and dropped)."""
-    q, _, _ = model.pre_attention(model.layers[layer], x, cos, sin)  # reads x (the norm makes a new tensor)
-    return q.clone()
-
-
 def quest_top(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, lo: int, hi: int, k: int) -> list[int]:
     """Top-k block ids in [lo, hi) by the Quest bound summed over the group's heads: q [r, D]; kmin, kmax [NB, D]."""
     qp, qn = q.clamp(min=0).sum(0), q.clamp(max=0).sum(0)  # [D]
-    score = kmax[lo:hi] @ qp + kmin[lo:hi] @ qn  # [n]
-    return (torch.topk(score, min(k, hi - lo)).indices + lo).tolist()
+    return top_of(kmax[lo:hi] @ qp + kmin[lo:hi] @ qn, lo, k)  # scores [n]
 
 
 def prefill(model: Transformer, tokens: list[int], n_prefix: int, context: int) -> tuple[KV, KV]:
@@ -154,8 +147,8 @@ def selection_run(model: Transformer, plan: SparsePlan, pin_fraction: float, tok
             prev_q[i] = q[0]
             x = model.post_attention(lw, x, o)
             if i + 1 < cfg.n_layers:  # layer i + 1's query from the stream before layer i's MLP, and before its attention
-                spec_q = queries(model, i + 1, x_mid, cos, sin)[0]
-                early_q = queries(model, i + 1, x_in, cos, sin)[0]
+                spec_q = model.query_ahead(model.layers[i + 1], x_mid, cos, sin)[0]
+                early_q = model.query_ahead(model.layers[i + 1], x_in, cos, sin)[0]
     return {v: {m: s / max(count, 1) for m, s in sums[v].items()} for v in VARIANTS}, count
 
 
@@ -221,7 +214,7 @@ def fidelity_run(model: Transformer, plan: SparsePlan, tokens: list[int], n_pref
                     sel_q = spec_q if m == "sparse_spec" and spec_q is not None else q[0]
                     o = sparse_attention(plan, i, q[0], sel_q, kk, vv, bounds[i], scale, m == "sparse_mean")[None]
                 if m == "sparse_spec" and i + 1 < cfg.n_layers:  # the stream after attention, before the MLP
-                    spec_q = queries(model, i + 1, x + o.reshape(1, -1) @ lw.wo.t(), cos, sin)[0]
+                    spec_q = model.query_ahead(model.layers[i + 1], x + o.reshape(1, -1) @ lw.wo.t(), cos, sin)[0]
                 x = model.post_attention(lw, x, o)
             logp[m].append(torch.log_softmax(model.logits(x, None)[0].double(), -1))
     ref = torch.stack(logp["full"])

@@ -405,8 +405,7 @@ class DeviceGraphedDecode:
             ids, vals, reuse = self._chosen(layer, ds, width)
             self._attend(layer, qg, ds, flat, ids, vals, reuse, 0 if reuse is None else 2)
             return
-        self._choose(layer, qg, ds, width)
-        self._attend(layer, qg, ds, flat, *self._chosen(layer, ds, width), 0)
+        self._attend(layer, qg, ds, flat, *self._choose(layer, qg, ds, width), 0)
 
     def _chosen(self, layer: int, ds: DeviceStep, width: int
                 ) -> tuple[torch.Tensor, torch.Tensor, ReuseViews | None]:
@@ -415,9 +414,10 @@ class DeviceGraphedDecode:
         reuse = self._reuse_now.views(layer, width) if self._reuse_now is not None and not self.torch_topk else None
         return ds.top_ids[:n].view(ds.batch, -1, width), ds.top_vals[:n].view(ds.batch, -1, width), reuse
 
-    def _choose(self, layer: int, qg: torch.Tensor, ds: DeviceStep, width: int) -> None:
+    def _choose(self, layer: int, qg: torch.Tensor, ds: DeviceStep, width: int
+                ) -> tuple[torch.Tensor, torch.Tensor, ReuseViews | None]:
         """Block scores of query qg [B, Hkv, r, D] and the top-k into ds.top_ids / top_vals (with the reuse cache:
-        its hits and entries)."""
+        its hits and entries); returns _chosen's views of them."""
         scores = device_kernels.block_scores(qg, self.dsum.layer(layer), ds.slots, ds.bounds, ds.n_blocks,
                                              ds.pinned[layer], ds.scores)
         ids, vals, reuse = self._chosen(layer, ds, width)
@@ -427,6 +427,7 @@ class DeviceGraphedDecode:
             ids.copy_(top.indices)
         else:  # the same blocks, unordered, without a sort (device_topk's docstring says why)
             device_topk.select_top(scores, ds.k_row[layer], ids, vals, reuse)
+        return ids, vals, reuse
 
     def _attend(self, layer: int, qg: torch.Tensor, ds: DeviceStep, flat: tuple[int, torch.Tensor, torch.Tensor],
                 ids: torch.Tensor, vals: torch.Tensor, reuse: ReuseViews | None, stage: int) -> None:
@@ -460,8 +461,7 @@ class DeviceGraphedDecode:
             qg = q.view(ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim)
             flat = ds.flat[layer]
             assert flat is not None
-            self._choose(layer, qg, ds, flat[0])
-            ids, vals, reuse = self._chosen(layer, ds, flat[0])
+            ids, vals, reuse = self._choose(layer, qg, ds, flat[0])
             if reuse is not None:  # the PCIe reads now; the real query attends over device memory later
                 self._attend(layer, qg, ds, flat, ids, vals, reuse, 1)
         self._early_refs[layer] = (snap, q)
