@@ -18,6 +18,7 @@ from importlib.resources import files
 from dataclasses import replace
 from pathlib import Path
 
+from fluxion_lite import native
 from fluxion_lite.policy import plan_bytes_fraction
 from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, SparsePlan, check_short
 
@@ -45,7 +46,7 @@ def main() -> None:
     ap.add_argument("--base", default=None, help="start from this plan file instead of the shipped one")
     ap.add_argument("--g", type=int, default=None, choices=GRANULARITIES, help="block size for every retrieval group")
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every retrieval budget by this")
-    ap.add_argument("--scoring", default="group", choices=("group", "per-head"), help="native top-k block scoring")
+    ap.add_argument("--scoring", default="group", choices=native.SCORINGS, help="top-k block scoring")
     ap.add_argument("--pin-fraction", type=float, default=0.0,
                     help="share of each retrieval budget pinned at prefill end by the prompt's last tokens")
     ap.add_argument("--obs-window", type=int, default=32, help="prompt tokens whose attention picks the pins")

@@ -419,7 +419,7 @@ class DeviceGraphedDecode:
         """Block scores of query qg [B, Hkv, r, D] and the top-k into ds.top_ids / top_vals (with the reuse cache:
         its hits and entries); returns _chosen's views of them."""
         scores = device_kernels.block_scores(qg, self.dsum.layer(layer), ds.slots, ds.bounds, ds.n_blocks,
-                                             ds.pinned[layer], ds.scores)
+                                             ds.pinned[layer], ds.scores, self.dsum.midrange)
         ids, vals, reuse = self._chosen(layer, ds, width)
         if self.torch_topk:
             top = scores.topk(width, dim=-1)  # [B, Hkv, width] best first

@@ -8,7 +8,7 @@ inside a CUDA graph. The same work in five kernels:
                     into the bf16 min/max block summaries (min rounded down, max up: the bound holds)
                                                                               (was ~17 torch kernels)
   stream_attention  sink + window of every group, online softmax, in one-tile splits merged by combine (was ~12)
-  block_scores      Quest bound of every block, pins and the eligible range    (was ~20)
+  block_scores      Quest bound (or midrange) of every block, pins, eligible range (was ~20)
   block_attention   one program per (row, selected block): its g tokens read straight from the pinned host store
                     through the zero-copy alias (or from the pin pool / reuse cache in device memory), the
                     group's r query heads -> partial (o, max, sum)   (was ~60, together with the combine)
@@ -182,13 +182,17 @@ if triton is not None:
     def _block_scores_kernel(q_ptr, s_ptr, slots_ptr, bounds_ptr, pin_ptr, out_ptr, B, HKV, R, NB,
                              q_b, q_h, q_r, s_slot, s_head, s_blk, pin_b, pin_h,
                              D: tl.constexpr, R_PAD: tl.constexpr, BLOCK_N: tl.constexpr, HAS_PINS: tl.constexpr,
-                             PINNED: tl.constexpr):
+                             PINNED: tl.constexpr, MIDRANGE: tl.constexpr):
         pid = tl.program_id(0)  # = b * HKV + h
         b, h = pid // HKV, pid % HKV
         dd = tl.arange(0, D)
         q = _group_queries(q_ptr, b, h, R, q_b, q_h, q_r, D, R_PAD)  # [R_PAD, D]
-        q_pos = tl.sum(tl.maximum(q, 0.0), axis=0)  # [D]: the bound summed over the group's heads
-        q_neg = tl.sum(tl.minimum(q, 0.0), axis=0)
+        if MIDRANGE:  # max . q/2 + min . q/2 = q . (min + max) / 2
+            q_pos = tl.sum(q, axis=0) * 0.5  # [D]
+            q_neg = q_pos
+        else:
+            q_pos = tl.sum(tl.maximum(q, 0.0), axis=0)  # [D]: the bound summed over the group's heads
+            q_neg = tl.sum(tl.minimum(q, 0.0), axis=0)
         nn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         inside = nn < NB
         slot = tl.load(slots_ptr + b)
@@ -383,9 +387,9 @@ def stream_attention(q: torch.Tensor, near: torch.Tensor, bias: torch.Tensor, gi
 
 
 def block_scores(q: torch.Tensor, s: torch.Tensor, slots: torch.Tensor, bounds: torch.Tensor, n_blocks: int,
-                 pinned: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+                 pinned: torch.Tensor | None, out: torch.Tensor, midrange: bool = False) -> torch.Tensor:
     """device_select.DeviceSummaries.scores in one kernel: q [B, Hkv, r, D]; s the layer's summaries (bf16 or fp32,
-    read as fp32; the bound accumulates in fp32); bounds [2, B]
+    read as fp32; the bound, or with midrange q . (min + max) / 2, accumulates in fp32); bounds [2, B]
     int64 eligible blocks [lo, hi); pinned bool [B, Hkv, >= n_blocks] or None; out fp32 [B, Hkv, n_blocks]."""
     B, hkv, r, d = q.shape
     assert q.stride(3) == 1 and s.stride(4) == 1 and bounds.is_contiguous() and out.is_contiguous()
@@ -395,7 +399,8 @@ def block_scores(q: torch.Tensor, s: torch.Tensor, slots: torch.Tensor, bounds: 
         q, s, slots, bounds, pins, out, B, hkv, r, n_blocks, q.stride(0), q.stride(1), q.stride(2),
         s.stride(0), s.stride(1), s.stride(2), pins.stride(0) if pinned is not None else 0,
         pins.stride(1) if pinned is not None else 0,
-        D=d, R_PAD=pow2(r), BLOCK_N=block_n, HAS_PINS=pinned is not None, PINNED=PINNED_SCORE)
+        D=d, R_PAD=pow2(r), BLOCK_N=block_n, HAS_PINS=pinned is not None, PINNED=PINNED_SCORE,
+        MIDRANGE=midrange)
     return out
 
 

@@ -53,6 +53,8 @@ class DeviceSummaries:
         self._s: list[torch.Tensor] = [torch.empty(0, n_kv_heads, 0, 2, head_dim, dtype=SUMMARY_DTYPE, device=device)
                                        for _ in range(n_layers)]
         self.version = 0  # bumped when a layer's tensor is reallocated (captured graphs address them)
+        # block scores: the Quest bound of the summed query heads, or (midrange) q . (min + max) / 2 (the plan's scoring)
+        self.midrange = False
         # what the last full reserve() left: (version, layers, slots, blocks) that every one of those layers holds
         self._room: tuple[int, int, int, int] | None = None
 
@@ -125,11 +127,14 @@ class DeviceSummaries:
     def scores(self, layer: int, qg: torch.Tensor, slots: torch.Tensor, lo_blk: torch.Tensor, hi_blk: torch.Tensor,
                n_blocks: int, pinned: torch.Tensor | None = None) -> torch.Tensor:
         """qg [B, Hkv, r, D]; slots [B]; lo_blk, hi_blk [B] or [B, Hkv]: eligible blocks are [lo, hi); pinned bool
-        [B, Hkv, >= n_blocks] or None. Returns fp32 [B, Hkv, NB]: the bound, PINNED_SCORE for an eligible pinned
-        block, -inf for an ineligible one. No host sync: usable inside a captured graph."""
+        [B, Hkv, >= n_blocks] or None. Returns fp32 [B, Hkv, NB]: the bound (or the midrange score), PINNED_SCORE
+        for an eligible pinned block, -inf for an ineligible one. No host sync: usable inside a captured graph."""
         s = self._s[layer][:, :, :n_blocks].index_select(0, slots).float()  # [B, Hkv, NB, 2, D]
         q = qg.float()
-        q_pos, q_neg = q.clamp(min=0).sum(2), q.clamp(max=0).sum(2)  # [B, Hkv, D]
+        if self.midrange:  # max . q/2 + min . q/2 = q . (min + max) / 2
+            q_pos = q_neg = q.sum(2) * 0.5  # [B, Hkv, D]
+        else:
+            q_pos, q_neg = q.clamp(min=0).sum(2), q.clamp(max=0).sum(2)  # [B, Hkv, D]
         scores = torch.einsum("bhd,bhnd->bhn", q_pos, s[..., 1, :]) + torch.einsum("bhd,bhnd->bhn", q_neg, s[..., 0, :])
         blk = torch.arange(n_blocks, device=qg.device)
         lo = lo_blk.reshape(lo_blk.shape[0], -1, 1)  # [B, 1 or Hkv, 1]

@@ -51,7 +51,7 @@ GRANULARITIES = (16, 32, 64, 128)
 MAX_GROUP, MAX_DIM, MAX_BLOCK = int(lib.FX_MAX_GROUP), int(lib.FX_MAX_DIM), int(lib.FX_MAX_BLOCK)
 SIMD_PATHS = ("portable", "avx2", "avx512", "avx512bf16")  # fluxion.h FX_SIMD_* codes, in order
 DTYPES = ("float16", "bfloat16")
-SCORINGS = ("group", "per-head")  # group_topk's block scoring, in the order of fluxion.h's FX_SCORE_* codes
+SCORINGS = ("group", "per-head", "midrange")  # group_topk's block scoring, in the order of fluxion.h's FX_SCORE_* codes
 
 _ERRORS = {
     lib.FX_E_VIEW: "invalid KV view",
@@ -598,7 +598,8 @@ def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
     block ids), scores fp32 [T, k_cap], counts int32 [T]; only ids[i, :counts[i]] are meaningful.
     out: optional preallocated (ids, scores, counts), numpy arrays or CPU tensors, filled and returned as given.
     scoring: "group" scores a block by the bound of the summed query heads; "per-head" by max over the heads j of
-    bound_j(block) - max over eligible blocks of bound_j (each head's gap to its own best block; scores <= 0).
+    bound_j(block) - max over eligible blocks of bound_j (each head's gap to its own best block; scores <= 0);
+    "midrange" by the summed query heads . (block min + block max) / 2 (an estimate, not a bound).
     pins int32 [T, W], pin_counts int32 [T] (both or neither): task i's P = pin_counts[i] pinned block ids,
     ascending, in pins[i, :P]; the selection is those P blocks plus the k - P best eligible blocks that are not
     pinned, ids ascending (fluxion.h, PINNED BLOCKS). P <= k, and pins must be blocks of the slot outside the

@@ -138,7 +138,8 @@ class SparseAttention(AttentionBackend):
     @property
     def topk_scoring(self) -> str:
         """How the native top-k scores a retrieval group's blocks: "group" (the Quest bound of the summed query
-        heads) or "per-head" (each head's bound as a gap to its own best block, best over the heads)."""
+        heads), "per-head" (each head's bound as a gap to its own best block, best over the heads) or "midrange"
+        (the summed query heads against each block's (min + max) / 2)."""
         return self._topk_scoring
 
     @topk_scoring.setter
@@ -146,11 +147,13 @@ class SparseAttention(AttentionBackend):
         value = "group" if value == "native" else value  # "native": the group scoring's old FLUXION_TOPK name
         if value not in native.SCORINGS:
             raise ValueError(f"topk_scoring must be one of {native.SCORINGS}, got {value!r}")
-        if value != "group" and self.selection != "cpu":
+        if value == "per-head" and self.selection != "cpu":
             raise ValueError(f"topk_scoring={value!r} needs selection='cpu' (the device-side selection scores "
-                             f"blocks by the group bound)")
+                             f"blocks by the group bound or the midrange)")
         self._topk_scoring = value
-
+        if self._dsum is not None:
+            self._dsum.midrange = value == "midrange"
+            self._device_graphed = None  # its captures hold the old scoring
     def decode_hooks(self, chunks: list[SeqChunk]) -> GraphedDecode | DeviceGraphedDecode | None:
         """The captured form of this decode step (sparse_graph.py; device_graph.py for device-side selection with
         the zero-copy feeder), or None where it must run eagerly: prefill chunks or a sequence's first decode step,

@@ -50,7 +50,7 @@ class SparsePlan:
     # obs_window tokens (pinned.py); 0 = every block chosen by the per-step top-k
     pin_fraction: float = 0.0
     obs_window: int = 32
-    scoring: str = "group"  # block scoring of the native top-k: "group" or "per-head" (native.SCORINGS)
+    scoring: str = "group"  # block scoring of the top-k: "group", "per-head" or "midrange" (native.SCORINGS)
     # pins come in spans: a block also scores by its pin_span - 1 predecessors' mass, x pin_decay per block back, so
     # a heavy block's successors (the value after a needle's key) are pinned too, within the same pin count;
     # pin_span 1 = the heaviest blocks alone (pinned.pick_pins)
@@ -90,8 +90,8 @@ class SparsePlan:
             for gp in row:
                 if not gp.streaming and (gp.g not in GRANULARITIES or not 0.0 < gp.budget <= 1.0):
                     raise ModelFileError(f"sparse plan: bad group entry {gp}")
-        if self.scoring not in ("group", "per-head"):
-            raise ModelFileError(f"sparse plan: scoring must be 'group' or 'per-head' (got {self.scoring!r})")
+        if self.scoring not in ("group", "per-head", "midrange"):
+            raise ModelFileError(f"sparse plan: scoring must be 'group', 'per-head' or 'midrange' (got {self.scoring!r})")
         if not 0.0 <= self.pin_fraction <= 1.0 or self.obs_window < 1:
             raise ModelFileError(f"sparse plan: pin_fraction must be in [0, 1] and obs_window >= 1 "
                                  f"(got {self.pin_fraction}, {self.obs_window})")

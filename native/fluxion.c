@@ -8,7 +8,7 @@
 #include <cpuid.h>
 #endif
 
-int fx_version(void) { return 5; } /* 5: pinned blocks (4: block summaries in the KV dtype, 3: per-head scoring) */
+int fx_version(void) { return 6; } /* 6: midrange scoring, 5: pinned blocks (4: block summaries in the KV dtype, 3: per-head scoring) */
 
 /* ------------------------------------------------------------------------------------------------ settings -- */
 
@@ -693,15 +693,23 @@ static void topk_score_chunk(topk_job *J, int64_t ti, int64_t b0, int64_t b1) {
         return;
     }
 
-    /* The group's bound collapses to two vectors: sum_j max(q_j,0) and sum_j min(q_j,0). */
+    /* The group's bound collapses to two vectors: sum_j max(q_j,0) and sum_j min(q_j,0).  The midrange score is the
+     * same kernel with both set to (sum_j q_j) / 2: max . s/2 + min . s/2 = s . (min + max) / 2. */
     float qpos[FX_MAX_DIM], qneg[FX_MAX_DIM];
-    split_signs(q, D, qpos, qneg);
-    for (int j = 1; j < r; j++) {
-        float p[FX_MAX_DIM], n[FX_MAX_DIM];
-        split_signs(q + (int64_t)j * D, D, p, n);
-        for (int e = 0; e < D; e++) {
-            qpos[e] += p[e];
-            qneg[e] += n[e];
+    if (J->scoring == FX_SCORE_MIDRANGE) {
+        for (int e = 0; e < D; e++) qpos[e] = q[e];
+        for (int j = 1; j < r; j++)
+            for (int e = 0; e < D; e++) qpos[e] += q[(int64_t)j * D + e];
+        for (int e = 0; e < D; e++) qneg[e] = qpos[e] = 0.5f * qpos[e];
+    } else {
+        split_signs(q, D, qpos, qneg);
+        for (int j = 1; j < r; j++) {
+            float p[FX_MAX_DIM], n[FX_MAX_DIM];
+            split_signs(q + (int64_t)j * D, D, p, n);
+            for (int e = 0; e < D; e++) {
+                qpos[e] += p[e];
+                qneg[e] += n[e];
+            }
         }
     }
     /* a run of blocks inside one page is contiguous in S_g */
@@ -756,7 +764,7 @@ int fx_group_topk_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, i
                          const int32_t *pin_counts, int32_t pin_stride, int32_t *out_ids, float *out_scores,
                          int32_t *out_counts, float *workspace, int64_t workspace_floats, int64_t *err_index) {
     *err_index = -1;
-    if (scoring != FX_SCORE_GROUP && scoring != FX_SCORE_PER_HEAD) return FX_E_SCORING;
+    if (scoring != FX_SCORE_GROUP && scoring != FX_SCORE_PER_HEAD && scoring != FX_SCORE_MIDRANGE) return FX_E_SCORING;
     int rc = check_view(kv);
     if (!rc) rc = check_group(kv, n_q_heads);
     if (rc) return rc;

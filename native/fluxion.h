@@ -77,7 +77,7 @@ enum {
     FX_E_PIN = 14,      /* bad pinned blocks (see PINNED BLOCKS below) */
 };
 /* Block scoring of fx_group_topk_scoring. */
-enum { FX_SCORE_GROUP = 0, FX_SCORE_PER_HEAD = 1 };
+enum { FX_SCORE_GROUP = 0, FX_SCORE_PER_HEAD = 1, FX_SCORE_MIDRANGE = 2 };
 
 typedef struct fx_kv_view {
     int32_t n_slots;        /* rows of the page table */
@@ -123,12 +123,16 @@ int fx_summaries_update(const fx_kv_view *kv, const int32_t *slots, const int64_
 
 /* ---- group top-k ----
  * Per task, the k best eligible blocks (all of them when fewer): ids ascending by block id, scores alongside,
- * counts[i] how many.  Ties: the lower block id wins.  out_ids/out_scores: [n_tasks][k_cap].  Two scorings, with
+ * counts[i] how many.  Ties: the lower block id wins.  out_ids/out_scores: [n_tasks][k_cap].  Three scorings, with
  * bound_j(b) = sum over dims d of max(q_jd*min_bd, q_jd*max_bd) the Quest bound of query head j of the group:
  *   FX_SCORE_GROUP     score(b) = sum_j bound_j(b)  (the bound of the summed query heads)
  *   FX_SCORE_PER_HEAD  score(b) = max_j (bound_j(b) - max_b' bound_j(b')), b' over the task's eligible blocks:
  *                      the gap to each head's own best block, so a block that one head ranks near its top is kept
  *                      whatever the other heads do.  Scores are <= 0, the best block of some head scores 0.
+ *   FX_SCORE_MIDRANGE  score(b) = sum_j q_j . (min_b + max_b) / 2: the query against the block's midrange key, an
+ *                      estimate rather than a bound (from the same summaries; on models whose bound is loose it
+ *                      ranks the blocks the heads attend to higher, docs/design-notes.md).  Computed as the group
+ *                      bound with both sign parts of the query set to half the summed query heads.
  * workspace: >= fx_topk_scoring_workspace_floats(n_tasks, largest n_blocks among the tasks, r, scoring) floats
  * (r = n_q_heads / n_kv_heads); per-head scoring keeps every head's bounds there, r floats per block.
  * fx_group_topk is fx_group_topk_scoring with FX_SCORE_GROUP, and fx_topk_workspace_floats its workspace size. */

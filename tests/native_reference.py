@@ -80,3 +80,8 @@ def exact_topk(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray,
     order = sorted(range(len(ids)), key=lambda i: (-float(scores[i]), int(ids[i])))
     keep = np.sort(np.array(order[:k], dtype=np.int64))
     return ids[keep], scores[keep]
+
+
+def midrange_scores(q_group: np.ndarray, mins: np.ndarray, maxs: np.ndarray) -> np.ndarray:
+    """Midrange scoring: the summed query heads . (block min + block max) / 2.  -> [n_blocks]"""
+    return (mins + maxs) @ q_group.astype(np.float64).sum(axis=0) / 2

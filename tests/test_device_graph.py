@@ -151,6 +151,26 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
         a.executor.close()
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_captured_midrange_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+    """FLUXION_TOPK=midrange (a plan's scoring "midrange"): both device paths score blocks by the midrange, the
+    torch one (eager) and the captured step (block_scores kernel when fused), and they agree as with the bound."""
+    from fluxion_lite.device_select import DeviceSummaries
+
+    seen: set[bool] = set()
+    real = DeviceSummaries.scores
+
+    def spy(self: DeviceSummaries, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.add(self.midrange)
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(DeviceSummaries, "scores", spy)
+    monkeypatch.setenv("FLUXION_TOPK", "midrange")
+    test_captured_device_step_matches_the_eager_device_path(monkeypatch, 0.5, 1.6, "step", fused, fused, fused,
+                                                            True, False)
+    assert seen == {True}
+
+
 def test_structure_changes_only_per_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)
     eager, runner = _models(seed=9)
@@ -266,6 +286,8 @@ def test_auto_selection_keeps_the_cpu_where_the_device_step_cannot_run(monkeypat
     assert engine.fluxion_selection(cuda, one_g, per_request_plans=True) == "cpu"  # predictor plans: eager path
     per_head = SparsePlan(sink=16, window=32, groups=one_g.groups, source="t", scoring="per-head")
     assert engine.fluxion_selection(cuda, per_head, per_request_plans=False) == "cpu"  # native scoring only
+    midrange = SparsePlan(sink=16, window=32, groups=one_g.groups, source="t", scoring="midrange")
+    assert engine.fluxion_selection(cuda, midrange, per_request_plans=False) == "gpu"  # the device scores it too
     monkeypatch.setenv("FLUXION_TOPK", "per-head")
     assert engine.fluxion_selection(cuda, one_g, per_request_plans=False) == "cpu"
     monkeypatch.delenv("FLUXION_TOPK")

@@ -98,7 +98,8 @@ def test_stream_splits_cover_the_slab_one_tile_each(dk) -> None:  # type: ignore
 
 
 @pytest.mark.parametrize("r,d,nb,pins", [(4, 32, 40, False), (7, 64, 70, True), (1, 32, 33, True)])
-def test_block_scores(dk, r: int, d: int, nb: int, pins: bool) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("midrange", [False, True])
+def test_block_scores(dk, r: int, d: int, nb: int, pins: bool, midrange: bool) -> None:  # type: ignore[no-untyped-def]
     gen = torch.Generator().manual_seed(r * d + nb)
     B, hkv = 2, 3
     lo_hi = torch.randn(4, hkv, nb + 5, 2, d, generator=gen).sort(dim=3).values  # min <= max
@@ -106,10 +107,13 @@ def test_block_scores(dk, r: int, d: int, nb: int, pins: bool) -> None:  # type:
     slots = torch.tensor([3, 1])
     bounds = torch.tensor([[1, 0], [nb - 2, nb]])  # [2, B]: eligible blocks [lo, hi)
     pinned = torch.rand(B, hkv, nb, generator=gen) < 0.2 if pins else None
-    out = dk.block_scores(*on(q, lo_hi, slots, bounds), nb, *on(pinned, torch.empty(B, hkv, nb))).cpu()
+    out = dk.block_scores(*on(q, lo_hi, slots, bounds), nb, *on(pinned, torch.empty(B, hkv, nb)), midrange).cpu()
     qd, s = q.double(), lo_hi.double()[slots][:, :, :nb]  # [B, Hkv, NB, 2, D]
-    bound = torch.maximum(qd[:, :, :, None, :] * s[:, :, None, :, 0], qd[:, :, :, None, :] * s[:, :, None, :, 1])
-    want = bound.sum(-1).sum(2)  # [B, Hkv, NB]: sum over dims and the group's heads
+    if midrange:  # the summed heads against (min + max) / 2
+        want = torch.einsum("bhd,bhnd->bhn", qd.sum(2), (s[..., 0, :] + s[..., 1, :]) / 2)
+    else:
+        bound = torch.maximum(qd[:, :, :, None, :] * s[:, :, None, :, 0], qd[:, :, :, None, :] * s[:, :, None, :, 1])
+        want = bound.sum(-1).sum(2)  # [B, Hkv, NB]: sum over dims and the group's heads
     if pinned is not None:
         want = torch.where(pinned, torch.full_like(want, PINNED_SCORE), want)
     blk = torch.arange(nb)

@@ -239,3 +239,24 @@ def test_summary_bytes_are_half_of_fp32() -> None:
     ds.reserve(2, 0, 2048)
     assert ds.layer(0).shape == (1, 8, 2048, 2, 128)
     assert ds.bytes_used() == 2 * (8 * 2048 * 2 * 128) * 2  # layers * values * bf16
+
+
+@pytest.mark.parametrize("g,d,hkv,dtype", SHAPES[:3])
+def test_midrange_scores_of_both_paths(dk, g: int, d: int, hkv: int, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+    """With midrange set (a plan's scoring "midrange"), DeviceSummaries.scores and the block_scores kernel both give
+    the summed query heads . (min + max) / 2 of the stored summaries, in float64 terms."""
+    gen = torch.Generator().manual_seed(g * d + hkv + 2)
+    sc = scenario(gen, g, hkv, d, dtype)
+    ds = DeviceSummaries(1, hkv, d, g, DEV)
+    ds.midrange = True
+    prefill(ds, sc)
+    q = torch.randn(2, hkv, 4, d, generator=gen)  # [B, Hkv, r, D]
+    nb = -(-max(n for n, _ in sc["lens"]) // g)
+    s = ds.layer(0).cpu().double()[torch.tensor(sc["slots"])][:, :, :nb]  # [B, Hkv, NB, 2, D]
+    want = torch.einsum("bhd,bhnd->bhn", q.double().sum(2), (s[..., 0, :] + s[..., 1, :]) / 2)
+    slots = torch.tensor(sc["slots"], device=DEV)
+    lo, hi = torch.zeros(2, dtype=torch.long, device=DEV), torch.full((2,), nb, device=DEV)
+    torch.testing.assert_close(ds.scores(0, q.to(DEV), slots, lo, hi, nb).cpu().double(), want, rtol=1e-5, atol=1e-4)
+    got = dk.block_scores(q.to(DEV), ds.layer(0), slots, torch.stack([lo, hi]), nb, None,
+                          torch.empty(2, hkv, nb, device=DEV), midrange=True).cpu()
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)
