@@ -51,6 +51,9 @@ _probed: dict[str, bool] = {}
 COMBINE_COLUMNS = 32  # combine: output columns per program
 COMBINE_TILE_MAX = 256  # combine: the most retrieval entries a program merges per round
 _BA_WARPS = int(os.environ.get("FLUXION_BA_WARPS", "4"))  # block_attention's warps per program (A/B knob)
+# flat entries per block_attention program, one after another (unrolled): fewer programs for the wide layers, whose
+# ~2000 one-block programs wait on chains of dependent loads (A/B knob)
+_BA_ENTRIES = int(os.environ.get("FLUXION_BA_ENTRIES", "1"))
 # block_attention multiplies in registers (broadcast and sum) up to this many query heads per group (padded to a
 # power of two), with tl.dot above; FLUXION_BA_DOT=1 takes tl.dot always, padded to 16 rows (A/B knob)
 BROADCAST_MAX_R = 0 if os.environ.get("FLUXION_BA_DOT", "0") == "1" else 8
@@ -212,10 +215,26 @@ if triton is not None:
     def _block_attention_kernel(q_ptr, ids_ptr, vals_ptr, flat_h_ptr, flat_j_ptr, krow_ptr, slots_ptr, tab_ptr,
                                 span_ptr, pslot_ptr, pkv_ptr, entry_ptr, hit_ptr, rkv_ptr, o_ptr, m_ptr, l_ptr, N,
                                 HKV, R, WIDTH, PAGES, PAGE_TOKENS, CPH, NBS, RC, scale, q_b, q_h, q_r, tab_slot,
-                                D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                                N_FLAT, D: tl.constexpr, G: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr,
                                 HAS_CACHE: tl.constexpr, HAS_REUSE: tl.constexpr, STAGE: tl.constexpr,
-                                DOT: tl.constexpr):
-        i, b = tl.program_id(0), tl.program_id(1)  # flat entry i of batch row b
+                                DOT: tl.constexpr, ENTRIES: tl.constexpr):
+        b = tl.program_id(1)  # batch row b; flat entries ENTRIES * program_id(0) + e
+        for e in tl.static_range(ENTRIES):
+            i = tl.program_id(0) * ENTRIES + e
+            if i < N_FLAT:
+                _block_entry(q_ptr, ids_ptr, vals_ptr, flat_h_ptr, flat_j_ptr, krow_ptr, slots_ptr, tab_ptr,
+                             span_ptr, pslot_ptr, pkv_ptr, entry_ptr, hit_ptr, rkv_ptr, o_ptr, m_ptr, l_ptr, N, HKV,
+                             R, WIDTH, PAGES, PAGE_TOKENS, CPH, NBS, RC, scale, q_b, q_h, q_r, tab_slot, i, b, D, G,
+                             R_PAD, CHUNK, HAS_CACHE, HAS_REUSE, STAGE, DOT)
+
+    @triton.jit
+    def _block_entry(q_ptr, ids_ptr, vals_ptr, flat_h_ptr, flat_j_ptr, krow_ptr, slots_ptr, tab_ptr, span_ptr,
+                     pslot_ptr, pkv_ptr, entry_ptr, hit_ptr, rkv_ptr, o_ptr, m_ptr, l_ptr, N, HKV, R, WIDTH, PAGES,
+                     PAGE_TOKENS, CPH, NBS, RC, scale, q_b, q_h, q_r, tab_slot, i, b, D: tl.constexpr,
+                     G: tl.constexpr, R_PAD: tl.constexpr, CHUNK: tl.constexpr, HAS_CACHE: tl.constexpr,
+                     HAS_REUSE: tl.constexpr, STAGE: tl.constexpr, DOT: tl.constexpr):
+        """Flat entry i of batch row b: its block's rows from wherever they are, then attention or (STAGE 1) the
+        fetch into the reuse cache."""
         h = tl.load(flat_h_ptr + i)
         j = tl.load(flat_j_ptr + i)
         at = (b * HKV + h) * WIDTH + j
@@ -442,13 +461,15 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
         assert reuse_kv.dtype == span.dtype
     assert stage == 0 or (stage in (1, 2) and has_reuse), "stages 1 and 2 work on the reuse cache"
     dot = pow2(r) > BROADCAST_MAX_R  # FLUXION_BA_DOT=1: tl.dot for any r (A/B)
-    _block_attention_kernel[(n, B)](  # the partials' row stride is their capacity (shared by all layers), not n
+    entries = max(1, _BA_ENTRIES)
+    _block_attention_kernel[(triton.cdiv(n, entries), B)](  # the partials' row stride is their capacity, not n
         q, ids, vals, flat_h, flat_j, k_row, slots, tables, span, pin_slot if has_cache else k_row,
         pin_kv if has_cache else span, reuse_entry if has_reuse else k_row, reuse_hit if has_reuse else k_row,
         reuse_kv if has_reuse else span, part_o, part_m, part_l, part_m.shape[1], hkv, r, width,
         tables.shape[1], page_tokens, cph, nbs, reuse_kv.shape[2] if has_reuse else 0, scale, q.stride(0),
-        q.stride(1), q.stride(2), tables.stride(0), D=d, G=g, R_PAD=pow2(r, 16) if dot else pow2(r),
-        CHUNK=CHUNK_TOKENS, HAS_CACHE=has_cache, HAS_REUSE=has_reuse, STAGE=stage, DOT=dot, num_warps=_BA_WARPS)
+        q.stride(1), q.stride(2), tables.stride(0), n, D=d, G=g, R_PAD=pow2(r, 16) if dot else pow2(r),
+        CHUNK=CHUNK_TOKENS, HAS_CACHE=has_cache, HAS_REUSE=has_reuse, STAGE=stage, DOT=dot, ENTRIES=entries,
+        num_warps=_BA_WARPS)
 
 
 def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, starts: torch.Tensor,

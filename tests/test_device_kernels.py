@@ -125,7 +125,10 @@ def test_block_scores(dk, r: int, d: int, nb: int, pins: bool, midrange: bool) -
 @pytest.mark.parametrize("r,d,g,dtype", [(4, 32, 16, torch.float32), (7, 64, 32, torch.bfloat16), (4, 32, 32, torch.float32), (4, 32, 16, torch.bfloat16),
                                          (1, 32, 16, torch.bfloat16)])
 @pytest.mark.parametrize("pin_cache", [False, True])
-def test_block_attention_and_combine(dk, r: int, d: int, g: int, dtype: torch.dtype, pin_cache: bool) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("entries", [1, 3])  # flat entries per program (FLUXION_BA_ENTRIES); 8 entries: a ragged tail
+def test_block_attention_and_combine(dk, monkeypatch: pytest.MonkeyPatch, r: int, d: int, g: int, dtype: torch.dtype,  # type: ignore[no-untyped-def]
+                                     pin_cache: bool, entries: int) -> None:
+    monkeypatch.setattr(dk, "_BA_ENTRIES", entries)
     gen = torch.Generator().manual_seed(r + d + g)
     B, hkv, page_tokens, pages, slot_cap = 2, 3, 64, 4, 3
     span, tables, kv = paged_store(gen, slot_cap, hkv, d, page_tokens, pages, dtype)
@@ -197,10 +200,13 @@ def test_block_attention_and_combine(dk, r: int, d: int, g: int, dtype: torch.dt
 
 @pytest.mark.parametrize("r,d,g,dtype", [(4, 32, 16, torch.float32), (7, 64, 32, torch.bfloat16),
                                          (1, 32, 16, torch.bfloat16)])
-def test_block_attention_fetch_then_attend_equals_one_pass(dk, r: int, d: int, g: int, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("entries", [1, 3])
+def test_block_attention_fetch_then_attend_equals_one_pass(dk, monkeypatch: pytest.MonkeyPatch, r: int, d: int,  # type: ignore[no-untyped-def]
+                                                           g: int, dtype: torch.dtype, entries: int) -> None:
     """With the reuse cache, stage 1 (fetch the kept misses into their entries) then stage 2 (attend, every block
     with an entry read from the cache) gives the one-pass kernel's partials and cache contents, bit for bit; the
     one pass itself against the float64 reference (hits read from the cache, whose host copies are poisoned)."""
+    monkeypatch.setattr(dk, "_BA_ENTRIES", entries)
     gen = torch.Generator().manual_seed(11 * r + d + g)
     B, hkv, page_tokens, pages, slot_cap, rc = 2, 3, 64, 4, 3, 6
     span, tables, kv = paged_store(gen, slot_cap, hkv, d, page_tokens, pages, dtype)
