@@ -20,6 +20,8 @@ and, with the real query, other block scorings at the same k (is the Quest bound
   quest_max  the largest of the group's per-head Quest bounds (not their sum)
   mean_sum   q . (the block's mean key), summed over the group's heads
   mean_max   the largest of the heads' q . (mean key)
+  mid_sum    q . (the block's midrange key (min + max) / 2), summed over the heads: needs no summary beyond Quest's
+  shrunkA    between the two: q . mid + A/100 * |q| . (max - min) / 2, summed over the heads (A = 100: the bound)
 Means over (position, layer, group): block recall |X & true| / k, and mass share = the true attention mass (the
 group's heads, full softmax) on X's blocks over the mass of all eligible blocks. Pins are not modelled here: every
 eligible block competes (the shipped plan pins pin_fraction of each budget at prefill, chooses the rest per step).
@@ -50,7 +52,7 @@ from fluxion_lite.eval_text import essay_text
 from fluxion_lite.model import Transformer
 from fluxion_lite.sparse_plan import SparsePlan
 
-VARIANTS = ("true", "spec", "early", "prev", "oracle", "quest_max", "mean_sum", "mean_max")
+VARIANTS = ("true", "spec", "early", "prev", "oracle", "quest_max", "mean_sum", "mean_max", "mid_sum", "shrunk25", "shrunk50")
 KV = list[torch.Tensor]  # per layer [Hkv, context, D]
 
 
@@ -136,9 +138,14 @@ def selection_run(model: Transformer, plan: SparsePlan, pin_fraction: float, tok
                 qh = q[0].view(hkv, r, d)[h]  # [r, D]
                 per_head = kmax[lo:hi] @ qh.clamp(min=0).T + kmin[lo:hi] @ qh.clamp(max=0).T  # [n, r]
                 by_mean = kmean[lo:hi] @ qh.T  # [n, r]
+                by_mid = (kmin[lo:hi] + kmax[lo:hi]) @ qh.T  # [n, r]: the midrange key, from the summaries kept anyway
                 pick.update({"quest_max": top_of(per_head.amax(1), lo, k_dyn),
                              "mean_sum": top_of(by_mean.sum(1), lo, k_dyn),
-                             "mean_max": top_of(by_mean.amax(1), lo, k_dyn)})
+                             "mean_max": top_of(by_mean.amax(1), lo, k_dyn),
+                             "mid_sum": top_of(by_mid.sum(1), lo, k_dyn)})
+                radius = (kmax[lo:hi] - kmin[lo:hi]) @ qh.abs().T  # [n, r]: Quest bound = (mid + radius) / 2
+                for a in (25, 50):
+                    pick[f"shrunk{a}"] = top_of((by_mid + a / 100 * radius).sum(1), lo, k_dyn)
                 true, total = set(pick["true"]), float(mass[lo:hi].sum())
                 for name, got in pick.items():
                     sums[name]["recall"] += len(set(got) & true) / len(true)
