@@ -154,6 +154,7 @@ class SparseAttention(AttentionBackend):
         if self._dsum is not None:
             self._dsum.midrange = value == "midrange"
             self._device_graphed = None  # its captures hold the old scoring
+
     def decode_hooks(self, chunks: list[SeqChunk]) -> GraphedDecode | DeviceGraphedDecode | None:
         """The captured form of this decode step (sparse_graph.py; device_graph.py for device-side selection with
         the zero-copy feeder), or None where it must run eagerly: prefill chunks or a sequence's first decode step,
