@@ -6,7 +6,18 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+@pytest.fixture()
+def settings():
+    """For tests that pick a SIMD path or a thread count: the native defaults again afterwards."""
+    from fluxion_lite import native
+
+    yield
+    native.set_simd("auto")
+    native.set_threads(native.physical_cores())

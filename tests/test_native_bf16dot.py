@@ -45,13 +45,6 @@ DOT_CASES = [(r, d, _GRANS[i % 4], t)
 DOT_CASES += [(4, 80, 32, 1), (7, 48, 64, 2), (1, 112, 16, 2), (8, 80, 128, 1)]
 
 
-@pytest.fixture()
-def settings():
-    yield
-    native.set_simd("auto")
-    native.set_threads(native.physical_cores())
-
-
 def _bf16_values(x: np.ndarray) -> np.ndarray:
     """x rounded to the nearest bf16 values, as fp32 (what a bf16 model's q holds)."""
     return torch.from_numpy(x).bfloat16().float().numpy()

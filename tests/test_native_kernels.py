@@ -13,7 +13,6 @@ from fluxion_lite import native
 from fluxion_lite.host_kv import HostKVStore
 
 
-
 def _cases() -> list[Case]:
     # The rotation, then fixed cases so each path also sees each granularity, dtype and head_dim.
     cases = rotated_cases()
@@ -33,15 +32,6 @@ def _cases() -> list[Case]:
 
 
 CASES = _cases()
-
-
-@pytest.fixture()
-def settings():
-    yield
-    native.set_simd("auto")
-    native.set_threads(native.physical_cores())
-
-
 
 
 @pytest.mark.parametrize("case", CASES, ids=str)
@@ -267,8 +257,6 @@ def _topk_path(n: int, k: int) -> str:
         return "all"
     m = min(k, n - k + 1)
     return "direct" if m <= TOPK_DIRECT_MAX_M and n * m <= TOPK_DIRECT_MAX_WORK else "histogram"
-
-
 
 
 @pytest.mark.parametrize("threads", [1, N_THREADS])

@@ -14,13 +14,6 @@ from fluxion_lite import native
 from fluxion_lite.host_kv import HostKVStore
 
 
-@pytest.fixture()
-def settings():
-    yield
-    native.set_simd("auto")
-    native.set_threads(native.physical_cores())
-
-
 @pytest.mark.parametrize("case", rotated_cases(), ids=str)
 def test_midrange_topk_matches_float64_reference(case: Case, settings: None) -> None:
     t = topk_setup(case, ("midrange", str(case)))

@@ -18,7 +18,6 @@ from fluxion_lite.host_kv import HostKVStore
 from per_head_numpy import per_head_topk
 
 
-
 def _cases() -> list[Case]:
     # the rotation, and a few fixed cases so each path also sees each head_dim, g, dtype and thread count, plus the
     # kernels' other head passes (12, 16 heads) and head_dims not a multiple of 32
@@ -30,17 +29,6 @@ def _cases() -> list[Case]:
                                     (5, 48, 16, torch.bfloat16, 1), (2, 80, 64, torch.float16, 1)):
             cases.append(Case(simd, ratio, d, g, dt, th))
     return cases
-
-
-@pytest.fixture()
-def settings():
-    yield
-    native.set_simd("auto")
-    native.set_threads(native.physical_cores())
-
-
-
-
 
 
 @pytest.mark.parametrize("case", _cases(), ids=str)

@@ -18,17 +18,6 @@ from fluxion_lite.host_kv import HostKVStore
 SCORINGS = ("group", "per-head")
 
 
-@pytest.fixture()
-def settings():
-    yield
-    native.set_simd("auto")
-    native.set_threads(native.physical_cores())
-
-
-
-
-
-
 def _ref_scores(q_group: np.ndarray, keys: np.ndarray, g: int, eligible: np.ndarray, scoring: str) -> np.ndarray:
     """float64 scores of the eligible blocks (in eligible's order)."""
     mins, maxs = ref.block_summaries(keys, g)

@@ -22,13 +22,6 @@ DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 HKV, R = 2, 4  # KV heads, query heads per KV head
 
 
-@pytest.fixture()
-def settings():
-    yield
-    native.set_simd("auto")
-    native.set_threads(native.physical_cores())
-
-
 def _grid(rng: np.random.Generator, shape: tuple[int, ...], levels: int, step: float) -> np.ndarray:
     """Multiples of step in [-levels*step, levels*step] (float32)."""
     return (rng.integers(-levels, levels + 1, size=shape) * step).astype(np.float32)
