@@ -87,31 +87,9 @@ def test_a_block_with_one_large_coordinate_is_not_over_ranked() -> None:
 def test_decode_paths_score_by_the_midrange(monkeypatch: pytest.MonkeyPatch) -> None:
     """A backend with topk_scoring "midrange" (a plan's scoring): the eager and the graphed host decode ask the
     native top-k for it on every call and give the same logits, which differ from the group bound's."""
-    from test_native_per_head import _decode, _decode_setup
+    from test_native_per_head import scored_decode_runs
 
-    real, real_select_attend = native.group_topk, native.PreparedSelection.select_attend
-    seen: list[str] = []
-
-    def spy(view: native.KVView, q: object, tasks: np.ndarray, k_cap: int | None = None, out: object = None,
-            scoring: str = "group", **pins: object) -> tuple[object, object, object]:
-        seen.append(scoring)
-        return real(view, q, tasks, k_cap, out, scoring, **pins)  # type: ignore[arg-type]
-
-    def spy_select_attend(self: native.PreparedSelection, view: native.KVView, lo: int, hi: int,
-                          scoring: str = "group", *pins: object) -> tuple[int, float, float]:
-        seen.append(scoring)
-        return real_select_attend(self, view, lo, hi, scoring, *pins)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(native, "group_topk", spy)
-    monkeypatch.setattr(native.PreparedSelection, "select_attend", spy_select_attend)
-    runs = {}
-    for name, scoring, graphed in (("eager", "midrange", False), ("graphed", "midrange", True),
-                                   ("group", "group", True)):
-        cfg, m, a = _decode_setup(scoring, graphed)
-        seen.clear()
-        runs[name] = _decode(cfg, m, a)
-        assert seen and set(seen) == {scoring}
-        a.executor.close()
+    runs = scored_decode_runs(monkeypatch, "midrange")
     for got, want in zip(runs["graphed"], runs["eager"]):
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
-    assert any(not torch.allclose(x, y, rtol=2e-4, atol=2e-4) for x, y in zip(runs["group"], runs["graphed"]))
+    assert any(not torch.allclose(x, y, rtol=2e-4, atol=2e-4) for x, y in zip(runs["graphed-group"], runs["graphed"]))

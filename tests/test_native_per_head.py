@@ -266,10 +266,10 @@ def test_eager_decode_selects_what_the_numpy_per_head_selected(monkeypatch: pyte
     a.executor.close()
 
 
-def test_graphed_decode_uses_the_backend_scoring(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The graphed step (sparse_graph.py host()) scores as the backend says: its logits equal the eager per-head
-    decode's, every top-k call of both runs (the graphed step's one-call select_attend included) asks for per-head
-    scoring, and the group scoring's logits differ."""
+def scored_decode_runs(monkeypatch: pytest.MonkeyPatch, scoring: str) -> dict[str, list[torch.Tensor]]:
+    """The logits of three decodes, "eager" and "graphed" with `scoring` and "graphed-group" with the group scoring,
+    checking that every top-k call of each (the graphed step's one-call select_attend included) asks for its
+    backend's scoring and that the graphed runs used the hooked step."""
     real, real_select_attend = native.group_topk, native.PreparedSelection.select_attend
     seen: list[str] = []
 
@@ -286,15 +286,23 @@ def test_graphed_decode_uses_the_backend_scoring(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(native, "group_topk", spy)
     monkeypatch.setattr(native.PreparedSelection, "select_attend", spy_select_attend)
     runs = {}
-    for name, scoring, graphed in (("eager", "per-head", False), ("graphed", "per-head", True),
-                                   ("graphed-group", "group", True)):
-        cfg, m, a = _decode_setup(scoring, graphed)
+    for name, run_scoring, graphed in (("eager", scoring, False), ("graphed", scoring, True),
+                                       ("graphed-group", "group", True)):
+        cfg, m, a = _decode_setup(run_scoring, graphed)
         seen.clear()
         runs[name] = _decode(cfg, m, a)
-        assert seen and set(seen) == {scoring}
+        assert seen and set(seen) == {run_scoring}
         if graphed:
             assert any(k[0] == "hooked" for k in m.graphs.sets)
         a.executor.close()
+    return runs
+
+
+def test_graphed_decode_uses_the_backend_scoring(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graphed step (sparse_graph.py host()) scores as the backend says: its logits equal the eager per-head
+    decode's, every top-k call of both runs (the graphed step's one-call select_attend included) asks for per-head
+    scoring, and the group scoring's logits differ."""
+    runs = scored_decode_runs(monkeypatch, "per-head")
     for got, want in zip(runs["graphed"], runs["eager"]):
         torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
     assert any(not torch.allclose(x, y, rtol=2e-4, atol=2e-4) for x, y in zip(runs["graphed-group"], runs["graphed"]))
