@@ -94,7 +94,8 @@ def load_ids(meta_path: Path, ids_path: Path) -> tuple[dict[str, Any], list[list
 
 # ---- answer (GPU host: no tokenizer) --------------------------------------------------------------------------------
 def _stats(engine: Any) -> dict[str, float]:
-    return {k: float(v) for k, v in engine.attn.stats().items()}
+    stats = engine.stats()  # the backend's counters and the engine's step kinds (decode / mixed, graph captures)
+    return {k: float(v) for k, v in (stats.sparse | stats.steps).items()}
 
 
 def answer(args: argparse.Namespace) -> None:
@@ -131,6 +132,7 @@ def answer(args: argparse.Namespace) -> None:
             engine.set_attention(mode, plan)  # one model load serves every mode: only the attention backend changes
             engine.eog_ids = frozenset(meta["eog_ids"])
             engine.attn.reset_stats()
+            engine.step_counters.reset(engine.model.graphs)
             t0 = time.perf_counter()
             ids_by_req: dict[str, int] = {}
             for k in chosen:

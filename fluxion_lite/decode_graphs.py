@@ -23,6 +23,7 @@ one replay per step, and `after_replay()` instead of host(i).
 from __future__ import annotations
 
 import os
+import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Hashable, Protocol
 
@@ -189,6 +190,8 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if capture else None
         self.sets: OrderedDict[Hashable, _GraphSet] = OrderedDict()
         self.table_ptr = -1
+        self.captures = 0  # graph sets built (a new batch size or step structure), and the seconds of their steps
+        self.capture_s = 0.0
 
     def release_backends(self) -> None:
         """Drop every graph set captured with a backend's hooks. Their hooks hold the backend's buffers (the
@@ -218,9 +221,14 @@ class DecodeGraphs:
             for stale in [k for k, gs in self.sets.items() if gs.hooks is not None and gs.hooks.owner_id() != owner]:
                 del self.sets[stale]
         graph_set = self.sets.get(key)
-        if graph_set is None:
-            if len(self.sets) >= MAX_GRAPH_SETS:
-                self.sets.popitem(last=False)
-            graph_set = self.sets[key] = _GraphSet(self.model, b, self.pool, hooks)
-        self.sets.move_to_end(key)
-        return graph_set.run(tokens, positions, chunks, attn)
+        if graph_set is not None:
+            self.sets.move_to_end(key)
+            return graph_set.run(tokens, positions, chunks, attn)
+        if len(self.sets) >= MAX_GRAPH_SETS:
+            self.sets.popitem(last=False)
+        t0 = time.perf_counter()
+        graph_set = self.sets[key] = _GraphSet(self.model, b, self.pool, hooks)
+        logits = graph_set.run(tokens, positions, chunks, attn)  # captures first (warm-up, capture, replay)
+        self.captures += 1
+        self.capture_s += time.perf_counter() - t0
+        return logits

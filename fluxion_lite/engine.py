@@ -28,6 +28,7 @@ from .sampling import SamplingParams, sample_token
 from .sparse_attention import SparseAttention
 from .request_plan import load_planner
 from .sparse_plan import SparsePlan
+from .step_counters import StepCounters
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 # full-gpu (alias full): dense KV on the device; the rest keep all KV in host RAM (sink + window on the device):
@@ -58,6 +59,7 @@ class EngineStats:
     kv_bytes_gpu: int
     prefix_cache_bytes: int
     sparse: dict[str, float] = field(default_factory=dict)
+    steps: dict[str, float] = field(default_factory=dict)  # StepCounters.as_dict(): step kinds, their time, captures
 
 
 @dataclass
@@ -134,6 +136,7 @@ class Engine:
         self._prefix_cache: OrderedDict[int, list[int]] = OrderedDict()  # slot -> token ids whose KV it holds
         self._slots = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
+        self.step_counters = StepCounters()
 
     def _make_backend(self, mode: str, plan: SparsePlan | None = None) -> AttentionBackend:
         attn = make_attention(mode, self.config, self.dtype, self.device, max_seqs=self.max_batch + 4,
@@ -240,7 +243,8 @@ class Engine:
     def stats(self) -> EngineStats:
         host, gpu = self.attn.bytes_used()
         cached = sum(self.attn.seq_len(s) for s in self._prefix_cache) * self.kv_bytes_per_token
-        return EngineStats(len(self.running), len(self.waiting), host, gpu, cached, self.attn.stats())
+        return EngineStats(len(self.running), len(self.waiting), host, gpu, cached, self.attn.stats(),
+                           self.step_counters.as_dict(self.model.graphs))
 
     # ---- scheduling -----------------------------------------------------------------------------------------------
     def _reserved_bytes(self) -> int:
@@ -312,9 +316,11 @@ class Engine:
         if not chunks:
             return outputs
         positions = torch.cat([torch.arange(c.start, c.start + c.length) for c in chunks])
+        self.step_counters.start()
         logits = self.model.forward(
             torch.tensor(tokens), positions, chunks, self.attn, logit_rows=torch.tensor(sample_rows, dtype=torch.long)
         ).cpu()  # [R, V]
+        self.step_counters.stop(mixed=len(tokens) != len(chunks) or len(sample_rows) != len(chunks))
         by_slot = {c.seq_id: c.length for c in chunks}
         for seq in self.running:
             seq.num_cached += by_slot.get(seq.slot, 0)

@@ -325,6 +325,7 @@ class AsyncEngine:
             "kv_bytes_gpu": getattr(stats, "kv_bytes_gpu", 0),
             "prefix_cache_bytes": getattr(stats, "prefix_cache_bytes", 0),
             "sparse": dict(getattr(stats, "sparse", {}) or {}),
+            "steps": dict(getattr(stats, "steps", {}) or {}),
             "live_requests": len(self._live),
             "aborts_done": self.aborts_done,
         }

@@ -136,4 +136,11 @@ class Metrics:
                       f"# TYPE {p}_sparse_stat gauge"]
             for key, value in sorted(sparse.items()):
                 lines.append(f'{p}_sparse_stat{{name="{_escape(str(key))}"}} {_number(value)}')
+        steps: dict[str, float] = engine.get("steps") or {}
+        if steps:
+            lines += [f"# HELP {p}_engine_step_stat Engine steps by kind (decode: one token per row; mixed: with a "
+                      "prefill chunk), their seconds, and decode-graph captures (by name)",
+                      f"# TYPE {p}_engine_step_stat gauge"]
+            for key, value in sorted(steps.items()):
+                lines.append(f'{p}_engine_step_stat{{name="{_escape(str(key))}"}} {_number(value)}')
         return "\n".join(lines) + "\n"

@@ -86,6 +86,24 @@ def test_short_request_decodes_while_long_prompt_prefills(engine: Engine) -> Non
     assert short_done_step < first_long_token_step  # the long prefill was chunked, not run in one blocking step
 
 
+def test_step_counters_tell_prefill_chunks_from_decode_steps(engine: Engine) -> None:
+    ids = chat_ids(engine, "Summarise this: " + "a stitch in time saves nine " * 12)
+    engine.step_counters.reset(engine.model.graphs)
+    engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    cached = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            cached = out.cached_tokens  # the chat template's prefix may come from the prefix cache
+    assert cached is not None
+    chunks = -(-(len(ids) - cached) // engine.prefill_chunk)
+    assert chunks >= 3
+    steps = engine.stats().steps
+    # every chunk of the prompt is a mixed step (the last one samples the first token); then one step per token
+    assert (steps["mixed_steps"], steps["decode_steps"]) == (chunks, 4)
+    assert steps["mixed_s"] > 0 and steps["decode_s"] > 0
+    assert ("graph_captures" in steps) == (engine.model.graphs is not None)
+
+
 def test_prefix_reuse_skips_shared_prefix_and_matches_fresh_run(engine: Engine) -> None:
     assert engine.tokenizer is not None
     tok = engine.tokenizer

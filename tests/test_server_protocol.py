@@ -97,9 +97,12 @@ def test_metrics_render_engine_gauges_and_sparse_stats() -> None:
     m = Metrics()
     m.record_finished(prompt_tokens=10, completion_tokens=5, cached_tokens=4, finish_reason="stop", ttft_s=0.2,
                       decode_s=0.4, e2e_s=0.6)
-    text = m.render({"ready": 1, "waiting": 3, "kv_bytes_host": 123456789, "sparse": {"density": 0.05}})
+    text = m.render({"ready": 1, "waiting": 3, "kv_bytes_host": 123456789, "sparse": {"density": 0.05},
+                     "steps": {"mixed_steps": 7, "mixed_s": 0.25}})
     assert "fluxion_queue_depth 3" in text
     assert "fluxion_kv_cache_host_bytes 123456789" in text
     assert 'fluxion_sparse_stat{name="density"} 0.05' in text
+    assert 'fluxion_engine_step_stat{name="mixed_steps"} 7' in text
+    assert 'fluxion_engine_step_stat{name="mixed_s"} 0.25' in text
     assert "fluxion_prefix_cached_tokens_total 4" in text
     assert "fluxion_time_per_output_token_seconds_sum 0.100000" in text  # 0.4 s over 4 inter-token gaps
