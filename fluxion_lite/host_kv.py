@@ -176,9 +176,12 @@ class HostKVStore:
             raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
         if k.shape[0] != counts_a.sum():
             raise ValueError(f"k has {k.shape[0]} rows, counts add up to {int(counts_a.sum())}")
-        new_len = self._n_tokens[layer, slots_a] + counts_a
-        for s, n in zip(slots_a.tolist(), new_len.tolist()):
-            self._ensure_pages(layer, s, n)
+        old_len = self._n_tokens[layer, slots_a]
+        new_len = old_len + counts_a
+        # only rows that cross into a page their length did not need yet (most decode rows do not): one numpy test
+        # instead of a Python call per row; pages reserved ahead make the call a no-op
+        for i in np.flatnonzero(-(-new_len // self.page_tokens) > -(-old_len // self.page_tokens)).tolist():
+            self._ensure_pages(layer, int(slots_a[i]), int(new_len[i]))
         row_start = np.zeros_like(counts_a)
         row_start[1:] = np.cumsum(counts_a)[:-1]
         native.append(self._views[layer], slots_a.astype(np.int32), row_start, counts_a, k, v)

@@ -306,12 +306,12 @@ class SparseAttention(AttentionBackend):
         offset = 0
         for c, slot in zip(chunks, slots):
             sl = slice(offset, offset + c.length)
-            self._write_near(layer, slot, c.start, k[sl], v[sl])
-            if self._dsum is not None:
-                self._dsum.append_chunk(layer, slot, c.start, k[sl])
             if c.length > 1:
                 if c.seq_id not in self._prefilling:
                     raise ValueError(f"sequence {c.seq_id}: a prefill chunk after decoding started is not supported")
+                self._write_near(layer, slot, c.start, k[sl], v[sl])
+                if self._dsum is not None:
+                    self._dsum.append_chunk(layer, slot, c.start, k[sl])
                 keys, values = self.scratch.append(layer, c.seq_id, c.start, k[sl], v[sl])
                 out[sl] = causal_attention(q[sl], keys, values, c.start, self.scale)
                 if self.planner is not None:
@@ -330,9 +330,11 @@ class SparseAttention(AttentionBackend):
                     self._prefilling.discard(c.seq_id)  # decoding started: the dense scratch goes
                     self.scratch.free(c.seq_id)
             offset += c.length
-        if dec:
+        if dec:  # the one-token rows together, as a decode step writes them (not one small copy per row)
+            st = self._step_for(dec)
             idx = torch.tensor(rows, device=q.device)
-            out[idx] = self._attend_decode(layer, q[idx], self._step_for(dec))
+            self._write_tokens(layer, st, k[idx], v[idx])
+            out[idx] = self._attend_decode(layer, q[idx], st)
         if layer == self.cfg.n_layers - 1:
             # Mixed steps are not counted as decode steps: drop their timer marks, or their spans would be charged
             # to the next pure decode step (its GPU wait could then exceed its own duration).
@@ -363,13 +365,7 @@ class SparseAttention(AttentionBackend):
         if layer == 0:
             self._t_step = time.perf_counter()
         st = self._step_for(chunks)
-        B = st.batch
-        kv_new = torch.stack([k, v], dim=1).to(self.dtype)  # [B, 2, Hkv, D]
-        self._near[layer][st.slots_dev, :, :, st.ring_dev] = kv_new
-        for b in st.sink_rows:  # early positions also live in the sink slots
-            self._near[layer, int(st.slots[b]), :, :, int(st.n[b] - 1)] = kv_new[b]
-        if self._dsum is not None:
-            self._dsum.append_tokens(layer, st.slots_dev, st.pos_dev, int(st.slots.max()), int(st.n.max() - 1), k)
+        self._write_tokens(layer, st, k, v)
         self._queue_host_append(layer, st, k, v)
         out = self._attend_decode(layer, q, st)
         if layer == self.cfg.n_layers - 1:
@@ -385,6 +381,16 @@ class SparseAttention(AttentionBackend):
                     self.costs.observe_zero_copy(nbytes / calls, spans.get("gpu_tasks", 0.0) / calls)
                 self._zc_seen = (s.zero_copy_bytes, self.executor.zc_calls)
         return out
+
+    def _write_tokens(self, layer: int, st: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One new token per row of st (k, v [B, Hkv, D]) into the device ring (and sink) slots and the device
+        summaries."""
+        kv_new = torch.stack([k, v], dim=1).to(self.dtype)  # [B, 2, Hkv, D]
+        self._near[layer][st.slots_dev, :, :, st.ring_dev] = kv_new
+        for b in st.sink_rows:  # early positions also live in the sink slots
+            self._near[layer, int(st.slots[b]), :, :, int(st.n[b] - 1)] = kv_new[b]
+        if self._dsum is not None:
+            self._dsum.append_tokens(layer, st.slots_dev, st.pos_dev, int(st.slots.max()), int(st.n.max() - 1), k)
 
     def _queue_host_append(self, layer: int, st: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
         B = st.batch

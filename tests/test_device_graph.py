@@ -233,6 +233,40 @@ def test_queued_appends_reach_the_store_before_an_eager_step_and_a_free(monkeypa
         a.executor.close()
 
 
+@pytest.mark.parametrize("selection", ["gpu", "cpu"])
+def test_decode_rows_of_a_mixed_step_equal_a_decode_step(monkeypatch: pytest.MonkeyPatch, selection: str) -> None:
+    """A step holding a prompt chunk writes its one-token rows together, as a decode step does (ring and sink slots,
+    device summaries): those rows' logits equal the same rows decoded alone, the prompt's equal its own prefill,
+    and the state left behind (device slab, summaries, host store) decodes alike afterwards."""
+    monkeypatch.setenv("FLUXION_TRITON", "0")
+    eager, _ = _models(seed=13)
+    cfg = eager.cfg
+    plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * 2, source="test")
+    backends = [SparseAttention(cfg, plan, torch.float32, CPU, max_seqs=4, placement="gpu", selection=selection,
+                                costs=COSTS, zero_copy=True) for _ in range(2)]
+    g = torch.Generator().manual_seed(8)
+    lengths = [200, 13]  # the second sequence's next tokens still land in the sink
+    prefill((eager, eager), backends, [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths])
+    decode_and_compare(eager, eager, backends, lengths, 2, g, cfg.vocab_size, tol=0.0)
+    pos = [n + 2 for n in lengths]
+    toks = torch.randint(0, cfg.vocab_size, (2,), generator=g)
+    prompt = torch.randint(0, cfg.vocab_size, (40,), generator=g)
+    rows = [SeqChunk(0, pos[0], 1), SeqChunk(1, pos[1], 1)]
+    for a in backends:
+        a.allocate(2)
+    mixed = eager.forward(torch.cat([toks, prompt]), torch.cat([torch.tensor(pos), torch.arange(40)]),
+                          rows + [SeqChunk(2, 0, 40)], backends[0])  # [3, V]: each chunk's last token
+    alone = eager.forward(toks, torch.tensor(pos), rows, backends[1])
+    first = eager.forward(prompt, torch.arange(40), [SeqChunk(2, 0, 40)], backends[1])
+    torch.testing.assert_close(mixed[:2], alone, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed[2:], first, rtol=1e-5, atol=1e-5)
+    # (the new K/V come out of a 42-row and a 2-row GEMM: equal up to float rounding)
+    torch.testing.assert_close(backends[0]._near, backends[1]._near, rtol=1e-5, atol=1e-5)
+    decode_and_compare(eager, eager, backends, [p + 1 for p in pos] + [40], 3, g, cfg.vocab_size, tol=1e-5)
+    for a in backends:
+        a.executor.close()
+
+
 def test_pinned_blocks_score_first_but_stay_inside_the_eligible_range() -> None:
     from fluxion_lite.device_select import DeviceSummaries, round_down_bf16, round_up_bf16
 
