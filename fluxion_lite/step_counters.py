@@ -1,7 +1,8 @@
 """Where an engine's step time goes, by kind of step: counters for benchmarks and /metrics.
 
-A step is `decode` when every row is one token of a sequence that has started decoding (the kind the decode graphs
-capture), `mixed` when it also holds a prefill chunk (or is prefill only). Continuous batching with long prompts
+A step is `decode` when every row is one token whose logits are sampled (the kind the decode graphs run; a sequence's
+first such step still runs its attention eagerly), `mixed` when some row is a prompt chunk (or the step is prefill
+only). Continuous batching with long prompts
 makes most steps mixed (a 32K prompt is several chunks, each one step beside the running batch), so their time, not
 the captured decode step's, can set the throughput; the counters make that visible. Graph captures (decode_graphs:
 a new batch size or step structure) are counted with the time of the step that captured them.
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .decode_graphs import DecodeGraphs
 
 
 @dataclass
@@ -34,13 +38,13 @@ class StepCounters:
             self.decode_steps += 1
             self.decode_s += dt
 
-    def reset(self, graphs: Any = None) -> None:
+    def reset(self, graphs: DecodeGraphs | None = None) -> None:
         self.decode_steps = self.mixed_steps = 0
         self.decode_s = self.mixed_s = 0.0
         if graphs is not None:
             graphs.captures, graphs.capture_s = 0, 0.0
 
-    def as_dict(self, graphs: Any = None) -> dict[str, float]:
+    def as_dict(self, graphs: DecodeGraphs | None = None) -> dict[str, float]:
         """graphs: the model's DecodeGraphs (None without CUDA graphs): its captures and their steps' seconds."""
         out = {"decode_steps": float(self.decode_steps), "decode_s": self.decode_s,
                "mixed_steps": float(self.mixed_steps), "mixed_s": self.mixed_s}
