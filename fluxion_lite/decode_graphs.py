@@ -221,14 +221,15 @@ class DecodeGraphs:
             for stale in [k for k, gs in self.sets.items() if gs.hooks is not None and gs.hooks.owner_id() != owner]:
                 del self.sets[stale]
         graph_set = self.sets.get(key)
-        if graph_set is not None:
-            self.sets.move_to_end(key)
-            return graph_set.run(tokens, positions, chunks, attn)
-        if len(self.sets) >= MAX_GRAPH_SETS:
-            self.sets.popitem(last=False)
-        t0 = time.perf_counter()
-        graph_set = self.sets[key] = _GraphSet(self.model, b, self.pool, hooks)
-        logits = graph_set.run(tokens, positions, chunks, attn)  # captures first (warm-up, capture, replay)
-        self.captures += 1
-        self.capture_s += time.perf_counter() - t0
+        t0 = None
+        if graph_set is None:
+            if len(self.sets) >= MAX_GRAPH_SETS:
+                self.sets.popitem(last=False)
+            t0 = time.perf_counter()
+            graph_set = self.sets[key] = _GraphSet(self.model, b, self.pool, hooks)
+        self.sets.move_to_end(key)
+        logits = graph_set.run(tokens, positions, chunks, attn)  # a new set captures first (warm-up, capture)
+        if t0 is not None:
+            self.captures += 1
+            self.capture_s += time.perf_counter() - t0
         return logits

@@ -55,6 +55,16 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 
+def _named_gauges(name: str, help_text: str, values: dict[str, float]) -> list[str]:
+    """One gauge family with a `name` label per entry (nothing when there are no entries)."""
+    if not values:
+        return []
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} gauge"]
+    for key, value in sorted(values.items()):
+        lines.append(f'{name}{{name="{_escape(str(key))}"}} {_number(value)}')
+    return lines
+
+
 class Metrics:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # /metrics may render while a request finishes on another task
@@ -130,17 +140,9 @@ class Metrics:
         for name, key, help_text in gauges:
             lines += [f"# HELP {p}_{name} {help_text}", f"# TYPE {p}_{name} gauge",
                       f"{p}_{name} {_number(engine.get(key, 0))}"]
-        sparse: dict[str, float] = engine.get("sparse") or {}
-        if sparse:
-            lines += [f"# HELP {p}_sparse_stat Hybrid sparse-attention statistics (by name)",
-                      f"# TYPE {p}_sparse_stat gauge"]
-            for key, value in sorted(sparse.items()):
-                lines.append(f'{p}_sparse_stat{{name="{_escape(str(key))}"}} {_number(value)}')
-        steps: dict[str, float] = engine.get("steps") or {}
-        if steps:
-            lines += [f"# HELP {p}_engine_step_stat Engine steps by kind (decode: one token per row; mixed: with a "
-                      "prefill chunk), their seconds, and decode-graph captures (by name)",
-                      f"# TYPE {p}_engine_step_stat gauge"]
-            for key, value in sorted(steps.items()):
-                lines.append(f'{p}_engine_step_stat{{name="{_escape(str(key))}"}} {_number(value)}')
+        lines += _named_gauges(f"{p}_sparse_stat", "Hybrid sparse-attention statistics (by name)",
+                               engine.get("sparse") or {})
+        lines += _named_gauges(f"{p}_engine_step_stat", "Engine steps by kind (decode: one token per row; mixed: "
+                               "with a prefill chunk), their seconds, and decode-graph captures (by name)",
+                               engine.get("steps") or {})
         return "\n".join(lines) + "\n"

@@ -43,9 +43,10 @@ def _models(seed: int, no_mlp: bool = False, device: torch.device = CPU) -> tupl
     return eager, runner
 
 
-def _backends(plan: SparsePlan, cfg: object, device: torch.device = CPU) -> list[SparseAttention]:
+def _backends(plan: SparsePlan, cfg: object, device: torch.device = CPU, selection: str = "gpu"
+              ) -> list[SparseAttention]:
     return [SparseAttention(cfg, plan, torch.float32, device, max_seqs=4, placement="gpu",  # type: ignore[arg-type]
-                            selection="gpu", costs=COSTS, zero_copy=True) for _ in range(2)]
+                            selection=selection, costs=COSTS, zero_copy=True) for _ in range(2)]
 
 
 @pytest.mark.parametrize("pin_fraction,short_scale,graphs,fused,pin_cache,reuse,overlap,early", [
@@ -242,8 +243,7 @@ def test_decode_rows_of_a_mixed_step_equal_a_decode_step(monkeypatch: pytest.Mon
     eager, _ = _models(seed=13)
     cfg = eager.cfg
     plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * 2, source="test")
-    backends = [SparseAttention(cfg, plan, torch.float32, CPU, max_seqs=4, placement="gpu", selection=selection,
-                                costs=COSTS, zero_copy=True) for _ in range(2)]
+    backends = _backends(plan, cfg, selection=selection)
     g = torch.Generator().manual_seed(8)
     lengths = [200, 13]  # the second sequence's next tokens still land in the sink
     prefill((eager, eager), backends, [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths])
