@@ -25,6 +25,7 @@ from typing import Literal
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from . import native
 from .attention import AttentionBackend, SeqChunk, causal_attention
@@ -299,8 +300,10 @@ class SparseAttention(AttentionBackend):
     def _mixed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
         """A call with prefill chunks: synchronous host append, dense prefill, decode rows through _decode."""
         slots = [self._slot[c.seq_id] for c in chunks]
-        self.store.append_batch(layer, slots, k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu(),
-                                counts=[c.length for c in chunks])
+        # record_function labels: bench/mixed_step.py's profile splits the mixed step by them (~1 us each otherwise)
+        with record_function("fluxion::mixed_host_append"):
+            self.store.append_batch(layer, slots, k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu(),
+                                    counts=[c.length for c in chunks])
         out = torch.empty_like(q)
         rows, dec = [], []
         offset = 0
@@ -309,15 +312,16 @@ class SparseAttention(AttentionBackend):
             if c.length > 1:
                 if c.seq_id not in self._prefilling:
                     raise ValueError(f"sequence {c.seq_id}: a prefill chunk after decoding started is not supported")
-                self._write_near(layer, slot, c.start, k[sl], v[sl])
-                if self._dsum is not None:
-                    self._dsum.append_chunk(layer, slot, c.start, k[sl])
-                keys, values = self.scratch.append(layer, c.seq_id, c.start, k[sl], v[sl])
-                out[sl] = causal_attention(q[sl], keys, values, c.start, self.scale)
-                if self.planner is not None:
-                    self.planner.record(layer, c.seq_id, q[sl])
-                if self.pins is not None:
-                    self.pins.observe(layer, c.seq_id, c.start, q[sl])
+                with record_function("fluxion::mixed_chunk"):
+                    self._write_near(layer, slot, c.start, k[sl], v[sl])
+                    if self._dsum is not None:
+                        self._dsum.append_chunk(layer, slot, c.start, k[sl])
+                    keys, values = self.scratch.append(layer, c.seq_id, c.start, k[sl], v[sl])
+                    out[sl] = causal_attention(q[sl], keys, values, c.start, self.scale)
+                    if self.planner is not None:
+                        self.planner.record(layer, c.seq_id, q[sl])
+                    if self.pins is not None:
+                        self.pins.observe(layer, c.seq_id, c.start, q[sl])
             else:
                 rows.append(offset)
                 dec.append(c)
@@ -331,10 +335,11 @@ class SparseAttention(AttentionBackend):
                     self.scratch.free(c.seq_id)
             offset += c.length
         if dec:  # the one-token rows together, as a decode step writes them (not one small copy per row)
-            st = self._step_for(dec)
-            idx = torch.tensor(rows, device=q.device)
-            self._write_tokens(layer, st, k[idx], v[idx])
-            out[idx] = self._attend_decode(layer, q[idx], st)
+            with record_function("fluxion::mixed_decode_rows"):
+                st = self._step_for(dec)
+                idx = torch.tensor(rows, device=q.device)
+                self._write_tokens(layer, st, k[idx], v[idx])
+                out[idx] = self._attend_decode(layer, q[idx], st)
         if layer == self.cfg.n_layers - 1:
             # Mixed steps are not counted as decode steps: drop their timer marks, or their spans would be charged
             # to the next pure decode step (its GPU wait could then exceed its own duration).
