@@ -85,7 +85,8 @@ def run_selection(engine: Engine, selection: str, args: argparse.Namespace, trac
     engine.set_attention("fluxion")
     gen = torch.Generator().manual_seed(args.seed)
     decode_tokens = args.warmup + args.steps + args.profile_steps + 2 * args.context // args.prefill_chunk + 8
-    mix = MixedSteps(engine, args.context, args.batch, gen)
+    # prompts leave room for the tokens decoded during the run, as RULER's samples of a length do
+    mix = MixedSteps(engine, args.context - decode_tokens - 8, args.batch, gen)
     t_fill = time.perf_counter()
     mix.fill(decode_tokens)
     fill_s = time.perf_counter() - t_fill
@@ -157,7 +158,7 @@ def main() -> None:
     a.add_argument("--gguf", default="qwen2.5-coder-0.5b", help="catalog name or GGUF path")
     a.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a.add_argument("--dtype", default="bfloat16")
-    a.add_argument("--context", type=int, default=32768, help="prompt tokens of every sequence")
+    a.add_argument("--context", type=int, default=32768, help="context per sequence (prompt + decoded tokens)")
     a.add_argument("--batch", type=int, default=64, help="sequences per step: batch - 1 decoding and one prompt")
     a.add_argument("--prefill-chunk", type=int, default=8192)
     a.add_argument("--selections", nargs="+", default=["gpu", "cpu"], choices=["gpu", "cpu"])
@@ -169,12 +170,11 @@ def main() -> None:
     a.add_argument("--trace-dir", type=Path)
     a.add_argument("--out", type=Path)
     args = a.parse_args()
-    if args.batch < 2 or args.context < 2 or args.steps < 1:
-        a.error("--batch and --context must be >= 2, --steps >= 1")
-    decode_room = args.warmup + args.steps + args.profile_steps + 2 * args.context // args.prefill_chunk + 16
+    if args.batch < 2 or args.steps < 1 or args.context < 4 * (args.steps + args.warmup + args.profile_steps) + 64:
+        a.error("--batch must be >= 2, --steps >= 1, --context room for the prompts and the decoded tokens")
     t_load = time.perf_counter()
     engine = Engine(args.gguf, attention="full", device=args.device, dtype=args.dtype, max_batch=args.batch,
-                    max_context=args.context + decode_room, prefill_chunk=args.prefill_chunk, prefix_cache_entries=0,
+                    max_context=args.context, prefill_chunk=args.prefill_chunk, prefix_cache_entries=0,
                     load_tokenizer=False)
     print(f"model loaded in {time.perf_counter() - t_load:.0f} s", flush=True)
     results = [run_selection(engine, sel, args, args.trace_dir) for sel in args.selections]
