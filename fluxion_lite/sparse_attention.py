@@ -91,6 +91,15 @@ class SparseAttention(AttentionBackend):
             if len(gs) > 1:
                 raise ValueError(f"selection='gpu' mirrors one granularity; the plan uses {sorted(gs)}")
             self._dsum = DeviceSummaries(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, gs.pop() if gs else 16, device)
+        # With device selection, the decode rows of a step that holds a prompt chunk (an eager step: the captured
+        # step runs decode rows only) select on the host and split their tasks between CPU and GPU, as CPU selection
+        # does: the eager device path brings each layer's block ids to the host anyway. RULER 32K at batch 64 on the
+        # H200 (docs/hybrid.md): mixed steps 254 ms with device selection, 204 ms with CPU selection.
+        # FLUXION_MIXED_SELECT=device keeps the device path there (for A/B).
+        mixed_env = os.environ.get("FLUXION_MIXED_SELECT", "host")
+        if mixed_env not in ("host", "device"):
+            raise ValueError(f"FLUXION_MIXED_SELECT={mixed_env!r}: use host or device")
+        self.mixed_host_select = self._dsum is not None and mixed_env == "host"
         cuda = device.type == "cuda"
         # new K/V per layer waiting for the host store: [L, 2, rows, Hkv, D] (pinned), (slots, rows, event) per layer
         self._kv_out = torch.empty(cfg.n_layers, 2, 0, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
@@ -339,7 +348,7 @@ class SparseAttention(AttentionBackend):
                 st = self._step_for(dec)
                 idx = torch.tensor(rows, device=q.device)
                 self._write_tokens(layer, st, k[idx], v[idx])
-                out[idx] = self._attend_decode(layer, q[idx], st)
+                out[idx] = self._attend_decode(layer, q[idx], st, host_select=self.mixed_host_select)
         if layer == self.cfg.n_layers - 1:
             # Mixed steps are not counted as decode steps: drop their timer marks, or their spans would be charged
             # to the next pure decode step (its GPU wait could then exceed its own duration).
@@ -425,15 +434,18 @@ class SparseAttention(AttentionBackend):
         self.store.append_batch(layer, slots, self._kv_out[layer, 0, :B], self._kv_out[layer, 1, :B])
         self._pending[layer] = None
 
-    def _attend_decode(self, layer: int, q: torch.Tensor, st: DecodeStep) -> torch.Tensor:
-        """q: [B, Hq, D], one new token per sequence (already in the device buffers) -> out [B, Hq, D]."""
+    def _attend_decode(self, layer: int, q: torch.Tensor, st: DecodeStep, host_select: bool = False) -> torch.Tensor:
+        """q: [B, Hq, D], one new token per sequence (already in the device buffers) -> out [B, Hq, D].
+        host_select: with device selection, choose blocks with the native top-k over the host store's summaries and
+        let the scheduler split the tasks between CPU and GPU (what CPU selection does) for this call."""
         B, hkv, r, d = st.batch, self.cfg.n_kv_heads, self.r, self.cfg.head_dim
         cuda = self.device.type == "cuda"
+        on_host = self._dsum is None or host_select
         rp = self._row_plan(st)
         tasks, meta = self._layer_tasks(layer, st, rp)
         pinned = self.pins is not None and rp is None and len(tasks) > 0 and self.pins.any(layer)
         ev_q = None
-        if len(tasks) and self.selection == "cpu" and cuda:  # queued before the streaming part so it lands first
+        if len(tasks) and on_host and cuda:  # queued before the streaming part so it lands first
             self.ensure_decode_buffers(B)
             self._q_out[:B].copy_(q, non_blocking=True)
             ev_q = torch.cuda.Event()
@@ -458,7 +470,7 @@ class SparseAttention(AttentionBackend):
             view = self.store.view(layer)
             bi, h, k_blocks, lo, hi = meta
             t0 = time.perf_counter()
-            if self._dsum is None:
+            if on_host:
                 if ev_q is not None:
                     ev_q.synchronize()
                 q_host = self._q_out[:B] if cuda else q.float().contiguous()  # [B, Hq, D] fp32
@@ -472,7 +484,8 @@ class SparseAttention(AttentionBackend):
             self._st.cpu_topk_s += time.perf_counter() - t0
             o_r, lse_r = self.executor.run(view, q_host, qg.reshape(B * hkv, r, d), tasks, ids, counts, bi * hkv + h,
                                            B * hkv, self.scale,
-                                           placement="gpu" if self._dsum is not None else None, layer=layer)
+                                           placement=("auto" if host_select else None) if on_host else "gpu",
+                                           layer=layer)
             self._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
             m2 = self.timer.mark()
             out = lse_merge(out, lse_s, o_r.view(B, hkv, r, d), lse_r.view(B, hkv, r))

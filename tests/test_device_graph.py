@@ -267,6 +267,51 @@ def test_decode_rows_of_a_mixed_step_equal_a_decode_step(monkeypatch: pytest.Mon
         a.executor.close()
 
 
+@pytest.mark.parametrize("mixed_select", ["host", "device"])
+def test_mixed_step_decode_rows_select_where_configured(monkeypatch: pytest.MonkeyPatch, mixed_select: str) -> None:
+    """With device selection, a mixed step's decode rows choose blocks with the native top-k over the host store
+    (FLUXION_MIXED_SELECT=host, the default): the same logits as a CPU-selection backend, and no device top-k
+    call; FLUXION_MIXED_SELECT=device keeps the device top-k there."""
+    monkeypatch.setenv("FLUXION_TRITON", "0")
+    monkeypatch.setenv("FLUXION_MIXED_SELECT", mixed_select)
+    eager, _ = _models(seed=17)
+    cfg = eager.cfg
+    plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * 2, source="test")
+    backends = [SparseAttention(cfg, plan, torch.float32, CPU, max_seqs=4, placement="gpu", selection=sel,
+                                costs=COSTS, zero_copy=True) for sel in ("gpu", "cpu")]
+    assert backends[0].mixed_host_select == (mixed_select == "host") and not backends[1].mixed_host_select
+    g = torch.Generator().manual_seed(9)
+    lengths = [260, 190]
+    prefill((eager, eager), backends, [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths])
+    device_calls = []
+    dsum = backends[0]._dsum
+    assert dsum is not None
+    real_select = dsum.select
+    monkeypatch.setattr(dsum, "select", lambda *a, **k: device_calls.append(1) or real_select(*a, **k))
+    toks = torch.randint(0, cfg.vocab_size, (2,), generator=g)
+    prompt = torch.randint(0, cfg.vocab_size, (30,), generator=g)
+    chunks = [SeqChunk(0, lengths[0], 1), SeqChunk(1, lengths[1], 1), SeqChunk(2, 0, 30)]
+    outs = []
+    for a in backends:
+        a.allocate(2)
+        outs.append(eager.forward(torch.cat([toks, prompt]), torch.cat([torch.tensor(lengths), torch.arange(30)]),
+                                  chunks, a))
+    assert len(device_calls) == (0 if mixed_select == "host" else cfg.n_layers)
+    if mixed_select == "host":  # the same blocks from the same host summaries: the CPU-selection backend's logits
+        torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    for a in backends:
+        a.executor.close()
+
+
+def test_mixed_select_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLUXION_MIXED_SELECT", "gpu")
+    cfg = make_cfg("llama", hq=6, hkv=3, d=32)
+    plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * 2, source="test")
+    with pytest.raises(ValueError, match="FLUXION_MIXED_SELECT='gpu': use host or device"):
+        SparseAttention(cfg, plan, torch.float32, CPU, max_seqs=2, placement="gpu", selection="gpu", costs=COSTS,
+                        zero_copy=True)
+
+
 def test_pinned_blocks_score_first_but_stay_inside_the_eligible_range() -> None:
     from fluxion_lite.device_select import DeviceSummaries, round_down_bf16, round_up_bf16
 
