@@ -99,16 +99,19 @@ class DeviceSummaries:
         off, b0 = start % g, start // g
         nb = -(-(off + n) // g)
         s = self._ensure(layer, slot, b0 + nb)
-        kk = k.float()
-        lo = torch.full((nb * g, self.hkv, self.d), float("inf"), device=self.device)
-        hi = torch.full((nb * g, self.hkv, self.d), float("-inf"), device=self.device)
+        exact = k.dtype == SUMMARY_DTYPE  # bf16 keys: their min/max are bf16 values already, nothing to round
+        kk = k if exact else k.float()
+        lo = torch.full((nb * g, self.hkv, self.d), float("inf"), dtype=kk.dtype, device=self.device)
+        hi = torch.full((nb * g, self.hkv, self.d), float("-inf"), dtype=kk.dtype, device=self.device)
         lo[off : off + n], hi[off : off + n] = kk, kk
         mins = lo.view(nb, g, self.hkv, self.d).amin(1)  # [nb, Hkv, D]
         maxs = hi.view(nb, g, self.hkv, self.d).amax(1)
         if off:  # the first block already holds earlier tokens (bf16 values, exact in fp32)
-            mins[0] = torch.minimum(mins[0], s[slot, :, b0, 0].float())
-            maxs[0] = torch.maximum(maxs[0], s[slot, :, b0, 1].float())
-        s[slot, :, b0 : b0 + nb] = torch.stack([round_down_bf16(mins), round_up_bf16(maxs)], dim=2).transpose(0, 1)
+            mins[0] = torch.minimum(mins[0], s[slot, :, b0, 0].to(kk.dtype))
+            maxs[0] = torch.maximum(maxs[0], s[slot, :, b0, 1].to(kk.dtype))
+        if not exact:
+            mins, maxs = round_down_bf16(mins), round_up_bf16(maxs)
+        s[slot, :, b0 : b0 + nb] = torch.stack([mins, maxs], dim=2).transpose(0, 1)
 
     def append_tokens(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, max_slot: int, max_pos: int,
                       k: torch.Tensor) -> None:
@@ -116,13 +119,18 @@ class DeviceSummaries:
         s = self._ensure(layer, max_slot, max_pos // self.g + 1)
         blk = pos // self.g
         first = (pos % self.g == 0)[:, None, None]  # [B, 1, 1]: a new block starts, old contents are stale
-        cur = s[slots, :, blk].float()  # [B, Hkv, 2, D]
-        kk = k.float()
+        # bf16 keys (the model dtype on the GPU): min/max of bf16 values are bf16 values, so no rounding and no fp32
+        # copies (a handful of kernels instead of ~40: this runs per layer in every eager step)
+        exact = k.dtype == SUMMARY_DTYPE
+        cur = s[slots, :, blk] if exact else s[slots, :, blk].float()  # [B, Hkv, 2, D]
+        kk = k if exact else k.float()
         # the stored bounds are bf16 values, so rounding min(stored, k) = min(stored, rounded k): the block's summary
         # stays the directed rounding of its exact min/max however its tokens arrived
         mins = torch.where(first, kk, torch.minimum(cur[:, :, 0], kk))
         maxs = torch.where(first, kk, torch.maximum(cur[:, :, 1], kk))
-        s[slots, :, blk] = torch.stack([round_down_bf16(mins), round_up_bf16(maxs)], dim=2)
+        if not exact:
+            mins, maxs = round_down_bf16(mins), round_up_bf16(maxs)
+        s[slots, :, blk] = torch.stack([mins, maxs], dim=2)
 
     def scores(self, layer: int, qg: torch.Tensor, slots: torch.Tensor, lo_blk: torch.Tensor, hi_blk: torch.Tensor,
                n_blocks: int, pinned: torch.Tensor | None = None) -> torch.Tensor:
