@@ -4,15 +4,20 @@ A prefill-heavy batch (RULER at 32K, batch 64) spends almost every step with dec
 (docs/hybrid.md). This bench reproduces that step alone: it fills `--batch - 1` sequences of `--context` random token
 ids until they all decode, then keeps one more prompt of `--context` ids in prefill (one `--prefill-chunk` chunk per
 step beside the decode rows; a new prompt follows as soon as one finishes) and times `--steps` such steps per
-`--selections` entry (FLUXION_SELECTION: gpu = device-side block selection, cpu = native top-k on the host).
+`--variants` entry: SELECTION[:MIXED], FLUXION_SELECTION (gpu = device-side block selection, cpu = native top-k on
+the host) and, for gpu, FLUXION_MIXED_SELECT (where a mixed step's decode rows select: host, the default, or device).
+Each variant has its own engine (model loaded once per variant) and the variants take turns step by step, so a
+machine whose speed drifts over minutes (shared CPUs) slows them alike: compare medians of one run.
 
-With `--profile-steps N`, N more steps run under torch.profiler: the table lists the ops with the most self CPU time
-and the most device time, and the device-busy share (the device time of all kernels / the steps' wall time) says
-whether the step waits on the device or on the host. `--trace-dir` also writes each selection's chrome trace.
+With `--profile-steps N`, N more steps per variant run under torch.profiler: the table lists the host time inside
+SparseAttention._mixed's labelled parts and the ops with the most self CPU time and the most device time (a step
+whose kernels add up to far less than its wall time waits on the host). `--trace-dir` also writes each variant's
+chrome trace.
 
 Usage: python bench/mixed_step.py --gguf qwen2.5-coder-0.5b --device cuda --dtype bfloat16 --context 32768 \\
-           --batch 64 --steps 16 --profile-steps 4 --out bench/results/mixed_step.json
-       python bench/mixed_step.py --gguf smollm2-135m --context 1024 --batch 4 --prefill-chunk 256 --steps 3
+           --batch 64 --steps 16 --profile-steps 4 --variants gpu cpu --out bench/results/mixed_step.json
+       python bench/mixed_step.py --gguf smollm2-135m --context 1024 --batch 4 --prefill-chunk 256 --steps 3 \
+           --variants cpu
 """
 from __future__ import annotations
 
@@ -80,70 +85,88 @@ class MixedSteps:
         return dt
 
 
-def run_selection(engine: Engine, selection: str, args: argparse.Namespace, trace_dir: Path | None) -> dict[str, Any]:
-    os.environ["FLUXION_SELECTION"] = selection
-    engine.set_attention("fluxion")
-    gen = torch.Generator().manual_seed(args.seed)
+def _engine(args: argparse.Namespace, variant: str) -> Engine:
+    selection, _, mixed = variant.partition(":")
+    os.environ["FLUXION_SELECTION"] = selection  # both are read when the backend is made
+    if mixed:
+        os.environ["FLUXION_MIXED_SELECT"] = mixed
+    else:
+        os.environ.pop("FLUXION_MIXED_SELECT", None)
+    engine = Engine(args.gguf, attention="fluxion", device=args.device, dtype=args.dtype, max_batch=args.batch,
+                    max_context=args.context, prefill_chunk=args.prefill_chunk, prefix_cache_entries=0,
+                    load_tokenizer=False)
+    return engine
+
+
+def _profile(mix: MixedSteps, args: argparse.Namespace, variant: str, trace_dir: Path | None) -> dict[str, Any]:
+    cuda = mix.engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        for _ in range(args.profile_steps):
+            mix.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    if trace_dir is not None:
+        trace_dir.mkdir(parents=True, exist_ok=True)
+        raw = trace_dir / f"mixed_step_{variant.replace(':', '_')}.json"
+        prof.export_chrome_trace(str(raw))
+        with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as g:
+            g.write(f.read())
+        raw.unlink()
+    return {"steps": args.profile_steps, "wall_ms_per_step": wall / args.profile_steps * 1e3,
+            "labels": [{"label": e.key, "calls": e.count, "cpu_ms": e.cpu_time_total / 1e3}
+                       for e in prof.key_averages() if e.key.startswith("fluxion::") and e.cpu_time_total > 0],
+            "top_self_cpu": _op_rows(prof, "self_cpu_time_total", args.top),
+            "top_device": _op_rows(prof, "self_device_time_total", args.top)}
+
+
+def run_variants(args: argparse.Namespace) -> list[dict[str, Any]]:
     decode_tokens = args.warmup + args.steps + args.profile_steps + 2 * args.context // args.prefill_chunk + 8
-    # prompts leave room for the tokens decoded during the run, as RULER's samples of a length do
-    mix = MixedSteps(engine, args.context - decode_tokens - 8, args.batch, gen)
-    t_fill = time.perf_counter()
-    mix.fill(decode_tokens)
-    fill_s = time.perf_counter() - t_fill
-    for _ in range(args.warmup):
-        mix.step()
-    mix.kinds.clear()
-    walls = [mix.step() for _ in range(args.steps)]
-    mixed = [w for w, m in zip(walls, mix.kinds) if m]
-    result: dict[str, Any] = {
-        "selection": selection, "fill_s": fill_s, "steps": len(walls), "mixed_steps": len(mixed),
-        "median_ms": statistics.median(walls) * 1e3, "mixed_median_ms": statistics.median(mixed) * 1e3 if mixed else None,
-        "min_ms": min(walls) * 1e3, "max_ms": max(walls) * 1e3,
-        "sparse": {k: float(v) for k, v in engine.stats().sparse.items()},
-    }
-    if args.profile_steps:
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            t0 = time.perf_counter()
-            for _ in range(args.profile_steps):
-                mix.step()
-            if engine.device.type == "cuda":
-                torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-        kernels = sum(e.self_device_time_total for e in prof.key_averages()
-                      if getattr(e, "device_type", None) is not None and str(e.device_type).endswith("CUDA")) / 1e6
-        result["profile"] = {"steps": args.profile_steps, "wall_ms_per_step": wall / args.profile_steps * 1e3,
-                             "device_busy_share": kernels / wall if wall else 0.0,
-                             "labels": [{"label": e.key, "calls": e.count, "cpu_ms": e.cpu_time_total / 1e3}
-                                        for e in prof.key_averages() if e.key.startswith("fluxion::")],
-                             "top_self_cpu": _op_rows(prof, "self_cpu_time_total", args.top),
-                             "top_device": _op_rows(prof, "self_device_time_total", args.top)}
-        if trace_dir is not None:
-            trace_dir.mkdir(parents=True, exist_ok=True)
-            raw = trace_dir / f"mixed_step_{selection}.json"
-            prof.export_chrome_trace(str(raw))
-            with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as g:
-                g.write(f.read())
-            raw.unlink()
-    for rid in [s.request_id for s in engine.running] + [s.request_id for s in engine.waiting]:
-        engine.abort(rid)  # the next selection starts from an empty engine
-    while engine.has_unfinished():
-        engine.step()
-    return result
+    mixes: list[MixedSteps] = []
+    results: list[dict[str, Any]] = []
+    for variant in args.variants:
+        t0 = time.perf_counter()
+        engine = _engine(args, variant)
+        load_s = time.perf_counter() - t0
+        # prompts leave room for the tokens decoded during the run, as RULER's samples of a length do
+        mix = MixedSteps(engine, args.context - decode_tokens - 8, args.batch, torch.Generator().manual_seed(args.seed))
+        t0 = time.perf_counter()
+        mix.fill(decode_tokens)
+        results.append({"variant": variant, "load_s": load_s, "fill_s": time.perf_counter() - t0})
+        mixes.append(mix)
+        print(f"{variant}: loaded in {load_s:.0f} s, filled in {results[-1]['fill_s']:.0f} s", flush=True)
+    walls: list[list[float]] = [[] for _ in mixes]
+    for i in range(args.warmup + args.steps):  # variants take turns: drift over time hits them alike
+        for mix, w in zip(mixes, walls):
+            if i == args.warmup:
+                mix.kinds.clear()
+            dt = mix.step()
+            if i >= args.warmup:
+                w.append(dt)
+    for r, mix, w in zip(results, mixes, walls):
+        mixed = [x for x, m in zip(w, mix.kinds) if m]
+        r |= {"steps": len(w), "mixed_steps": len(mixed), "median_ms": statistics.median(w) * 1e3,
+              "mixed_median_ms": statistics.median(mixed) * 1e3 if mixed else None,
+              "min_ms": min(w) * 1e3, "max_ms": max(w) * 1e3, "walls_ms": [x * 1e3 for x in w],
+              "sparse": {k: float(v) for k, v in mix.engine.stats().sparse.items()}}
+        if args.profile_steps:
+            r["profile"] = _profile(mix, args, r["variant"], args.trace_dir)
+    return results
 
 
 def _print(results: list[dict[str, Any]]) -> None:
-    print(f"{'selection':>9} {'steps':>5} {'mixed':>5} {'median ms':>9} {'mixed ms':>8} {'min':>7} {'max':>7} {'fill s':>6}")
+    print(f"{'variant':>10} {'steps':>5} {'mixed':>5} {'median ms':>9} {'mixed ms':>8} {'min':>7} {'max':>7} {'fill s':>6}")
     for r in results:
         mm = f"{r['mixed_median_ms']:8.1f}" if r["mixed_median_ms"] is not None else f"{'-':>8}"
-        print(f"{r['selection']:>9} {r['steps']:5d} {r['mixed_steps']:5d} {r['median_ms']:9.1f} {mm} {r['min_ms']:7.1f} "
+        print(f"{r['variant']:>10} {r['steps']:5d} {r['mixed_steps']:5d} {r['median_ms']:9.1f} {mm} {r['min_ms']:7.1f} "
               f"{r['max_ms']:7.1f} {r['fill_s']:6.1f}")
     for r in results:
         p = r.get("profile")
         if not p:
             continue
-        print(f"\n[{r['selection']}] profiled {p['steps']} steps: {p['wall_ms_per_step']:.1f} ms per step, "
-              f"device busy {100 * p['device_busy_share']:.0f}%")
+        print(f"\n[{r['variant']}] profiled {p['steps']} steps: {p['wall_ms_per_step']:.1f} ms per step")
         for lab in p["labels"]:  # host time inside SparseAttention._mixed's parts, children included
             print(f"  {lab['label']:<28} {lab['cpu_ms'] / p['steps']:8.2f} ms host per step ({lab['calls'] // p['steps']} calls)")
         for title, rows in (("self CPU", p["top_self_cpu"]), ("device", p["top_device"])):
@@ -161,7 +184,8 @@ def main() -> None:
     a.add_argument("--context", type=int, default=32768, help="context per sequence (prompt + decoded tokens)")
     a.add_argument("--batch", type=int, default=64, help="sequences per step: batch - 1 decoding and one prompt")
     a.add_argument("--prefill-chunk", type=int, default=8192)
-    a.add_argument("--selections", nargs="+", default=["gpu", "cpu"], choices=["gpu", "cpu"])
+    a.add_argument("--variants", nargs="+", default=["gpu", "cpu"],
+                   choices=["gpu", "cpu", "gpu:host", "gpu:device"], help="SELECTION[:MIXED] (see above)")
     a.add_argument("--warmup", type=int, default=4)
     a.add_argument("--steps", type=int, default=16)
     a.add_argument("--profile-steps", type=int, default=0)
@@ -172,12 +196,7 @@ def main() -> None:
     args = a.parse_args()
     if args.batch < 2 or args.steps < 1 or args.context < 4 * (args.steps + args.warmup + args.profile_steps) + 64:
         a.error("--batch must be >= 2, --steps >= 1, --context room for the prompts and the decoded tokens")
-    t_load = time.perf_counter()
-    engine = Engine(args.gguf, attention="full", device=args.device, dtype=args.dtype, max_batch=args.batch,
-                    max_context=args.context, prefill_chunk=args.prefill_chunk, prefix_cache_entries=0,
-                    load_tokenizer=False)
-    print(f"model loaded in {time.perf_counter() - t_load:.0f} s", flush=True)
-    results = [run_selection(engine, sel, args, args.trace_dir) for sel in args.selections]
+    results = run_variants(args)
     _print(results)
     if args.out:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
