@@ -93,9 +93,9 @@ class SparseAttention(AttentionBackend):
             self._dsum = DeviceSummaries(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, gs.pop() if gs else 16, device)
         # With device selection, the decode rows of a step that holds a prompt chunk (an eager step: the captured
         # step runs decode rows only) select on the host and split their tasks between CPU and GPU, as CPU selection
-        # does: the eager device path brings each layer's block ids to the host anyway. RULER 32K at batch 64 on the
-        # H200 (docs/hybrid.md): mixed steps 254 ms with device selection, 204 ms with CPU selection.
-        # FLUXION_MIXED_SELECT=device keeps the device path there (for A/B).
+        # does: the eager device path brings each layer's block ids to the host anyway, and issues ~150 more small
+        # torch ops per layer. bench/mixed_step.py, 32K, batch 64, H200 (docs/hybrid.md): 206 -> 167 ms a mixed step
+        # (CPU selection 160 ms). FLUXION_MIXED_SELECT=device keeps the device path there (for A/B).
         mixed_env = os.environ.get("FLUXION_MIXED_SELECT", "host")
         if mixed_env not in ("host", "device"):
             raise ValueError(f"FLUXION_MIXED_SELECT={mixed_env!r}: use host or device")
