@@ -5,7 +5,9 @@ A prefill-heavy batch (RULER at 32K, batch 64) spends almost every step with dec
 ids until they all decode, then keeps one more prompt of `--context` ids in prefill (one `--prefill-chunk` chunk per
 step beside the decode rows; a new prompt follows as soon as one finishes) and times `--steps` such steps per
 `--variants` entry: SELECTION[:MIXED], FLUXION_SELECTION (gpu = device-side block selection, cpu = native top-k on
-the host) and, for gpu, FLUXION_MIXED_SELECT (where a mixed step's decode rows select: host, the default, or device).
+the host) and, for gpu, FLUXION_MIXED_SELECT (where a mixed step's decode rows select: host, the default, or device);
+`+blocking-append` appends the step's K/V to the host store before the chunk's device work, after a blocking copy
+(the order before the eighteenth session) instead of while that work runs.
 Each variant has its own engine (model loaded once per variant) and the variants take turns step by step, so a
 machine whose speed drifts over minutes (shared CPUs) slows them alike: compare medians of one run.
 
@@ -85,7 +87,18 @@ class MixedSteps:
         return dt
 
 
+VARIANTS = ("gpu", "cpu", "gpu:host", "gpu:device")
+
+
+def _variant(text: str) -> str:
+    base, _, option = text.partition("+")
+    if base not in VARIANTS or option not in ("", "blocking-append"):
+        raise argparse.ArgumentTypeError(f"{text!r}: use one of {', '.join(VARIANTS)}, optionally +blocking-append")
+    return text
+
+
 def _engine(args: argparse.Namespace, variant: str) -> Engine:
+    variant, _, option = variant.partition("+")
     selection, _, mixed = variant.partition(":")
     os.environ["FLUXION_SELECTION"] = selection  # both are read when the backend is made
     if mixed:
@@ -95,6 +108,8 @@ def _engine(args: argparse.Namespace, variant: str) -> Engine:
     engine = Engine(args.gguf, attention="fluxion", device=args.device, dtype=args.dtype, max_batch=args.batch,
                     max_context=args.context, prefill_chunk=args.prefill_chunk, prefix_cache_entries=0,
                     load_tokenizer=False)
+    if option == "blocking-append":  # the host append before the chunk's device work, after a blocking copy
+        engine.attn.overlap_chunk_append = False  # type: ignore[attr-defined]
     return engine
 
 
@@ -110,7 +125,7 @@ def _profile(mix: MixedSteps, args: argparse.Namespace, variant: str, trace_dir:
         wall = time.perf_counter() - t0
     if trace_dir is not None:
         trace_dir.mkdir(parents=True, exist_ok=True)
-        raw = trace_dir / f"mixed_step_{variant.replace(':', '_')}.json"
+        raw = trace_dir / f"mixed_step_{variant.replace(':', '_').replace('+', '_')}.json"
         prof.export_chrome_trace(str(raw))
         with open(raw, "rb") as f, gzip.open(f"{raw}.gz", "wb") as g:
             g.write(f.read())
@@ -184,8 +199,8 @@ def main() -> None:
     a.add_argument("--context", type=int, default=32768, help="context per sequence (prompt + decoded tokens)")
     a.add_argument("--batch", type=int, default=64, help="sequences per step: batch - 1 decoding and one prompt")
     a.add_argument("--prefill-chunk", type=int, default=8192)
-    a.add_argument("--variants", nargs="+", default=["gpu", "cpu"],
-                   choices=["gpu", "cpu", "gpu:host", "gpu:device"], help="SELECTION[:MIXED] (see above)")
+    a.add_argument("--variants", nargs="+", default=["gpu", "cpu"], type=_variant,
+                   help="SELECTION[:MIXED][+blocking-append] (see above)")
     a.add_argument("--warmup", type=int, default=4)
     a.add_argument("--steps", type=int, default=16)
     a.add_argument("--profile-steps", type=int, default=0)

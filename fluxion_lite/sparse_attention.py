@@ -105,6 +105,11 @@ class SparseAttention(AttentionBackend):
         self._kv_out = torch.empty(cfg.n_layers, 2, 0, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
         self._pending: list[tuple[list[int], int, torch.cuda.Event | None] | None] = [None] * cfg.n_layers
         self._q_out = torch.empty(0, cfg.n_heads, cfg.head_dim, pin_memory=cuda)  # q for the CPU kernels
+        # a mixed step's K/V on their way to the host store, one layer at a time: [2, rows, Hkv, D] bf16 (pinned)
+        self._chunk_out = torch.empty(2, 0, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16, pin_memory=cuda)
+        # False: a mixed step appends to the host store first, after a blocking copy (the order before the
+        # eighteenth session; bench/mixed_step.py's "+blocking-append" variants, for A/B)
+        self.overlap_chunk_append = True
         self._step: DecodeStep | None = None
         self._st = StepStats()
         self.timer = Timer(device)
@@ -307,12 +312,12 @@ class SparseAttention(AttentionBackend):
         return out
 
     def _mixed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
-        """A call with prefill chunks: synchronous host append, dense prefill, decode rows through _decode."""
+        """A call with prefill chunks: dense prefill of the chunks, the host append (overlapping the chunks' device
+        work on CUDA), then the decode rows as a decode step runs them."""
         slots = [self._slot[c.seq_id] for c in chunks]
-        # record_function labels: bench/mixed_step.py's profile splits the mixed step by them (~1 us each otherwise)
-        with record_function("fluxion::mixed_host_append"):
-            self.store.append_batch(layer, slots, k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu(),
-                                    counts=[c.length for c in chunks])
+        k_host, v_host, copied = self._copy_to_host(k, v)
+        if not self.overlap_chunk_append:
+            self._append_chunk_kv(layer, chunks, slots, k_host, v_host, copied)
         out = torch.empty_like(q)
         rows, dec = [], []
         offset = 0
@@ -343,6 +348,10 @@ class SparseAttention(AttentionBackend):
                     self._prefilling.discard(c.seq_id)  # decoding started: the dense scratch goes
                     self.scratch.free(c.seq_id)
             offset += c.length
+        # The host store takes this layer's K/V while the device runs the chunk's attention queued above (the copy
+        # was queued before it): before the decode rows, whose host-side attention reads the store.
+        if self.overlap_chunk_append:
+            self._append_chunk_kv(layer, chunks, slots, k_host, v_host, copied)
         if dec:  # the one-token rows together, as a decode step writes them (not one small copy per row)
             with record_function("fluxion::mixed_decode_rows"):
                 st = self._step_for(dec)
@@ -354,6 +363,32 @@ class SparseAttention(AttentionBackend):
             # to the next pure decode step (its GPU wait could then exceed its own duration).
             self.timer.collect()
         return out
+
+    def _append_chunk_kv(self, layer: int, chunks: list[SeqChunk], slots: list[int], k_host: torch.Tensor,
+                         v_host: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        # record_function labels: bench/mixed_step.py's profile splits the mixed step by them (~1 us each otherwise)
+        with record_function("fluxion::mixed_host_append"):
+            if copied is not None:
+                copied.synchronize()
+            self.store.append_batch(layer, slots, k_host, v_host, counts=[c.length for c in chunks])
+
+    def _copy_to_host(self, k: torch.Tensor, v: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]:
+        """A mixed step's K/V (k, v [N, Hkv, D]) as bf16 on the host. On CUDA the copy is queued into the pinned
+        staging buffer and the event marks its end: the caller queues more device work, then waits for the event
+        only (a blocking .cpu() here would leave the device idle while the host store appends)."""
+        if self.device.type != "cuda" or not self.overlap_chunk_append:
+            return k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu(), None
+        n = k.shape[0]
+        if self._chunk_out.shape[1] < n:  # the previous layer's append has finished: the old buffer is free
+            self._chunk_out = torch.empty(2, max(n, 2 * self._chunk_out.shape[1]), *self._chunk_out.shape[2:],
+                                          dtype=torch.bfloat16, pin_memory=True)
+        out = self._chunk_out[:, :n]
+        out[0].copy_(k, non_blocking=True)  # dtype conversion included
+        out[1].copy_(v, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return out[0], out[1], ev
 
     def _write_near(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Sink and ring slots of a chunk's tokens (k, v [n, Hkv, D] at positions start..)."""

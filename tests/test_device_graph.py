@@ -234,16 +234,20 @@ def test_queued_appends_reach_the_store_before_an_eager_step_and_a_free(monkeypa
         a.executor.close()
 
 
+@pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("selection", ["gpu", "cpu"])
-def test_decode_rows_of_a_mixed_step_equal_a_decode_step(monkeypatch: pytest.MonkeyPatch, selection: str) -> None:
+def test_decode_rows_of_a_mixed_step_equal_a_decode_step(monkeypatch: pytest.MonkeyPatch, selection: str,
+                                                          overlap: bool) -> None:
     """A step holding a prompt chunk writes its one-token rows together, as a decode step does (ring and sink slots,
     device summaries): those rows' logits equal the same rows decoded alone, the prompt's equal its own prefill,
-    and the state left behind (device slab, summaries, host store) decodes alike afterwards."""
+    and the state left behind (device slab, summaries, host store) decodes alike afterwards; with the host append
+    after the chunk's device work (overlap, the default) or before it."""
     monkeypatch.setenv("FLUXION_TRITON", "0")
     eager, _ = _models(seed=13)
     cfg = eager.cfg
     plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * 2, source="test")
     backends = _backends(plan, cfg, selection=selection)
+    backends[0].overlap_chunk_append = overlap  # the backend that runs the mixed step
     g = torch.Generator().manual_seed(8)
     lengths = [200, 13]  # the second sequence's next tokens still land in the sink
     prefill((eager, eager), backends, [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths])
