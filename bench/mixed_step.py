@@ -172,10 +172,10 @@ def run_variants(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def _print(results: list[dict[str, Any]]) -> None:
-    print(f"{'variant':>10} {'steps':>5} {'mixed':>5} {'median ms':>9} {'mixed ms':>8} {'min':>7} {'max':>7} {'fill s':>6}")
+    print(f"{'variant':>24} {'steps':>5} {'mixed':>5} {'median ms':>9} {'mixed ms':>8} {'min':>7} {'max':>7} {'fill s':>6}")
     for r in results:
         mm = f"{r['mixed_median_ms']:8.1f}" if r["mixed_median_ms"] is not None else f"{'-':>8}"
-        print(f"{r['variant']:>10} {r['steps']:5d} {r['mixed_steps']:5d} {r['median_ms']:9.1f} {mm} {r['min_ms']:7.1f} "
+        print(f"{r['variant']:>24} {r['steps']:5d} {r['mixed_steps']:5d} {r['median_ms']:9.1f} {mm} {r['min_ms']:7.1f} "
               f"{r['max_ms']:7.1f} {r['fill_s']:6.1f}")
     for r in results:
         p = r.get("profile")
