@@ -385,9 +385,9 @@ def make_attention(
         return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="cpu")
     if mode == "fixed":
         return SparseAttention(cfg, plan or fixed_plan(cfg), dtype, device, max_seqs=max_seqs, placement="cpu")
-    if mode == "gpu-sparse":
+    if mode == "gpu-sparse":  # the baseline selects on the device in every step, mixed steps included
         return SparseAttention(cfg, plan or fixed_plan(cfg), dtype, device, max_seqs=max_seqs, placement="gpu",
-                               selection="gpu")
+                               selection="gpu", mixed_select="device")
     if mode == "fluxion":
         plan = plan or load_fluxion_plan(model_name, cfg)
         if (selection or fluxion_selection(device, plan, per_request_plans)) == "gpu":  # device_graph.py: no per-layer round trip

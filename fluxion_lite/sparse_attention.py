@@ -55,7 +55,8 @@ def _align_up(x: int, a: int) -> int:
 class SparseAttention(AttentionBackend):
     def __init__(self, cfg: ModelConfig, plan: SparsePlan, dtype: torch.dtype, device: torch.device, max_seqs: int,
                  placement: Placement = "auto", selection: Selection = "cpu", costs: Costs | None = None,
-                 zero_copy: bool | None = None, topk_scoring: str | None = None):
+                 zero_copy: bool | None = None, topk_scoring: str | None = None,
+                 mixed_select: Literal["host", "device"] | None = None):
         plan.validate(cfg.n_layers, cfg.n_kv_heads)
         if plan.window < 1:
             raise ValueError("the sparse backend needs window >= 1 (the newest token is attended on the device)")
@@ -95,11 +96,12 @@ class SparseAttention(AttentionBackend):
         # step runs decode rows only) select on the host and split their tasks between CPU and GPU, as CPU selection
         # does: the eager device path brings each layer's block ids to the host anyway, and issues ~150 more small
         # torch ops per layer. bench/mixed_step.py, 32K, batch 64, H200 (docs/hybrid.md): 206 -> 167 ms a mixed step
-        # (CPU selection 160 ms). FLUXION_MIXED_SELECT=device keeps the device path there (for A/B).
-        mixed_env = os.environ.get("FLUXION_MIXED_SELECT", "host")
-        if mixed_env not in ("host", "device"):
-            raise ValueError(f"FLUXION_MIXED_SELECT={mixed_env!r}: use host or device")
-        self.mixed_host_select = self._dsum is not None and mixed_env == "host"
+        # (CPU selection 160 ms). mixed_select="device" (the gpu-sparse baseline: every selected block over PCIe)
+        # or FLUXION_MIXED_SELECT=device (for A/B) keeps the device path there.
+        mixed = mixed_select or os.environ.get("FLUXION_MIXED_SELECT", "host")
+        if mixed not in ("host", "device"):
+            raise ValueError(f"mixed_select / FLUXION_MIXED_SELECT={mixed!r}: use host or device")
+        self.mixed_host_select = self._dsum is not None and mixed == "host"
         cuda = device.type == "cuda"
         # new K/V per layer waiting for the host store: [L, 2, rows, Hkv, D] (pinned), (slots, rows, event) per layer
         self._kv_out = torch.empty(cfg.n_layers, 2, 0, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
