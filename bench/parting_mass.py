@@ -1,0 +1,171 @@
+"""Where full attention looks at the token where a sparse mode's RULER answer parts from full's.
+
+For each loss that `bench/ruler_diverge.py --out` recorded (or the ones named with --samples), the prompt plus the
+reference output up to the parting token is run through full attention (teacher-forced, in prefill chunks); at the
+last position, the step that chose the parting token, each layer's attention probabilities are summed per KV group
+(mean over its query heads) into regions of the prompt: the sink (first --sink tokens), the rest of the prompt head
+(up to --head tokens: the system prompt and the task instruction), the needle blocks (--g-token blocks holding one of
+the sample's answers), the window (last --window positions) and everything else. The table prints each region's
+mean mass over layers and groups, and the blocks outside sink and window that hold the most mass (with their text).
+Mass on the prompt head or on needle blocks the plan does not read says what a plan change must cover.
+
+Usage: python bench/parting_mass.py --model qwen2.5-coder-0.5b --dir .ruler_ids \\
+           --diverge bench/results/ruler_diverge_qwen2.5-coder-0.5b_32768_full_vs_devsel_a6afbd6.json \\
+           --tasks niah_multivalue niah_multiquery --limit 2 --out bench/results/parting_mass_32768.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from ruler_diverge import _outputs  # noqa: E402
+from ruler_split import load_ids, model_tag  # noqa: E402
+
+from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention  # noqa: E402
+
+REGIONS = ("sink", "head", "needles", "window", "rest")
+
+
+class LastRowMass(DenseAttention):
+    """Full attention that also keeps, for the sequence's position `target`, each layer's attention probabilities
+    per KV group (mean over the group's query heads): mass[layer] [Hkv, target + 1] fp32 on the host."""
+
+    def __init__(self, *args: Any, target: int, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.target = target
+        self.mass: dict[int, torch.Tensor] = {}
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
+        (c,) = chunks  # one sequence, prefill chunks only
+        keys, values = self.cache.append(layer, c.seq_id, c.start, k, v)  # [Hkv, L, D]
+        if c.start <= self.target < c.start + c.length:
+            row = q[self.target - c.start].float()  # [Hq, D]
+            hkv = keys.shape[0]
+            qg = row.view(hkv, -1, row.shape[-1])  # [Hkv, r, D]
+            kk = keys[:, : self.target + 1].float()  # [Hkv, L, D]
+            p = torch.softmax(torch.einsum("hrd,hld->hrl", qg, kk) * self.scale, dim=-1)  # [Hkv, r, L]
+            self.mass[layer] = p.mean(1).cpu()
+        return causal_attention(q, keys, values, c.start, self.scale)
+
+
+def _find(ids: list[int], pattern: list[int]) -> list[int]:
+    """Start positions of `pattern` in `ids`."""
+    n = len(pattern)
+    return [i for i in range(len(ids) - n + 1) if ids[i : i + n] == pattern] if n else []
+
+
+def needle_blocks(prompt: list[int], answers: list[str], tok: Any, g: int) -> set[int]:
+    """g-token blocks of the prompt holding an answer's tokens (tokenised with and without a leading space)."""
+    blocks: set[int] = set()
+    for ans in answers:
+        for variant in (ans, " " + ans):
+            pattern = tok.encode(variant, add_special=False) if hasattr(tok, "encode") else []
+            for start in _find(prompt, pattern):
+                blocks.update(range(start // g, (start + len(pattern) - 1) // g + 1))
+    return blocks
+
+
+def regions(mass: torch.Tensor, n_prompt: int, needles: set[int], args: argparse.Namespace) -> dict[str, float]:
+    """mass [L+1] of one group -> share per region (sink / head / needles / window / rest)."""
+    n = mass.shape[0]
+    label = torch.full((n,), 4, dtype=torch.long)  # rest
+    pos = torch.arange(n)
+    for b in needles:
+        label[b * args.g : min(n, (b + 1) * args.g)] = 2
+    label[pos < min(args.head, n_prompt)] = 1
+    label[pos < args.sink] = 0
+    label[pos >= n - args.window] = 3
+    return {name: float(mass[label == i].sum()) for i, name in enumerate(REGIONS)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--dir", default=".ruler_ids")
+    ap.add_argument("--diverge", type=Path, required=True, help="a bench/ruler_diverge.py --out file")
+    ap.add_argument("--tasks", nargs="*", default=None, help="only losses of these tasks")
+    ap.add_argument("--limit", type=int, default=None, help="at most this many losses")
+    ap.add_argument("--sink", type=int, default=16)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--head", type=int, default=64, help="prompt tokens counted as the head (system + instruction)")
+    ap.add_argument("--g", type=int, default=16, help="block size of needle blocks and of the top-block list")
+    ap.add_argument("--top", type=int, default=8)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+
+    from fluxion_lite.engine import _resolve
+    from fluxion_lite.gguf_loader import load_gguf, read_metadata
+    from fluxion_lite.model import Transformer
+    from fluxion_lite.teacher_forcing import teacher_forced_logits
+    from fluxion_lite.tokenizer import Tokenizer
+
+    try:
+        div = json.loads(args.diverge.read_text())
+        length, losses = div["length"], div["losses"]
+    except (OSError, ValueError, KeyError) as e:
+        sys.exit(f"error: {args.diverge}: not a bench/ruler_diverge.py output ({e})")
+    chosen = [x for x in losses if not args.tasks or x["task"] in args.tasks][: args.limit]
+    if not chosen:
+        sys.exit(f"error: {args.diverge} has no losses of tasks {args.tasks}")
+    tag = model_tag(args.model)
+    meta, prompts = load_ids(Path(args.dir) / f"{tag}_{length}.json", Path(args.dir) / f"{tag}_{length}.ids.xz")
+    reference = _outputs(div["reference"], length)
+    path = _resolve(args.model)
+    tok = Tokenizer(path, read_metadata(path)[0])
+    device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    model = Transformer(load_gguf(path, torch.float32), device, dtype)
+    cfg = model.cfg
+    index = {(s["task"], s["index"]): k for k, s in enumerate(meta["samples"])}
+    results = []
+    for x in chosen:
+        k = index[(x["task"], x["index"])]
+        prompt, p = prompts[k], x["first_difference"]
+        tokens = prompt + reference[k][:p]  # the shared output prefix: the last position chooses the parting token
+        attn = LastRowMass(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype, device, target=len(tokens) - 1)
+        logits = teacher_forced_logits(model, attn, tokens, chunk=args.chunk)[-1]
+        needles = needle_blocks(prompt, meta["samples"][k]["answers"], tok, args.g)
+        per_layer = [[regions(attn.mass[layer][h], len(prompt), needles, args) for h in range(cfg.n_kv_heads)]
+                     for layer in range(cfg.n_layers)]
+        mean = {r: sum(g[r] for row in per_layer for g in row) / (cfg.n_layers * cfg.n_kv_heads) for r in REGIONS}
+        total = torch.stack([attn.mass[layer] for layer in range(cfg.n_layers)]).mean((0, 1))  # [L+1]
+        n = total.shape[0]
+        nb = -(-n // args.g)
+        blocks = torch.zeros(nb * args.g)
+        blocks[:n] = total
+        blocks = blocks.view(nb, args.g).sum(1)
+        inner = [b for b in blocks.argsort(descending=True).tolist()
+                 if b * args.g >= args.sink and (b + 1) * args.g <= n - args.window][: args.top]
+        top = [{"block": b, "mass": float(blocks[b]), "needle": b in needles,
+                "text": tok.decode(tokens[b * args.g : (b + 1) * args.g])} for b in inner]
+        ref_next = reference[k][p] if p < len(reference[k]) else None
+        results.append({"task": x["task"], "index": x["index"], "parting_token": p, "tokens": len(tokens),
+                        "full_next": tok.decode([ref_next]) if ref_next is not None else None,
+                        "argmax_next": tok.decode([int(logits.argmax())]), "regions": mean,
+                        "needle_blocks": sorted(needles), "top_blocks": top})
+        print(f"{x['task']} #{x['index']}: parting at output token {p} (full writes {results[-1]['full_next']!r}, "
+              f"this forward's argmax {results[-1]['argmax_next']!r}); mass "
+              + ", ".join(f"{r} {mean[r]:.3f}" for r in REGIONS) + f"; {len(needles)} needle blocks")
+        for t in top:
+            print(f"    block {t['block']:5d} mass {t['mass']:.4f}{' needle' if t['needle'] else '       '} "
+                  f"{t['text'][:80]!r}")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"diverge": str(args.diverge), "length": length, "device": args.device,
+                                        "dtype": args.dtype, "args": {k: v for k, v in vars(args).items()
+                                                                      if isinstance(v, (int, str, list))},
+                                        "results": results}, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
