@@ -25,18 +25,20 @@ from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, SparsePlan, ch
 
 def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str = "group", pin_fraction: float = 0.0,
             obs_window: int = 32, pin_span: int = 1, pin_decay: float = 1.0, short_scale: float | None = None,
-            short_tokens: int | None = None) -> SparsePlan:
+            short_tokens: int | None = None, sink: int | None = None) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets x budget_scale (capped at 1), the
-    given block scoring, share of pinned blocks and pin span (with its decay), and short-context budget scale
-    (SparsePlan.budget_factor; None: the base plan's)."""
+    given block scoring, share of pinned blocks and pin span (with its decay), short-context budget scale
+    (SparsePlan.budget_factor) and sink (None: the base plan's)."""
+    sink = plan.sink if sink is None else sink
     short_scale = plan.short_scale if short_scale is None else short_scale
     short_tokens = plan.short_tokens if short_tokens is None else short_tokens
     rows = [[gp if gp.streaming else replace(gp, g=g or gp.g, budget=min(1.0, gp.budget * budget_scale))
              for gp in row] for row in plan.groups]
     source = (f"{plan.source}; retrieval g={g or 'kept'}, budgets x{budget_scale:g}, {scoring} scoring, "
               f"{pin_fraction:g} pinned" + (f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else "")
-              + (f", short contexts x{short_scale:g} up to {short_tokens}" if short_scale != 1.0 else ""))
-    return SparsePlan(plan.sink, plan.window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
+              + (f", short contexts x{short_scale:g} up to {short_tokens}" if short_scale != 1.0 else "")
+              + (f", sink {sink}" if sink != plan.sink else ""))
+    return SparsePlan(sink, plan.window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
                       short_scale, short_tokens)
 
 
@@ -59,8 +61,11 @@ def main() -> None:
                          "log2(context) between (>= 1; default: the base plan's, 1 = off)")
     ap.add_argument("--short-tokens", type=int, default=None,
                     help="context up to which --short-scale applies in full (> 0; default: the base plan's)")
+    ap.add_argument("--sink", type=int, default=None, help="sink tokens (default: the base plan's)")
     ap.add_argument("--out", required=True, help="where to write the variant plan (.plan.json)")
     args = ap.parse_args()
+    if args.sink is not None and args.sink < 1:
+        sys.exit("error: --sink must be >= 1")
     if args.budget_scale <= 0:
         sys.exit("error: --budget-scale must be > 0")
     if not 0.0 <= args.pin_fraction <= 1.0 or args.obs_window < 1:
@@ -77,7 +82,7 @@ def main() -> None:
     base_path = Path(args.base) if args.base else Path(str(files("fluxion_lite.models"))) / f"{args.model}.plan.json"
     base = SparsePlan.load(base_path)
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
-                  args.pin_decay, args.short_scale, args.short_tokens)
+                  args.pin_decay, args.short_scale, args.short_tokens, args.sink)
     out.save(Path(args.out))
     print(out.explain())
     for n in (4096, 8192, 16384, 32768):  # head_dim only scales both numerator and denominator

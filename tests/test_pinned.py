@@ -291,7 +291,8 @@ def test_plan_file_round_trips_the_pin_settings(tmp_path: Path) -> None:
 
 
 def test_plan_variant_writes_the_pin_span(tmp_path: Path) -> None:
-    """bench/plan_variant.py carries --pin-span into the plan file and keeps the base plan's split and budgets."""
+    """bench/plan_variant.py carries --pin-span (and --sink) into the plan file and keeps the base plan's split and
+    budgets."""
     root = Path(__file__).resolve().parents[1]
     base = root / "models" / "qwen2.5-coder-0.5b.plan.json"
     out = tmp_path / "span3.plan.json"
@@ -305,6 +306,13 @@ def test_plan_variant_writes_the_pin_span(tmp_path: Path) -> None:
     assert (plan.pin_span, plan.pin_decay, plan.pin_fraction, plan.groups) == (3, 0.5, 0.5, shipped.groups)
     refused = subprocess.run([*cmd, "--pin-span", "0"], capture_output=True, text=True, env=env, timeout=120)
     assert refused.returncode != 0 and "--pin-span" in refused.stderr
+    done = subprocess.run([*cmd, "--pin-span", "3", "--sink", "32"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    plan = SparsePlan.load(out)
+    assert (plan.sink, plan.window, plan.groups) == (32, shipped.window, shipped.groups) and "sink 32" in plan.source
+    refused = subprocess.run([*cmd, "--sink", "0"], capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode != 0 and "--sink" in refused.stderr
 
 
 def test_the_plan_names_the_block_scoring(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
