@@ -78,12 +78,11 @@ class MixedSteps:
     def step(self) -> float:
         """One step (a feeder prompt queued first if none is in prefill); its wall seconds."""
         self._feed()
-        before = self.engine.step_counters.as_dict(None)
+        before = self.engine.step_counters.mixed_steps
         t0 = time.perf_counter()
         self.engine.step()
         dt = time.perf_counter() - t0
-        after = self.engine.step_counters.as_dict(None)
-        self.kinds.append(after.get("mixed_steps", 0) > before.get("mixed_steps", 0))
+        self.kinds.append(self.engine.step_counters.mixed_steps > before)
         return dt
 
 

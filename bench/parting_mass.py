@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from ruler_diverge import _outputs  # noqa: E402
+from ruler_diverge import answer_outputs  # noqa: E402
 from ruler_split import load_ids, model_tag  # noqa: E402
 
 from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention  # noqa: E402
@@ -66,7 +66,7 @@ def needle_blocks(prompt: list[int], answers: list[str], tok: Any, g: int) -> se
     blocks: set[int] = set()
     for ans in answers:
         for variant in (ans, " " + ans):
-            pattern = tok.encode(variant, add_special=False) if hasattr(tok, "encode") else []
+            pattern = tok.encode(variant, add_special=False)
             for start in _find(prompt, pattern):
                 blocks.update(range(start // g, (start + len(pattern) - 1) // g + 1))
     return blocks
@@ -119,7 +119,7 @@ def main() -> None:
         sys.exit(f"error: {args.diverge} has no losses of tasks {args.tasks}")
     tag = model_tag(args.model)
     meta, prompts = load_ids(Path(args.dir) / f"{tag}_{length}.json", Path(args.dir) / f"{tag}_{length}.ids.xz")
-    reference = _outputs(div["reference"], length)
+    reference = answer_outputs(div["reference"], length)
     path = _resolve(args.model)
     tok = Tokenizer(path, read_metadata(path)[0])
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ruler_split import model_tag  # noqa: E402
 
 
-def _outputs(spec: str, length: int) -> list[list[int]]:
+def answer_outputs(spec: str, length: int) -> list[list[int]]:
     """FILE:MODE -> that run's output ids per sample (the run of that mode at that length)."""
     path, sep, mode = spec.rpartition(":")
     if not sep or not path:
@@ -68,7 +68,7 @@ def main() -> None:
     if not meta_path.exists():
         sys.exit(f"error: {meta_path}: no exported samples (bench/ruler_split.py export)")
     meta = json.loads(meta_path.read_text())
-    ref, cand = _outputs(args.reference, args.length), _outputs(args.candidate, args.length)
+    ref, cand = answer_outputs(args.reference, args.length), answer_outputs(args.candidate, args.length)
     path = _resolve(args.model)
     tok = Tokenizer(path, read_metadata(path)[0])
     eog = set(meta["eog_ids"])

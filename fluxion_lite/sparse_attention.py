@@ -521,7 +521,7 @@ class SparseAttention(AttentionBackend):
             self._st.cpu_topk_s += time.perf_counter() - t0
             o_r, lse_r = self.executor.run(view, q_host, qg.reshape(B * hkv, r, d), tasks, ids, counts, bi * hkv + h,
                                            B * hkv, self.scale,
-                                           placement=("auto" if host_select else None) if on_host else "gpu",
+                                           placement=None if self._dsum is None else "auto" if host_select else "gpu",
                                            layer=layer)
             self._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
             m2 = self.timer.mark()

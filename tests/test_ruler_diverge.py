@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from ruler_diverge import _outputs, first_difference  # noqa: E402
+from ruler_diverge import answer_outputs, first_difference  # noqa: E402
 
 
 def test_first_difference() -> None:
@@ -19,18 +19,18 @@ def test_first_difference() -> None:
     assert first_difference([], [1]) == 0
 
 
-def test_outputs_picks_the_mode_and_length_and_names_what_is_missing(tmp_path: Path) -> None:
+def test_answer_outputs_picks_the_mode_and_length_and_names_what_is_missing(tmp_path: Path) -> None:
     f = tmp_path / "answers.json"
     runs = [{"mode": "full", "length": 4096, "outputs": [[1, 2]]}, {"mode": "fluxion", "length": 4096,
                                                                     "outputs": [[1, 3]]},
             {"mode": "full", "length": 8192, "outputs": [[4]]}]
     f.write_text(json.dumps({"runs": runs}))
-    assert _outputs(f"{f}:fluxion", 4096) == [[1, 3]]
-    assert _outputs(f"{f}:full", 8192) == [[4]]
+    assert answer_outputs(f"{f}:fluxion", 4096) == [[1, 3]]
+    assert answer_outputs(f"{f}:full", 8192) == [[4]]
     with pytest.raises(SystemExit, match="no fixed run at 4096 .*full@4096"):
-        _outputs(f"{f}:fixed", 4096)
+        answer_outputs(f"{f}:fixed", 4096)
     with pytest.raises(SystemExit, match="FILE:MODE"):
-        _outputs(str(f), 4096)
+        answer_outputs(str(f), 4096)
     (tmp_path / "bad.json").write_text("{}")
     with pytest.raises(SystemExit, match="not a ruler_split answer file"):
-        _outputs(f"{tmp_path / 'bad.json'}:full", 4096)
+        answer_outputs(f"{tmp_path / 'bad.json'}:full", 4096)
