@@ -57,7 +57,9 @@ SHAPES = {
 # window; called fluxion-gpu before the ninth session); fluxion-gpu-layers: one graph per layer. Since the tenth
 # session fluxion-gpu also keeps the blocks read over PCIe for the next steps (reuse_cache.py);
 # fluxion-gpu-noreuse: the pin cache without the reuse cache (fluxion-gpu before the tenth session)
-# fluxion-gpu-early: fluxion-gpu with the early block choice (FLUXION_EARLY_SELECT=1, device_graph.py; batch 1 only)
+# fluxion-gpu-early: fluxion-gpu with the early block choice (device_graph.py; batch 1 only). The engine turns it on
+# by default since the nineteenth session; here the other fluxion-gpu modes keep it off (unless FLUXION_EARLY_SELECT
+# says otherwise), so that fluxion-gpu / fluxion-gpu-early stay the A/B pair of earlier tables
 EARLY_ENV = os.environ.get("FLUXION_EARLY_SELECT", "0")  # what the other fluxion-gpu modes keep
 MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-early", "fluxion-gpu-noreuse", "fluxion-gpu-nocache",
          "fluxion-gpu-layers",

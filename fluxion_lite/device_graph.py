@@ -22,8 +22,9 @@ It is KV on the GPU beyond sink + window (the pinned share of each budget, ~3% o
 plan), so it is counted in SparseAttention.bytes_used and left out when it would take more than PIN_CACHE_SHARE of
 the free device memory.
 
-Early block choice (FLUXION_EARLY_SELECT=1, batch-1 steps): layer l's scores, top-k and PCIe reads run on a side
-stream during layer l - 1's MLP, from layer l's query predicted off the stream after l - 1's attention (early()).
+Early block choice (batch-1 steps; on unless FLUXION_EARLY_SELECT=0): layer l's scores, top-k and PCIe reads run
+on a side stream during layer l - 1's MLP, from layer l's query predicted off the stream after l - 1's attention
+(early()).
 
 All layers are one graph (decode_graphs' whole_step), replayed once per step (FLUXION_DEVICE_GRAPHS=layer: one graph
 per layer, launched back to back with nothing in between). The newest tokens are in the device
@@ -63,7 +64,7 @@ if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
 
 BUCKET_TOKENS = 1024  # k_cap follows the longest sequence in steps of this many tokens (a capture per bucket)
-# The early block choice (FLUXION_EARLY_SELECT=1) runs for steps of at most this many rows: at batch 4 its extra
+# The early block choice (unless FLUXION_EARLY_SELECT=0) runs for steps of at most this many rows: at batch 4 its extra
 # query projection and side-stream kernels slowed the step (H200, 8B shape, 32K: 9.65 vs 9.27 ms), at batch 1 they
 # shortened it (6.38-6.44 vs 6.60-6.68 ms; docs/hybrid.md)
 EARLY_MAX_BATCH = 1
@@ -132,7 +133,8 @@ class DeviceGraphedDecode:
         self._side = (torch.cuda.Stream(owner.device)
                       if self.fused and owner.device.type == "cuda"
                       and os.environ.get("FLUXION_STREAM_BRANCH", "1") != "0" else None)
-        # Early block choice (FLUXION_EARLY_SELECT=1; off by default until RULER has measured its quality): layer l's
+        # Early block choice (on by default since RULER at batch 1 showed no loss: 4K and 32K, 156 samples each, 9
+        # better and 9 worse over both, docs/hybrid.md, nineteenth session; FLUXION_EARLY_SELECT=0 for A/B): layer l's
         # blocks are chosen with a query predicted from the stream after layer l-1's attention (Transformer.
         # query_ahead), on a second side stream while layer l-1's MLP runs, and with the reuse cache the chosen
         # blocks' PCIe reads run there too (block_attention stage 1). Layer l's own chain then keeps block attention
@@ -141,7 +143,7 @@ class DeviceGraphedDecode:
         # layer). The predicted query's choice held 97-99% of the real choice's attention mass on real models
         # (bench/speculative_select.py, docs/hybrid.md, fifteenth session).
         self.early_on = (self.fused and not self.torch_topk
-                         and os.environ.get("FLUXION_EARLY_SELECT", "0") == "1")
+                         and os.environ.get("FLUXION_EARLY_SELECT", "1") != "0")
         # high priority: its kernels take SMs as the MLP's GEMM blocks retire, instead of queueing behind them
         self._early_stream = (torch.cuda.Stream(owner.device, priority=int(os.environ.get("FLUXION_EARLY_PRIORITY",
                                                                                           "-1")))
@@ -446,7 +448,7 @@ class DeviceGraphedDecode:
 
     def early(self, layer: int, x: torch.Tensor, query: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Called inside layer - 1's post_attention (decode_graphs) with the stream x [B, d] after its attention:
-        with FLUXION_EARLY_SELECT=1, choose layer's blocks from query(x) [B, Hq, D] on the early stream, and
+        unless FLUXION_EARLY_SELECT=0, choose layer's blocks from query(x) [B, Hq, D] on the early stream, and
         fetch the chosen misses into the reuse cache there (see __init__); _retrieve_fused then waits for it."""
         ds = self.ds
         if not self.early_on or ds is None or ds.flat[layer] is None or ds.batch > EARLY_MAX_BATCH:
