@@ -183,6 +183,36 @@ def test_torch_path_keeps_the_bound(g: int, d: int, hkv: int, dtype: torch.dtype
     torch.testing.assert_close(got.double(), reference_scores(ds, sc, q, nb), rtol=1e-5, atol=1e-4)
 
 
+# chunk sizes of one prefill, in units of g plus tokens: whole blocks only (the usual 8192-token chunk), a ragged
+# end, starts inside a block, a chunk inside one block, single tokens
+CHUNKINGS = [[(2, 0), (3, 0)], [(2, 0), (1, 5), (2, 0)], [(0, 3), (0, 4), (4, 1)], [(0, 1), (0, 1), (1, 0), (3, 9)]]
+
+
+@pytest.mark.parametrize("chunking", CHUNKINGS)
+@pytest.mark.parametrize("g,d,hkv,dtype", SHAPES[:4])
+def test_append_chunk_of_any_alignment_matches_a_float64_reference(chunking: list[tuple[int, int]], g: int, d: int,
+                                                                   hkv: int, dtype: torch.dtype) -> None:
+    """append_chunk's stored bounds are the directed rounding of each block's exact float64 min / max, whether the
+    chunks cover whole blocks (read in place) or start / end inside one (padded with the chunk's own first / last
+    key), and for keys that are a non-contiguous view (a slice of a packed qkv-like buffer)."""
+    gen = torch.Generator().manual_seed(g + 7 * d + 31 * hkv + 101 * len(chunking))
+    sizes = [b * g + t for b, t in chunking]
+    n = sum(sizes)
+    packed = keys_with_tight_blocks(gen, n, 3 * hkv, d, g, dtype)  # [n, 3 Hkv, D]: k is the middle third
+    keys = packed[:, hkv : 2 * hkv]
+    assert not keys.is_contiguous()
+    ds = DeviceSummaries(1, hkv, d, g, torch.device("cpu"))
+    start = 0
+    for c in sizes:
+        ds.append_chunk(0, 1, start, keys[start : start + c])
+        start += c
+    mn, mx = block_minmax(keys, g)  # [Hkv, blocks, D]
+    nb = mn.shape[1]
+    got = ds.layer(0)[1, :, :nb].double()  # [Hkv, nb, 2, D]
+    assert torch.equal(got[:, :, 0], directed_ref(mn, up=False))
+    assert torch.equal(got[:, :, 1], directed_ref(mx, up=True))
+
+
 @pytest.mark.parametrize("g,d,hkv,dtype", SHAPES)
 def test_kernels_keep_the_bound(dk, g: int, d: int, hkv: int, dtype: torch.dtype) -> None:  # type: ignore[no-untyped-def]
     """The decode tokens through append_token (the fused step's kernel) instead; block_scores over the result."""
