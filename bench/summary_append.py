@@ -101,7 +101,7 @@ def main() -> None:
     for name, fn in cases.items():
         ms = _time(fn, device, args.repeats)
         ops, launches = _ops(fn, device)
-        rows.append({"case": name, "median_ms": ms, "aten_ops": ops, "launches": launches})
+        rows.append({"case": name, "median_ms": ms, "data_ops": ops, "launches": launches})
         print(f"{name:32} {ms:10.3f} {ops:9d} {launches:9d}")
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=Path(__file__).parent).stdout.strip()
