@@ -1,6 +1,7 @@
 """Install a catalog model from file parts on a machine without network (the GPU host we benchmark on).
 
-The device tool moves at most 64 MiB per call, so a GGUF travels as `split -b 61M` parts over back-to-back calls.
+The device tool moves at most 64 MiB per call, the tracked tree included (~24 MiB now), so a GGUF travels as
+`split -b 36M -d -a 2 <gguf> q05b.part` parts over back-to-back calls.
 This joins the parts into the model cache, checks size and sha256 against models/catalog.json and writes the stamp
 that `fluxion-lite` trusts, so the model then resolves by its catalog name (and finds its calibrated plan).
 

@@ -4,9 +4,9 @@ and append_tokens (one key per decoding row), timed and counted in ops.
 A mixed step (a prompt chunk beside decoding rows, docs/hybrid.md) under device selection pays both in every layer,
 and CPU selection pays neither; the launch count is what a host-bound step feels on the GPU, so the table gives the
 aten ops each call issues that move data (views left out; torch.profiler) and on CUDA its kernel launches, beside
-its median time. Cases: a chunk of whole blocks at a block
-start (the usual `--chunk`-token chunk), the same chunk shifted off the block grid (a ragged start and end), and
-`--rows` decode keys. Run it on two trees to A/B a change of device_select.py.
+its median time. Cases: a chunk of whole blocks at a block start (the usual `--chunk`-token chunk), the same chunk
+shifted off the block grid (a ragged start and end), and `--rows` decode keys. Run it on two trees to A/B a change
+of device_select.py.
 
 Usage: python bench/summary_append.py --device cuda --chunk 8192 --rows 63 --out bench/results/summary_append.json
        python bench/summary_append.py --device cpu --chunk 2048 --repeats 5
@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.chunk <= 5 or args.rows < 1:  # the ragged case drops 5 tokens of the chunk
+        ap.error("--chunk must be above 5 and --rows at least 1")
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     hkv, d, g, n = args.kv_heads, args.head_dim, args.g, args.chunk
     gen = torch.Generator().manual_seed(0)
