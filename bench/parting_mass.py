@@ -9,9 +9,16 @@ the sample's answers), the window (last --window positions) and everything else.
 mean mass over layers and groups, and the blocks outside sink and window that hold the most mass (with their text).
 Mass on the prompt head or on needle blocks the plan does not read says what a plan change must cover.
 
+With --plan, the sample is also answered greedily under that fluxion plan (the engine on --device, pins and top-k
+recorded as bench/pin_trace.py does) up to the parting token; if that run writes full's prefix, the step that chose
+the parting token is the one compared: per retrieval group, the share of full's mass between sink and window that
+lies in the blocks the step read, the same mass of the streaming groups (read by none), and the heaviest blocks that
+retrieval groups left unread.
+
 Usage: python bench/parting_mass.py --model qwen2.5-coder-0.5b --dir .ruler_ids \\
            --diverge bench/results/ruler_diverge_qwen2.5-coder-0.5b_32768_full_vs_devsel_a6afbd6.json \\
            --tasks niah_multivalue niah_multiquery --limit 2 --out bench/results/parting_mass_32768.json
+       (add --plan models/qwen2.5-coder-0.5b.plan.json for the reads of the fluxion step at the parting token)
 """
 from __future__ import annotations
 
@@ -85,6 +92,64 @@ def regions(mass: torch.Tensor, n_prompt: int, needles: set[int], args: argparse
     return {name: float(mass[label == i].sum()) for i, name in enumerate(REGIONS)}
 
 
+def read_split(mass: torch.Tensor, read: set[int], g: int, sink: int, window: int) -> tuple[float, float]:
+    """mass [L+1] of one group -> (its mass between the sink and the window, the part of that in the g-token blocks
+    `read`)."""
+    n = mass.shape[0]
+    pos = torch.arange(n)
+    middle = (pos >= sink) & (pos < n - window)
+    in_read = torch.zeros(n, dtype=torch.bool)
+    for b in read:
+        in_read[b * g : min(n, (b + 1) * g)] = True
+    return float(mass[middle].sum()), float(mass[middle & in_read].sum())
+
+
+def plan_reads(engine: Any, rec: Any, plan: Any, prompt: list[int], reference: list[int], p: int,
+               mass: dict[int, torch.Tensor], tokens: list[int], needles: set[int], tok: Any, top: int,
+               ) -> dict[str, Any]:
+    """Answer the prompt greedily under the engine's fluxion plan for p + 1 tokens and compare the reads of the step
+    that chose token p (decode step p - 1: token 0 comes from the prefill) with full's mass at that position."""
+    from fluxion_lite.sampling import SamplingParams
+
+    rec.clear()
+    engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=p + 1))
+    out: list[int] = []
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.extend(o.new_token_ids)
+    if p < 1 or out[:p] != reference[:p] or len(rec.steps) < p:
+        return {"reproduced": False, "plan_output_ids": out}  # another prefix here: not the same parting step
+    reads = rec.steps[p - 1]
+    g = next(gp.g for row in plan.groups for gp in row if not gp.streaming)
+    retrieval = [(lay, h) for lay, row in enumerate(plan.groups) for h, gp in enumerate(row) if not gp.streaming]
+    streaming = [(lay, h) for lay, row in enumerate(plan.groups) for h, gp in enumerate(row) if gp.streaming]
+    split = {key: read_split(mass[key[0]][key[1]], reads.get(key, set()), g, plan.sink, plan.window)
+             for key in retrieval}
+    n = len(tokens)
+    nb = -(-n // g)
+    unread = torch.zeros(nb * g)  # mass in blocks a retrieval group did not read, summed over those groups
+    for lay, h in retrieval:
+        m = torch.zeros(nb * g)
+        m[:n] = mass[lay][h]
+        m[: plan.sink] = 0
+        m[n - plan.window :] = 0
+        for b in reads.get((lay, h), set()):
+            m[b * g : (b + 1) * g] = 0
+        unread += m
+    unread = unread.view(nb, g).sum(1) / len(retrieval)
+    heavy = [b for b in unread.argsort(descending=True).tolist() if unread[b] > 0][:top]
+    middle = sum(mid for mid, _ in split.values())
+    return {"reproduced": True,
+            "retrieval_middle_mass": middle / len(split),  # mean over retrieval groups
+            "retrieval_read_share": sum(rd for _, rd in split.values()) / middle if middle else 0.0,
+            "streaming_middle_mass": (sum(read_split(mass[lay][h], set(), g, plan.sink, plan.window)[0]
+                                          for lay, h in streaming) / len(streaming)) if streaming else 0.0,
+            "needle_blocks_read_by": {b: sum(b in reads.get(key, set()) for key in retrieval) for b in sorted(needles)},
+            "retrieval_groups": len(retrieval),
+            "heaviest_unread": [{"block": b, "mass": float(unread[b]), "needle": b in needles,
+                                 "text": tok.decode(tokens[b * g : (b + 1) * g])} for b in heavy]}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -100,6 +165,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--chunk", type=int, default=2048)
+    ap.add_argument("--plan", type=Path, default=None, help="also compare the reads of this fluxion plan's step")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -126,6 +192,23 @@ def main() -> None:
     model = Transformer(load_gguf(path, torch.float32), device, dtype)
     cfg = model.cfg
     index = {(s["task"], s["index"]): k for k, s in enumerate(meta["samples"])}
+    engine = rec = plan = None
+    if args.plan is not None:
+        from pin_trace import Recorder
+
+        from fluxion_lite.engine import Engine
+        from fluxion_lite.sparse_plan import SparsePlan
+
+        plan = SparsePlan.load(args.plan)
+        if len({gp.g for row in plan.groups for gp in row if not gp.streaming}) != 1:
+            sys.exit(f"error: --plan {args.plan}: needs one block size for every retrieval group")
+        longest = max(len(prompts[index[(x["task"], x["index"])]]) + x["first_difference"] for x in chosen)
+        engine = Engine(args.model, attention="full", device=args.device, dtype=args.dtype, max_batch=1,
+                        max_context=longest + 8, prefill_chunk=args.chunk, prefix_cache_entries=0,
+                        load_tokenizer=False)
+        engine.set_attention("fluxion", plan)
+        engine.eog_ids = frozenset(meta["eog_ids"])
+        rec = Recorder()
     results = []
     for x in chosen:
         k = index[(x["task"], x["index"])]
@@ -158,11 +241,26 @@ def main() -> None:
         for t in top:
             print(f"    block {t['block']:5d} mass {t['mass']:.4f}{' needle' if t['needle'] else '       '} "
                   f"{t['text'][:80]!r}")
+        if engine is not None:
+            r = plan_reads(engine, rec, plan, prompt, reference[k], p, attn.mass, tokens, needles, tok, args.top)
+            results[-1]["plan_reads"] = r
+            if not r["reproduced"]:
+                print(f"  plan {args.plan.name}: this run's output parts from full's before token {p} "
+                      f"({tok.decode(r['plan_output_ids'])!r}): no step to compare")
+                continue
+            print(f"  plan {args.plan.name}, the parting step: retrieval groups hold {r['retrieval_middle_mass']:.3f} "
+                  f"of full's mass between sink and window and read {r['retrieval_read_share']:.0%} of it; "
+                  f"streaming groups hold {r['streaming_middle_mass']:.3f} there (unread); needle blocks read by "
+                  + ", ".join(f"{b}: {c}/{r['retrieval_groups']}" for b, c in r["needle_blocks_read_by"].items()))
+            for t in r["heaviest_unread"]:
+                print(f"    unread block {t['block']:5d} mass {t['mass']:.4f}{' needle' if t['needle'] else '       '} "
+                      f"{t['text'][:80]!r}")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"diverge": str(args.diverge), "length": length, "device": args.device,
-                                        "dtype": args.dtype, "args": {k: v for k, v in vars(args).items()
-                                                                      if isinstance(v, (int, str, list))},
+                                        "dtype": args.dtype, "plan": str(args.plan) if args.plan else None,
+                                        "args": {k: v for k, v in vars(args).items()
+                                                 if isinstance(v, (int, str, list))},
                                         "results": results}, indent=1))
         print(f"wrote {args.out}")
 

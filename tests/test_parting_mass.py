@@ -1,4 +1,5 @@
-"""bench/parting_mass.py's pieces: the recorded attention mass at the target position, and the region split."""
+"""bench/parting_mass.py's pieces: the recorded attention mass at the target position, the region split, and the
+split of the mass between sink and window into what a step's blocks read and the rest."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from parting_mass import LastRowMass, regions  # noqa: E402
+from parting_mass import LastRowMass, read_split, regions  # noqa: E402
 
 from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
 
@@ -45,3 +46,18 @@ def test_regions_split_the_mass_with_window_over_sink_over_head_over_needles() -
     for name, m in (("sink", sink), ("head", head), ("needles", needles), ("window", window), ("rest", rest)):
         assert abs(got[name] - float(mass[m].sum())) < 1e-3, name
     assert abs(sum(got.values()) - float(mass.sum())) < 1e-3
+
+
+def test_read_split_counts_the_read_blocks_between_sink_and_window_only() -> None:
+    gen = torch.Generator().manual_seed(5)
+    mass = torch.rand(50, generator=gen, dtype=torch.float64)  # 50 positions; g 8: blocks 0-6, the last partial
+    sink, window, g = 5, 9, 8
+    read = {0, 2, 5, 6}  # block 0 lies partly in the sink, 5 partly and 6 wholly in the window (positions 41-49)
+    middle, got = read_split(mass.float(), read, g, sink, window)
+    pos = torch.arange(50)
+    mid = (pos >= sink) & (pos < 50 - window)
+    in_read = torch.tensor([int(i) // g in read for i in pos])
+    assert abs(middle - float(mass[mid].sum())) < 1e-5
+    assert abs(got - float(mass[mid & in_read].sum())) < 1e-5
+    assert 0 < got < middle
+    assert read_split(mass.float(), set(), g, sink, window)[1] == 0.0
