@@ -120,6 +120,7 @@ def plan_reads(engine: Any, rec: Any, plan: Any, prompt: list[int], reference: l
     if p < 1 or out[:p] != reference[:p] or len(rec.steps) < p:
         return {"reproduced": False, "plan_output_ids": out}  # another prefix here: not the same parting step
     reads = rec.steps[p - 1]
+    plan_next = out[p] if len(out) > p else None  # the plan's token at the parting step
     g = next(gp.g for row in plan.groups for gp in row if not gp.streaming)
     retrieval = [(lay, h) for lay, row in enumerate(plan.groups) for h, gp in enumerate(row) if not gp.streaming]
     streaming = [(lay, h) for lay, row in enumerate(plan.groups) for h, gp in enumerate(row) if gp.streaming]
@@ -139,7 +140,7 @@ def plan_reads(engine: Any, rec: Any, plan: Any, prompt: list[int], reference: l
     unread = unread.view(nb, g).sum(1) / len(retrieval)
     heavy = [b for b in unread.argsort(descending=True).tolist() if unread[b] > 0][:top]
     middle = sum(mid for mid, _ in split.values())
-    return {"reproduced": True,
+    return {"reproduced": True, "plan_next": tok.decode([plan_next]) if plan_next is not None else None,
             "retrieval_middle_mass": middle / len(split),  # mean over retrieval groups
             "retrieval_read_share": sum(rd for _, rd in split.values()) / middle if middle else 0.0,
             "streaming_middle_mass": (sum(read_split(mass[lay][h], set(), g, plan.sink, plan.window)[0]
@@ -231,12 +232,22 @@ def main() -> None:
         top = [{"block": b, "mass": float(blocks[b]), "needle": b in needles,
                 "text": tok.decode(tokens[b * args.g : (b + 1) * args.g])} for b in inner]
         ref_next = reference[k][p] if p < len(reference[k]) else None
+        # how decided full's choice is here: its token's logit over the best other token's (a small margin is a
+        # near-tie that any small error in the sparse step can tip)
+        lf = logits.float()
+        chosen_id = ref_next if ref_next is not None else int(lf.argmax())
+        others = lf.clone()
+        others[chosen_id] = float("-inf")
+        runner_up = int(others.argmax())
         results.append({"task": x["task"], "index": x["index"], "parting_token": p, "tokens": len(tokens),
                         "full_next": tok.decode([ref_next]) if ref_next is not None else None,
                         "argmax_next": tok.decode([int(logits.argmax())]), "regions": mean,
+                        "logit_margin": float(lf[chosen_id] - lf[runner_up]), "runner_up": tok.decode([runner_up]),
+                        "full_next_prob": float(lf.softmax(-1)[chosen_id]),
                         "needle_blocks": sorted(needles), "top_blocks": top})
         print(f"{x['task']} #{x['index']}: parting at output token {p} (full writes {results[-1]['full_next']!r}, "
-              f"this forward's argmax {results[-1]['argmax_next']!r}); mass "
+              f"this forward's argmax {results[-1]['argmax_next']!r}, margin {results[-1]['logit_margin']:.2f} "
+              f"over {results[-1]['runner_up']!r}, p {results[-1]['full_next_prob']:.2f}); mass "
               + ", ".join(f"{r} {mean[r]:.3f}" for r in REGIONS) + f"; {len(needles)} needle blocks")
         for t in top:
             print(f"    block {t['block']:5d} mass {t['mass']:.4f}{' needle' if t['needle'] else '       '} "
@@ -248,7 +259,8 @@ def main() -> None:
                 print(f"  plan {args.plan.name}: this run's output parts from full's before token {p} "
                       f"({tok.decode(r['plan_output_ids'])!r}): no step to compare")
                 continue
-            print(f"  plan {args.plan.name}, the parting step: retrieval groups hold {r['retrieval_middle_mass']:.3f} "
+            print(f"  plan {args.plan.name}, the parting step (writes {r['plan_next']!r}): retrieval groups hold "
+                  f"{r['retrieval_middle_mass']:.3f} "
                   f"of full's mass between sink and window and read {r['retrieval_read_share']:.0%} of it; "
                   f"streaming groups hold {r['streaming_middle_mass']:.3f} there (unread); needle blocks read by "
                   + ", ".join(f"{b}: {c}/{r['retrieval_groups']}" for b, c in r["needle_blocks_read_by"].items()))
