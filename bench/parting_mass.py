@@ -92,15 +92,19 @@ def regions(mass: torch.Tensor, n_prompt: int, needles: set[int], args: argparse
     return {name: float(mass[label == i].sum()) for i, name in enumerate(REGIONS)}
 
 
-def read_split(mass: torch.Tensor, read: set[int], g: int, sink: int, window: int) -> tuple[float, float]:
-    """mass [L+1] of one group -> (its mass between the sink and the window, the part of that in the g-token blocks
-    `read`)."""
-    n = mass.shape[0]
+def middle_masks(n: int, read: set[int], g: int, sink: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For n positions: (between the sink and the window, inside one of the g-token blocks `read`), bool [n] each."""
     pos = torch.arange(n)
-    middle = (pos >= sink) & (pos < n - window)
     in_read = torch.zeros(n, dtype=torch.bool)
     for b in read:
         in_read[b * g : min(n, (b + 1) * g)] = True
+    return (pos >= sink) & (pos < n - window), in_read
+
+
+def read_split(mass: torch.Tensor, read: set[int], g: int, sink: int, window: int) -> tuple[float, float]:
+    """mass [L+1] of one group -> (its mass between the sink and the window, the part of that in the g-token blocks
+    `read`)."""
+    middle, in_read = middle_masks(mass.shape[0], read, g, sink, window)
     return float(mass[middle].sum()), float(mass[middle & in_read].sum())
 
 
@@ -128,15 +132,10 @@ def plan_reads(engine: Any, rec: Any, plan: Any, prompt: list[int], reference: l
              for key in retrieval}
     n = len(tokens)
     nb = -(-n // g)
-    unread = torch.zeros(nb * g)  # mass in blocks a retrieval group did not read, summed over those groups
+    unread = torch.zeros(nb * g)  # mass between sink and window that a retrieval group did not read, summed
     for lay, h in retrieval:
-        m = torch.zeros(nb * g)
-        m[:n] = mass[lay][h]
-        m[: plan.sink] = 0
-        m[n - plan.window :] = 0
-        for b in reads.get((lay, h), set()):
-            m[b * g : (b + 1) * g] = 0
-        unread += m
+        middle, in_read = middle_masks(n, reads.get((lay, h), set()), g, plan.sink, plan.window)
+        unread[:n] += mass[lay][h] * (middle & ~in_read)
     unread = unread.view(nb, g).sum(1) / len(retrieval)
     heavy = [b for b in unread.argsort(descending=True).tolist() if unread[b] > 0][:top]
     middle = sum(mid for mid, _ in split.values())
