@@ -215,7 +215,7 @@ def main() -> None:
         prompt, p = prompts[k], x["first_difference"]
         tokens = prompt + reference[k][:p]  # the shared output prefix: the last position chooses the parting token
         attn = LastRowMass(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype, device, target=len(tokens) - 1)
-        logits = teacher_forced_logits(model, attn, tokens, chunk=args.chunk)[-1]
+        logits = teacher_forced_logits(model, attn, tokens, chunk=args.chunk, last_row_only=True)[-1]
         needles = needle_blocks(prompt, meta["samples"][k]["answers"], tok, args.g)
         per_layer = [[regions(attn.mass[layer][h], len(prompt), needles, args) for h in range(cfg.n_kv_heads)]
                      for layer in range(cfg.n_layers)]

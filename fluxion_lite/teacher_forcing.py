@@ -8,20 +8,29 @@ from .model import Transformer
 
 
 def teacher_forced_logits(
-    model: Transformer, attn: AttentionBackend, tokens: list[int], chunk: int = 256, seq_id: int = -1
+    model: Transformer, attn: AttentionBackend, tokens: list[int], chunk: int = 256, seq_id: int = -1,
+    last_row_only: bool = False,
 ) -> torch.Tensor:
-    """Logits [len(tokens), V] (row i predicts token i + 1). Uses a temporary sequence slot in `attn`."""
+    """Logits [len(tokens), V] (row i predicts token i + 1), or [1, V] for the last token when `last_row_only`
+    (a caller that needs one row at 32K would otherwise hold 32K x V fp32 rows, ~20 GB for a 152K vocab).
+    Uses a temporary sequence slot in `attn`."""
     attn.allocate(seq_id)
     rows: list[torch.Tensor] = []
     try:
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
             n = len(piece)
+            is_last = start + chunk >= len(tokens)
+            if last_row_only and not is_last:
+                wanted = torch.empty(0, dtype=torch.long)  # attention still runs; no vocab projection
+            else:
+                wanted = torch.tensor([n - 1]) if last_row_only else torch.arange(n)
             logits = model.forward(
                 torch.tensor(piece), torch.arange(start, start + n), [SeqChunk(seq_id, start, n)], attn,
-                logit_rows=torch.arange(n),
+                logit_rows=wanted,
             )
-            rows.append(logits.cpu())
+            if wanted.numel():
+                rows.append(logits.cpu())
     finally:
         attn.free(seq_id)
     return torch.cat(rows)

@@ -205,6 +205,15 @@ def test_chunked_prefill_matches_reference(case: TinyCase) -> None:
     assert_matches(logits, case.reference, "prefill in chunks of 7")
 
 
+def test_chunked_prefill_last_row_only_matches_reference(case: TinyCase) -> None:
+    # 40 tokens in chunks of 7 and 8: the last chunk is ragged (5) and full (8); only its last row comes back
+    for chunk in (7, 8):
+        logits = teacher_forced_logits(case.model, case.fresh_attention(), case.tokens.tolist(), chunk=chunk,
+                                       last_row_only=True)
+        assert logits.shape[0] == 1
+        assert_matches(logits, case.reference[-1:], f"last row, chunks of {chunk}")
+
+
 def test_two_sequences_packed_in_one_forward(case: TinyCase) -> None:
     attn = case.fresh_attention()
     attn.allocate(1)
