@@ -1,7 +1,8 @@
 """Derive a policy-variant plan from a model's shipped static plan, for RULER / fidelity experiments.
 
 The shipped plan keeps its streaming / retrieval split; every retrieval group can get another block size and a
-scaled budget. Feed the result to `bench/ruler_split.py answer --plan FILE` (runs as mode fluxion@<file stem>).
+scaled budget (raised to a floor first, if asked); flags left out keep the base plan's values. Feed the result to
+`bench/ruler_split.py answer --plan FILE` (runs as mode fluxion@<file stem>).
 
   python bench/plan_variant.py --model qwen2.5-coder-0.5b --g 16 --budget-scale 0.6 --scoring per-head \
       --pin-fraction 0.5 --out /tmp/g16x06.plan.json
@@ -9,6 +10,8 @@ scaled budget. Feed the result to `bench/ruler_split.py answer --plan FILE` (run
       --out /tmp/span2.plan.json
   python bench/plan_variant.py --base models/qwen2.5-coder-0.5b.plan.json --pin-fraction 0.75 --pin-span 3 \
       --short-scale 1.8 --short-tokens 8192 --out /tmp/short.plan.json
+  python bench/plan_variant.py --base models/qwen2.5-coder-0.5b.plan.json --min-budget 0.02 --budget-scale 0.95 \
+      --out /tmp/floor.plan.json
 """
 from __future__ import annotations
 
@@ -25,16 +28,19 @@ from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, SparsePlan, ch
 
 def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str = "group", pin_fraction: float = 0.0,
             obs_window: int = 32, pin_span: int = 1, pin_decay: float = 1.0, short_scale: float | None = None,
-            short_tokens: int | None = None, sink: int | None = None) -> SparsePlan:
-    """The same split with retrieval groups at block size g (None: keep), budgets x budget_scale (capped at 1), the
+            short_tokens: int | None = None, sink: int | None = None, min_budget: float = 0.0) -> SparsePlan:
+    """The same split with retrieval groups at block size g (None: keep), budgets raised to at least min_budget and
+    then x budget_scale (capped at 1), the
     given block scoring, share of pinned blocks and pin span (with its decay), short-context budget scale
     (SparsePlan.budget_factor) and sink (None: the base plan's)."""
     sink = plan.sink if sink is None else sink
     short_scale = plan.short_scale if short_scale is None else short_scale
     short_tokens = plan.short_tokens if short_tokens is None else short_tokens
-    rows = [[gp if gp.streaming else replace(gp, g=g or gp.g, budget=min(1.0, gp.budget * budget_scale))
+    rows = [[gp if gp.streaming
+             else replace(gp, g=g or gp.g, budget=min(1.0, max(gp.budget, min_budget) * budget_scale))
              for gp in row] for row in plan.groups]
-    source = (f"{plan.source}; retrieval g={g or 'kept'}, budgets x{budget_scale:g}, {scoring} scoring, "
+    floor = f"budgets >= {min_budget:g} then " if min_budget > 0 else "budgets "
+    source = (f"{plan.source}; retrieval g={g or 'kept'}, {floor}x{budget_scale:g}, {scoring} scoring, "
               f"{pin_fraction:g} pinned" + (f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else "")
               + (f", short contexts x{short_scale:g} up to {short_tokens}" if short_scale != 1.0 else "")
               + (f", sink {sink}" if sink != plan.sink else ""))
@@ -48,14 +54,24 @@ def main() -> None:
     ap.add_argument("--base", default=None, help="start from this plan file instead of the shipped one")
     ap.add_argument("--g", type=int, default=None, choices=GRANULARITIES, help="block size for every retrieval group")
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every retrieval budget by this")
-    ap.add_argument("--scoring", default="group", choices=native.SCORINGS, help="top-k block scoring")
-    ap.add_argument("--pin-fraction", type=float, default=0.0,
-                    help="share of each retrieval budget pinned at prefill end by the prompt's last tokens")
-    ap.add_argument("--obs-window", type=int, default=32, help="prompt tokens whose attention picks the pins")
-    ap.add_argument("--pin-span", type=int, default=1,
-                    help="each block pinned by mass brings its pin_span - 1 successors, within the same pin count")
-    ap.add_argument("--pin-decay", type=float, default=1.0,
-                    help="a successor scores this x its predecessor's mass (1: before any lighter block)")
+    ap.add_argument("--min-budget", type=float, default=0.0,
+                    help="raise every retrieval budget below this to it, before --budget-scale (a group whose budget "
+                         "holds fewer pinned spans than a prompt has needles cannot pin them all)")
+    # Unset pin / scoring flags keep the base plan's values (as --sink and --short-scale do): a variant of the
+    # shipped plan that changes only its budgets must not silently drop its pins.
+    ap.add_argument("--scoring", default=None, choices=native.SCORINGS,
+                    help="top-k block scoring (default: the base plan's)")
+    ap.add_argument("--pin-fraction", type=float, default=None,
+                    help="share of each retrieval budget pinned at prefill end by the prompt's last tokens "
+                         "(default: the base plan's)")
+    ap.add_argument("--obs-window", type=int, default=None,
+                    help="prompt tokens whose attention picks the pins (default: the base plan's)")
+    ap.add_argument("--pin-span", type=int, default=None,
+                    help="each block pinned by mass brings its pin_span - 1 successors, within the same pin count "
+                         "(default: the base plan's)")
+    ap.add_argument("--pin-decay", type=float, default=None,
+                    help="a successor scores this x its predecessor's mass (1: before any lighter block; default: "
+                         "the base plan's)")
     ap.add_argument("--short-scale", type=float, default=None,
                     help="retrieval budgets x this up to --short-tokens of context, x1 from twice that on, linear in "
                          "log2(context) between (>= 1; default: the base plan's, 1 = off)")
@@ -68,12 +84,8 @@ def main() -> None:
         sys.exit("error: --sink must be >= 1")
     if args.budget_scale <= 0:
         sys.exit("error: --budget-scale must be > 0")
-    if not 0.0 <= args.pin_fraction <= 1.0 or args.obs_window < 1:
-        sys.exit("error: --pin-fraction must be in [0, 1] and --obs-window >= 1")
-    if not 1 <= args.pin_span <= MAX_PIN_SPAN:
-        sys.exit(f"error: --pin-span must be in [1, {MAX_PIN_SPAN}]")
-    if not 0.0 < args.pin_decay <= 1.0:
-        sys.exit("error: --pin-decay must be in (0, 1]")
+    if not 0.0 <= args.min_budget <= 1.0:
+        sys.exit("error: --min-budget must be in [0, 1]")
     try:
         check_short(1.0 if args.short_scale is None else args.short_scale,
                     8192 if args.short_tokens is None else args.short_tokens)
@@ -81,8 +93,17 @@ def main() -> None:
         sys.exit(f"error: --{str(exc).replace('_', '-')}")
     base_path = Path(args.base) if args.base else Path(str(files("fluxion_lite.models"))) / f"{args.model}.plan.json"
     base = SparsePlan.load(base_path)
+    for field in ("scoring", "pin_fraction", "obs_window", "pin_span", "pin_decay"):
+        if getattr(args, field) is None:
+            setattr(args, field, getattr(base, field))
+    if not 0.0 <= args.pin_fraction <= 1.0 or args.obs_window < 1:
+        sys.exit("error: --pin-fraction must be in [0, 1] and --obs-window >= 1")
+    if not 1 <= args.pin_span <= MAX_PIN_SPAN:
+        sys.exit(f"error: --pin-span must be in [1, {MAX_PIN_SPAN}]")
+    if not 0.0 < args.pin_decay <= 1.0:
+        sys.exit("error: --pin-decay must be in (0, 1]")
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
-                  args.pin_decay, args.short_scale, args.short_tokens, args.sink)
+                  args.pin_decay, args.short_scale, args.short_tokens, args.sink, args.min_budget)
     out.save(Path(args.out))
     print(out.explain())
     for n in (4096, 8192, 16384, 32768):  # head_dim only scales both numerator and denominator

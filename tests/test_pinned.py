@@ -315,6 +315,33 @@ def test_plan_variant_writes_the_pin_span(tmp_path: Path) -> None:
     assert refused.returncode != 0 and "--sink" in refused.stderr
 
 
+def test_plan_variant_raises_small_budgets_to_the_floor_then_scales(tmp_path: Path) -> None:
+    """--min-budget lifts every retrieval budget below it to it before --budget-scale; streaming groups, block sizes
+    and budgets above the floor (scaled only) are kept."""
+    root = Path(__file__).resolve().parents[1]
+    base = root / "models" / "qwen2.5-coder-0.5b.plan.json"
+    out = tmp_path / "floor.plan.json"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(base), "--out", str(out)]
+    done = subprocess.run([*cmd, "--min-budget", "0.02", "--budget-scale", "0.95"], capture_output=True, text=True,
+                          env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plan, shipped = SparsePlan.load(out), SparsePlan.load(base)
+    for row, base_row in zip(plan.groups, shipped.groups):
+        for gp, bp in zip(row, base_row):
+            assert (gp.streaming, gp.g) == (bp.streaming, bp.g)
+            if not bp.streaming:
+                assert gp.budget == pytest.approx(max(bp.budget, 0.02) * 0.95)
+    assert any(bp.budget < 0.02 for r in shipped.groups for bp in r if not bp.streaming)  # the floor did something
+    assert "budgets >= 0.02 then x0.95" in plan.source and "32768 tokens: predicted KV read" in done.stdout
+    # flags not given keep the base plan's pins, scoring, sink and short-context scale
+    kept = ("pin_fraction", "obs_window", "pin_span", "pin_decay", "scoring", "sink", "window", "short_scale",
+            "short_tokens")
+    assert [getattr(plan, f) for f in kept] == [getattr(shipped, f) for f in kept] and shipped.pin_fraction > 0
+    refused = subprocess.run([*cmd, "--min-budget", "1.5"], capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode != 0 and "--min-budget" in refused.stderr
+
+
 def test_the_plan_names_the_block_scoring(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     cfg = engine.config
     monkeypatch.delenv("FLUXION_TOPK", raising=False)
