@@ -40,6 +40,8 @@ def load_scores(spec: str) -> tuple[int, dict[Key, float]]:
         length = int(data["length"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         sys.exit(f"error: {path}: not a scored RULER file ({e})")
+    if not isinstance(modes, dict) or not all(isinstance(m, dict) for m in modes.values()):
+        sys.exit(f"error: {path}: not a scored RULER file (its modes are not a table of runs)")
     if mode not in modes:
         sys.exit(f"error: {path} has no mode {mode!r} (has {', '.join(sorted(modes))})")
     records = modes[mode].get("records") or []

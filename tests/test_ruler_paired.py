@@ -101,6 +101,7 @@ def test_cli_writes_the_paired_summary(tmp_path: Path) -> None:
     ("no_records", "no per-sample records"),
     ("other_length", "different lengths"),
     ("not_json", "not a scored RULER file"),
+    ("modes_not_a_table", "not a scored RULER file"),
 ])
 def test_cli_bad_input_gets_a_clear_error(tmp_path: Path, case: str, message: str) -> None:
     ref = _scored(tmp_path / "r.json", "full", {("vt", 0): 1.0})
@@ -111,6 +112,8 @@ def test_cli_bad_input_gets_a_clear_error(tmp_path: Path, case: str, message: st
         (tmp_path / "c.json").write_text(json.dumps({"length": 4096, "modes": {"fluxion": {"mean_accuracy": 0.5}}}))
     elif case == "other_length":
         cand = _scored(tmp_path / "c.json", "fluxion", {("vt", 0): 0.0}, length=8192)
+    elif case == "modes_not_a_table":
+        (tmp_path / "c.json").write_text(json.dumps({"length": 4096, "modes": ["fluxion"]}))
     else:
         (tmp_path / "c.json").write_text("{not json")
     cmd = [sys.executable, str(ROOT / "bench" / "ruler_paired.py"), "--reference", ref, "--candidate", cand]
