@@ -28,12 +28,14 @@ from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, SparsePlan, ch
 
 def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str = "group", pin_fraction: float = 0.0,
             obs_window: int = 32, pin_span: int = 1, pin_decay: float = 1.0, short_scale: float | None = None,
-            short_tokens: int | None = None, sink: int | None = None, min_budget: float = 0.0) -> SparsePlan:
+            short_tokens: int | None = None, sink: int | None = None, min_budget: float = 0.0,
+            window: int | None = None) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets raised to at least min_budget and
     then x budget_scale (capped at 1), the
     given block scoring, share of pinned blocks and pin span (with its decay), short-context budget scale
-    (SparsePlan.budget_factor) and sink (None: the base plan's)."""
+    (SparsePlan.budget_factor), sink and recent window (None: the base plan's)."""
     sink = plan.sink if sink is None else sink
+    window = plan.window if window is None else window
     short_scale = plan.short_scale if short_scale is None else short_scale
     short_tokens = plan.short_tokens if short_tokens is None else short_tokens
     rows = [[gp if gp.streaming
@@ -43,8 +45,9 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str =
     source = (f"{plan.source}; retrieval g={g or 'kept'}, {floor}x{budget_scale:g}, {scoring} scoring, "
               f"{pin_fraction:g} pinned" + (f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else "")
               + (f", short contexts x{short_scale:g} up to {short_tokens}" if short_scale != 1.0 else "")
-              + (f", sink {sink}" if sink != plan.sink else ""))
-    return SparsePlan(sink, plan.window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
+              + (f", sink {sink}" if sink != plan.sink else "")
+              + (f", window {window}" if window != plan.window else ""))
+    return SparsePlan(sink, window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
                       short_scale, short_tokens)
 
 
@@ -78,10 +81,15 @@ def main() -> None:
     ap.add_argument("--short-tokens", type=int, default=None,
                     help="context up to which --short-scale applies in full (> 0; default: the base plan's)")
     ap.add_argument("--sink", type=int, default=None, help="sink tokens (default: the base plan's)")
+    ap.add_argument("--window", type=int, default=None,
+                    help="recent-window tokens (default: the base plan's); the prompt's question sits in the window "
+                         "at the first decode step and leaves it as the answer grows")
     ap.add_argument("--out", required=True, help="where to write the variant plan (.plan.json)")
     args = ap.parse_args()
     if args.sink is not None and args.sink < 1:
         sys.exit("error: --sink must be >= 1")
+    if args.window is not None and args.window < 1:
+        sys.exit("error: --window must be >= 1")
     if args.budget_scale <= 0:
         sys.exit("error: --budget-scale must be > 0")
     if not 0.0 <= args.min_budget <= 1.0:
@@ -103,7 +111,8 @@ def main() -> None:
     if not 0.0 < args.pin_decay <= 1.0:
         sys.exit("error: --pin-decay must be in (0, 1]")
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
-                  args.pin_decay, args.short_scale, args.short_tokens, args.sink, args.min_budget)
+                  args.pin_decay, args.short_scale, args.short_tokens, args.sink, args.min_budget,
+                  args.window)
     out.save(Path(args.out))
     print(out.explain())
     for n in (4096, 8192, 16384, 32768):  # head_dim only scales both numerator and denominator

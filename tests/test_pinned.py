@@ -315,9 +315,9 @@ def test_plan_variant_writes_the_pin_span(tmp_path: Path) -> None:
     assert refused.returncode != 0 and "--sink" in refused.stderr
 
 
-def test_plan_variant_raises_small_budgets_to_the_floor_then_scales(tmp_path: Path) -> None:
+def test_plan_variant_floor_and_window(tmp_path: Path) -> None:
     """--min-budget lifts every retrieval budget below it to it before --budget-scale; streaming groups, block sizes
-    and budgets above the floor (scaled only) are kept."""
+    and budgets above the floor (scaled only) are kept. --window changes the recent window alone."""
     root = Path(__file__).resolve().parents[1]
     base = root / "models" / "qwen2.5-coder-0.5b.plan.json"
     out = tmp_path / "floor.plan.json"
@@ -340,6 +340,14 @@ def test_plan_variant_raises_small_budgets_to_the_floor_then_scales(tmp_path: Pa
     assert [getattr(plan, f) for f in kept] == [getattr(shipped, f) for f in kept] and shipped.pin_fraction > 0
     refused = subprocess.run([*cmd, "--min-budget", "1.5"], capture_output=True, text=True, env=env, timeout=120)
     assert refused.returncode != 0 and "--min-budget" in refused.stderr
+    done = subprocess.run([*cmd, "--window", "128"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plan = SparsePlan.load(out)
+    assert (plan.window, plan.sink, plan.groups, plan.pin_fraction) == (128, shipped.sink, shipped.groups,
+                                                                       shipped.pin_fraction)
+    assert "window 128" in plan.source
+    refused = subprocess.run([*cmd, "--window", "0"], capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode != 0 and "--window" in refused.stderr
 
 
 def test_the_plan_names_the_block_scoring(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
