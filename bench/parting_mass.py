@@ -37,7 +37,9 @@ from ruler_split import load_ids, model_tag  # noqa: E402
 
 from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention  # noqa: E402
 
-REGIONS = ("sink", "head", "needles", "window", "rest")
+# tail: the prompt's last --tail tokens that have left the recent window by this step (the question and the answer's
+# lead-in sit there; pins cannot take them, since they were in the window at the first decode step)
+REGIONS = ("sink", "head", "needles", "window", "rest", "tail")
 
 
 class LastRowMass(DenseAttention):
@@ -80,12 +82,13 @@ def needle_blocks(prompt: list[int], answers: list[str], tok: Any, g: int) -> se
 
 
 def regions(mass: torch.Tensor, n_prompt: int, needles: set[int], args: argparse.Namespace) -> dict[str, float]:
-    """mass [L+1] of one group -> share per region (sink / head / needles / window / rest)."""
+    """mass [L+1] of one group -> share per region (sink / head / needles / window / rest / tail)."""
     n = mass.shape[0]
     label = torch.full((n,), 4, dtype=torch.long)  # rest
     pos = torch.arange(n)
     for b in needles:
         label[b * args.g : min(n, (b + 1) * args.g)] = 2
+    label[(pos >= n_prompt - args.tail) & (pos < n_prompt)] = 5
     label[pos < min(args.head, n_prompt)] = 1
     label[pos < args.sink] = 0
     label[pos >= n - args.window] = 3
@@ -160,6 +163,8 @@ def main() -> None:
     ap.add_argument("--sink", type=int, default=16)
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--head", type=int, default=64, help="prompt tokens counted as the head (system + instruction)")
+    ap.add_argument("--tail", type=int, default=128,
+                    help="prompt tokens counted as the tail (question + answer lead-in) once out of the window")
     ap.add_argument("--g", type=int, default=16, help="block size of needle blocks and of the top-block list")
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

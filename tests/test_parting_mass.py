@@ -35,15 +35,18 @@ def test_last_row_mass_is_the_group_mean_of_the_softmax_and_attention_is_unchang
 
 
 def test_regions_split_the_mass_with_window_over_sink_over_head_over_needles() -> None:
-    args = argparse.Namespace(sink=4, head=8, window=6, g=4)
+    args = argparse.Namespace(sink=4, head=8, window=6, g=4, tail=5)
     mass = torch.arange(1, 31, dtype=torch.float64)  # 30 positions, distinct weights
     got = regions(mass.float(), n_prompt=26, needles={1, 3, 5}, args=args)
     pos = torch.arange(30)
     sink, head = pos < 4, (pos >= 4) & (pos < 8)
     window = pos >= 24
-    needles = ((pos // 4 == 3) | (pos // 4 == 5)) & ~window  # block 1 lies in sink and head
-    rest = ~(sink | head | window | needles)
-    for name, m in (("sink", sink), ("head", head), ("needles", needles), ("window", window), ("rest", rest)):
+    tail = (pos >= 21) & (pos < 26) & ~window  # the prompt's last 5 tokens not in the window: 21-23
+    needles = ((pos // 4 == 3) | (pos // 4 == 5)) & ~window & ~tail  # block 1 lies in sink and head
+    rest = ~(sink | head | window | needles | tail)
+    assert int(tail.sum()) == 3
+    for name, m in (("sink", sink), ("head", head), ("needles", needles), ("window", window), ("rest", rest),
+                    ("tail", tail)):
         assert abs(got[name] - float(mass[m].sum())) < 1e-3, name
     assert abs(sum(got.values()) - float(mass.sum())) < 1e-3
 
