@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from fluxion_lite import native
+from fluxion_lite.errors import ModelFileError
 from fluxion_lite.policy import plan_bytes_fraction
 from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, SparsePlan, check_short
 
@@ -31,9 +32,8 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str =
             short_tokens: int | None = None, sink: int | None = None, min_budget: float = 0.0,
             window: int | None = None) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets raised to at least min_budget and
-    then x budget_scale (capped at 1), the
-    given block scoring, share of pinned blocks and pin span (with its decay), short-context budget scale
-    (SparsePlan.budget_factor), sink and recent window (None: the base plan's)."""
+    then x budget_scale (capped at 1), the given block scoring, share of pinned blocks and pin span (with its
+    decay), short-context budget scale (SparsePlan.budget_factor), sink and recent window (None: the base plan's)."""
     sink = plan.sink if sink is None else sink
     window = plan.window if window is None else window
     short_scale = plan.short_scale if short_scale is None else short_scale
@@ -58,8 +58,8 @@ def main() -> None:
     ap.add_argument("--g", type=int, default=None, choices=GRANULARITIES, help="block size for every retrieval group")
     ap.add_argument("--budget-scale", type=float, default=1.0, help="multiply every retrieval budget by this")
     ap.add_argument("--min-budget", type=float, default=0.0,
-                    help="raise every retrieval budget below this to it, before --budget-scale (a group whose budget "
-                         "holds fewer pinned spans than a prompt has needles cannot pin them all)")
+                    help="raise every retrieval budget below this to it, before --budget-scale (with a scale < 1: "
+                         "reads moved from the widest groups to the narrowest)")
     # Unset pin / scoring flags keep the base plan's values (as --sink and --short-scale do): a variant of the
     # shipped plan that changes only its budgets must not silently drop its pins.
     ap.add_argument("--scoring", default=None, choices=native.SCORINGS,
@@ -100,7 +100,10 @@ def main() -> None:
     except ValueError as exc:
         sys.exit(f"error: --{str(exc).replace('_', '-')}")
     base_path = Path(args.base) if args.base else Path(str(files("fluxion_lite.models"))) / f"{args.model}.plan.json"
-    base = SparsePlan.load(base_path)
+    try:
+        base = SparsePlan.load(base_path)
+    except ModelFileError as exc:
+        sys.exit(f"error: --base: {exc}")
     for field in ("scoring", "pin_fraction", "obs_window", "pin_span", "pin_decay"):
         if getattr(args, field) is None:
             setattr(args, field, getattr(base, field))

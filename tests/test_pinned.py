@@ -348,6 +348,10 @@ def test_plan_variant_floor_and_window(tmp_path: Path) -> None:
     assert "window 128" in plan.source
     refused = subprocess.run([*cmd, "--window", "0"], capture_output=True, text=True, env=env, timeout=120)
     assert refused.returncode != 0 and "--window" in refused.stderr
+    missing = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(tmp_path / "none.plan.json"),
+               "--out", str(out)]
+    refused = subprocess.run(missing, capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode != 0 and "--base" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def test_the_plan_names_the_block_scoring(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
