@@ -19,6 +19,10 @@ Usage: python bench/parting_mass.py --model qwen2.5-coder-0.5b --dir .ruler_ids 
            --diverge bench/results/ruler_diverge_qwen2.5-coder-0.5b_32768_full_vs_devsel_a6afbd6.json \\
            --tasks niah_multivalue niah_multiquery --limit 2 --out bench/results/parting_mass_32768.json
        (add --plan models/qwen2.5-coder-0.5b.plan.json for the reads of the fluxion step at the parting token)
+On a host without llama-cpp-python (the GPU host): write the token table where the tokenizer runs, with the same
+--diverge / --tasks / --limit, then pass it there:
+       python bench/parting_mass.py --diverge D --tasks ... --write-token-table /tmp/tokens.json   (VM)
+       python bench/parting_mass.py --diverge D --tasks ... --token-table /tmp/tokens.json --device cuda  (GPU host)
 """
 from __future__ import annotations
 
@@ -34,6 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ruler_diverge import answer_outputs  # noqa: E402
 from ruler_split import load_ids, model_tag  # noqa: E402
+from token_table import TokenTable, export_table  # noqa: E402
 
 from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention  # noqa: E402
 
@@ -171,6 +176,11 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--chunk", type=int, default=2048)
     ap.add_argument("--plan", type=Path, default=None, help="also compare the reads of this fluxion plan's step")
+    ap.add_argument("--token-table", type=Path, default=None,
+                    help="decode / find answers with this bench/token_table.py file instead of llama-cpp-python "
+                         "(the GPU host has none)")
+    ap.add_argument("--write-token-table", type=Path, default=None,
+                    help="write the token table the chosen losses need (run where the tokenizer is), then stop")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
@@ -191,12 +201,24 @@ def main() -> None:
     tag = model_tag(args.model)
     meta, prompts = load_ids(Path(args.dir) / f"{tag}_{length}.json", Path(args.dir) / f"{tag}_{length}.ids.xz")
     reference = answer_outputs(div["reference"], length)
+    index = {(s["task"], s["index"]): k for k, s in enumerate(meta["samples"])}
     path = _resolve(args.model)
-    tok = Tokenizer(path, read_metadata(path)[0])
+    if args.token_table is not None:
+        try:
+            tok: Any = TokenTable.load(args.token_table)
+        except ValueError as e:
+            sys.exit(f"error: --token-table: {e}")
+    else:
+        tok = Tokenizer(path, read_metadata(path)[0])
+    if args.write_token_table is not None:
+        answers = [a for x in chosen for a in meta["samples"][index[(x["task"], x["index"])]]["answers"]]
+        texts = [v for a in answers for v in (a, " " + a)]  # needle_blocks looks for both
+        args.write_token_table.write_text(json.dumps(export_table(tok, args.model, texts)))
+        print(f"wrote {args.write_token_table} ({tok.vocab_size} pieces, {len(set(texts))} encodings)")
+        return
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
     model = Transformer(load_gguf(path, torch.float32), device, dtype)
     cfg = model.cfg
-    index = {(s["task"], s["index"]): k for k, s in enumerate(meta["samples"])}
     engine = rec = plan = None
     if args.plan is not None:
         from pin_trace import Recorder
