@@ -75,14 +75,18 @@ def _find(ids: list[int], pattern: list[int]) -> list[int]:
     return [i for i in range(len(ids) - n + 1) if ids[i : i + n] == pattern] if n else []
 
 
+def answer_variants(answers: list[str]) -> list[str]:
+    """The texts an answer is looked for as: with and without a leading space (they tokenise differently)."""
+    return [v for ans in answers for v in (ans, " " + ans)]
+
+
 def needle_blocks(prompt: list[int], answers: list[str], tok: Any, g: int) -> set[int]:
-    """g-token blocks of the prompt holding an answer's tokens (tokenised with and without a leading space)."""
+    """g-token blocks of the prompt holding an answer's tokens (any of its answer_variants)."""
     blocks: set[int] = set()
-    for ans in answers:
-        for variant in (ans, " " + ans):
-            pattern = tok.encode(variant, add_special=False)
-            for start in _find(prompt, pattern):
-                blocks.update(range(start // g, (start + len(pattern) - 1) // g + 1))
+    for variant in answer_variants(answers):
+        pattern = tok.encode(variant, add_special=False)
+        for start in _find(prompt, pattern):
+            blocks.update(range(start // g, (start + len(pattern) - 1) // g + 1))
     return blocks
 
 
@@ -211,8 +215,8 @@ def main() -> None:
     else:
         tok = Tokenizer(path, read_metadata(path)[0])
     if args.write_token_table is not None:
-        answers = [a for x in chosen for a in meta["samples"][index[(x["task"], x["index"])]]["answers"]]
-        texts = [v for a in answers for v in (a, " " + a)]  # needle_blocks looks for both
+        texts = answer_variants([a for x in chosen
+                                 for a in meta["samples"][index[(x["task"], x["index"])]]["answers"]])
         args.write_token_table.write_text(json.dumps(export_table(tok, args.model, texts)))
         print(f"wrote {args.write_token_table} ({tok.vocab_size} pieces, {len(set(texts))} encodings)")
         return

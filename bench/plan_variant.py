@@ -27,13 +27,20 @@ from fluxion_lite.policy import plan_bytes_fraction
 from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, SparsePlan, check_short
 
 
-def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str = "group", pin_fraction: float = 0.0,
-            obs_window: int = 32, pin_span: int = 1, pin_decay: float = 1.0, short_scale: float | None = None,
+def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str | None = None,
+            pin_fraction: float | None = None, obs_window: int | None = None, pin_span: int | None = None,
+            pin_decay: float | None = None, short_scale: float | None = None,
             short_tokens: int | None = None, sink: int | None = None, min_budget: float = 0.0,
             window: int | None = None) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets raised to at least min_budget and
     then x budget_scale (capped at 1), the given block scoring, share of pinned blocks and pin span (with its
-    decay), short-context budget scale (SparsePlan.budget_factor), sink and recent window (None: the base plan's)."""
+    decay), short-context budget scale (SparsePlan.budget_factor), sink and recent window; None keeps the base plan's
+    value of any of these."""
+    scoring = plan.scoring if scoring is None else scoring
+    pin_fraction = plan.pin_fraction if pin_fraction is None else pin_fraction
+    obs_window = plan.obs_window if obs_window is None else obs_window
+    pin_span = plan.pin_span if pin_span is None else pin_span
+    pin_decay = plan.pin_decay if pin_decay is None else pin_decay
     sink = plan.sink if sink is None else sink
     window = plan.window if window is None else window
     short_scale = plan.short_scale if short_scale is None else short_scale
@@ -94,6 +101,15 @@ def main() -> None:
         sys.exit("error: --budget-scale must be > 0")
     if not 0.0 <= args.min_budget <= 1.0:
         sys.exit("error: --min-budget must be in [0, 1]")
+    # flags left out (None) keep the base plan's values: variant() fills them in, so only given values are checked
+    if args.pin_fraction is not None and not 0.0 <= args.pin_fraction <= 1.0:
+        sys.exit("error: --pin-fraction must be in [0, 1]")
+    if args.obs_window is not None and args.obs_window < 1:
+        sys.exit("error: --obs-window must be >= 1")
+    if args.pin_span is not None and not 1 <= args.pin_span <= MAX_PIN_SPAN:
+        sys.exit(f"error: --pin-span must be in [1, {MAX_PIN_SPAN}]")
+    if args.pin_decay is not None and not 0.0 < args.pin_decay <= 1.0:
+        sys.exit("error: --pin-decay must be in (0, 1]")
     try:
         check_short(1.0 if args.short_scale is None else args.short_scale,
                     8192 if args.short_tokens is None else args.short_tokens)
@@ -104,15 +120,6 @@ def main() -> None:
         base = SparsePlan.load(base_path)
     except ModelFileError as exc:
         sys.exit(f"error: --base: {exc}")
-    for field in ("scoring", "pin_fraction", "obs_window", "pin_span", "pin_decay"):
-        if getattr(args, field) is None:
-            setattr(args, field, getattr(base, field))
-    if not 0.0 <= args.pin_fraction <= 1.0 or args.obs_window < 1:
-        sys.exit("error: --pin-fraction must be in [0, 1] and --obs-window >= 1")
-    if not 1 <= args.pin_span <= MAX_PIN_SPAN:
-        sys.exit(f"error: --pin-span must be in [1, {MAX_PIN_SPAN}]")
-    if not 0.0 < args.pin_decay <= 1.0:
-        sys.exit("error: --pin-decay must be in (0, 1]")
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
                   args.pin_decay, args.short_scale, args.short_tokens, args.sink, args.min_budget,
                   args.window)

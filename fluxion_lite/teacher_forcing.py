@@ -20,11 +20,12 @@ def teacher_forced_logits(
         for start in range(0, len(tokens), chunk):
             piece = tokens[start : start + chunk]
             n = len(piece)
-            is_last = start + chunk >= len(tokens)
-            if last_row_only and not is_last:
-                wanted = torch.empty(0, dtype=torch.long)  # attention still runs; no vocab projection
+            if not last_row_only:
+                wanted = torch.arange(n)
+            elif start + n == len(tokens):
+                wanted = torch.tensor([n - 1])
             else:
-                wanted = torch.tensor([n - 1]) if last_row_only else torch.arange(n)
+                wanted = torch.empty(0, dtype=torch.long)  # attention still runs; no vocab projection
             logits = model.forward(
                 torch.tensor(piece), torch.arange(start, start + n), [SeqChunk(seq_id, start, n)], attn,
                 logit_rows=wanted,
