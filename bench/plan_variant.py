@@ -1,8 +1,9 @@
 """Derive a policy-variant plan from a model's shipped static plan, for RULER / fidelity experiments.
 
-The shipped plan keeps its streaming / retrieval split; every retrieval group can get another block size and a
-scaled budget (raised to a floor first, if asked); flags left out keep the base plan's values. Feed the result to
-`bench/ruler_split.py answer --plan FILE` (runs as mode fluxion@<file stem>).
+The shipped plan keeps its streaming / retrieval split (unless --streaming-budget turns the streaming groups into
+retrieval ones); every retrieval group can get another block size and a scaled budget (raised to a floor first, if
+asked); flags left out keep the base plan's values. Feed the result to `bench/ruler_split.py answer --plan FILE`
+(runs as mode fluxion@<file stem>).
 
   python bench/plan_variant.py --model qwen2.5-coder-0.5b --g 16 --budget-scale 0.6 --scoring per-head \
       --pin-fraction 0.5 --out /tmp/g16x06.plan.json
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import sys
 from importlib.resources import files
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,11 +33,12 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
             pin_fraction: float | None = None, obs_window: int | None = None, pin_span: int | None = None,
             pin_decay: float | None = None, short_scale: float | None = None,
             short_tokens: int | None = None, sink: int | None = None, min_budget: float = 0.0,
-            window: int | None = None) -> SparsePlan:
+            window: int | None = None, streaming_budget: float | None = None) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets raised to at least min_budget and
     then x budget_scale (capped at 1), the given block scoring, share of pinned blocks and pin span (with its
     decay), short-context budget scale (SparsePlan.budget_factor), sink and recent window; None keeps the base plan's
-    value of any of these."""
+    value of any of these. streaming_budget: every streaming group becomes a retrieval group with this budget (before
+    the scale) at the retrieval block size (g, else the base plan's most common one)."""
     scoring = plan.scoring if scoring is None else scoring
     pin_fraction = plan.pin_fraction if pin_fraction is None else pin_fraction
     obs_window = plan.obs_window if obs_window is None else obs_window
@@ -45,15 +48,23 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
     window = plan.window if window is None else window
     short_scale = plan.short_scale if short_scale is None else short_scale
     short_tokens = plan.short_tokens if short_tokens is None else short_tokens
+    if streaming_budget is not None:
+        sizes = Counter(gp.g for row in plan.groups for gp in row if not gp.streaming)
+        g_new = g or (sizes.most_common(1)[0][0] if sizes else 16)
+        rows = [[replace(gp, streaming=False, g=g_new, budget=streaming_budget) if gp.streaming else gp for gp in row]
+                for row in plan.groups]
+    else:
+        rows = plan.groups
     rows = [[gp if gp.streaming
              else replace(gp, g=g or gp.g, budget=min(1.0, max(gp.budget, min_budget) * budget_scale))
-             for gp in row] for row in plan.groups]
+             for gp in row] for row in rows]
     floor = f"budgets >= {min_budget:g} then " if min_budget > 0 else "budgets "
     source = (f"{plan.source}; retrieval g={g or 'kept'}, {floor}x{budget_scale:g}, {scoring} scoring, "
               f"{pin_fraction:g} pinned" + (f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else "")
               + (f", short contexts x{short_scale:g} up to {short_tokens}" if short_scale != 1.0 else "")
               + (f", sink {sink}" if sink != plan.sink else "")
-              + (f", window {window}" if window != plan.window else ""))
+              + (f", window {window}" if window != plan.window else "")
+              + (f", streaming groups retrieve at {streaming_budget:g}" if streaming_budget is not None else ""))
     return SparsePlan(sink, window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
                       short_scale, short_tokens)
 
@@ -91,6 +102,9 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=None,
                     help="recent-window tokens (default: the base plan's); the prompt's question sits in the window "
                          "at the first decode step and leaves it as the answer grows")
+    ap.add_argument("--streaming-budget", type=float, default=None,
+                    help="turn every streaming group into a retrieval group with this budget (then x --budget-scale): "
+                         "do the groups that never read past sink + window cost the long-context answers?")
     ap.add_argument("--out", required=True, help="where to write the variant plan (.plan.json)")
     args = ap.parse_args()
     if args.sink is not None and args.sink < 1:
@@ -99,6 +113,8 @@ def main() -> None:
         sys.exit("error: --window must be >= 1")
     if args.budget_scale <= 0:
         sys.exit("error: --budget-scale must be > 0")
+    if args.streaming_budget is not None and not 0.0 < args.streaming_budget <= 1.0:
+        sys.exit("error: --streaming-budget must be in (0, 1]")
     if not 0.0 <= args.min_budget <= 1.0:
         sys.exit("error: --min-budget must be in [0, 1]")
     # flags left out (None) keep the base plan's values: variant() fills them in, so only given values are checked
@@ -122,7 +138,7 @@ def main() -> None:
         sys.exit(f"error: --base: {exc}")
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
                   args.pin_decay, args.short_scale, args.short_tokens, args.sink, args.min_budget,
-                  args.window)
+                  args.window, args.streaming_budget)
     out.save(Path(args.out))
     print(out.explain())
     for n in (4096, 8192, 16384, 32768):  # head_dim only scales both numerator and denominator

@@ -354,6 +354,29 @@ def test_plan_variant_floor_and_window(tmp_path: Path) -> None:
     assert refused.returncode != 0 and "--base" in refused.stderr and "Traceback" not in refused.stderr
 
 
+def test_plan_variant_streaming_budget(tmp_path: Path) -> None:
+    """--streaming-budget turns every streaming group into a retrieval group at that budget (then scaled, as the
+    others are) and the base plan's block size; the retrieval groups are scaled only."""
+    root = Path(__file__).resolve().parents[1]
+    base = root / "models" / "qwen2.5-coder-0.5b.plan.json"
+    out = tmp_path / "nostream.plan.json"
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(base), "--out", str(out)]
+    done = subprocess.run([*cmd, "--streaming-budget", "0.02", "--budget-scale", "0.9"], capture_output=True,
+                          text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    plan, shipped = SparsePlan.load(out), SparsePlan.load(base)
+    assert any(bp.streaming for r in shipped.groups for bp in r)  # the flag has something to turn
+    for row, base_row in zip(plan.groups, shipped.groups):
+        for gp, bp in zip(row, base_row):
+            assert not gp.streaming
+            expect = (16, 0.02 * 0.9) if bp.streaming else (bp.g, bp.budget * 0.9)
+            assert (gp.g, gp.budget) == (expect[0], pytest.approx(expect[1]))
+    assert "streaming groups retrieve at 0.02" in plan.source and plan.pin_fraction == shipped.pin_fraction
+    refused = subprocess.run([*cmd, "--streaming-budget", "0"], capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode != 0 and "--streaming-budget" in refused.stderr and "Traceback" not in refused.stderr
+
+
 def test_the_plan_names_the_block_scoring(engine: Engine, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     cfg = engine.config
     monkeypatch.delenv("FLUXION_TOPK", raising=False)
