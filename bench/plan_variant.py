@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from importlib.resources import files
 from collections import Counter
 from dataclasses import replace
+from importlib.resources import files
 from pathlib import Path
 
 from fluxion_lite import native

@@ -17,14 +17,13 @@ Usage: python bench/ruler_overlap.py \
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ruler_paired import Key, load_scores  # noqa: E402  (bench scripts import each other from their folder)
+from ruler_paired import Key, load_scores, write_out  # noqa: E402  (bench scripts import each other from their folder)
 
 
 def overlap(ref: dict[Key, float], cands: list[dict[Key, float]]) -> dict[str, Any]:
@@ -83,10 +82,7 @@ def main() -> None:
     print(f"worse in all {n}: {len(out['lost_by_all'])} samples ("
           + ", ".join(f"{t} {c}" for t, c in sorted(lost_all.items())) + f"); better in all {n}: "
           f"{len(out['won_by_all'])}")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.out}")
+    write_out(args.out, out)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,14 @@ def summarise(diffs: dict[str, np.ndarray], resamples: int, seed: int) -> dict[s
     }
 
 
+def write_out(path: Path | None, out: dict[str, Any]) -> None:
+    """Write a result as indented JSON if a path was given (the --out of this and bench/ruler_overlap.py)."""
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1))
+        print(f"wrote {path}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reference", required=True, help="FILE:MODE of a scored run, e.g. ruler_..._h200.json:full")
@@ -133,10 +141,7 @@ def main() -> None:
     print(f"{'all':>18} {out['samples']:4d} {100 * out['difference']:+7.1f} {out['better']:7d} {out['worse']:6d}"
           f"   95% interval [{100 * lo:+.1f}, {100 * hi:+.1f}]  sign test p = {out['sign_test_p']:.3f}"
           + (f"  ({unpaired} samples in one run only, left out)" if unpaired else ""))
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1))
-        print(f"wrote {args.out}")
+    write_out(args.out, out)
 
 
 if __name__ == "__main__":
