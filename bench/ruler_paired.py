@@ -105,7 +105,7 @@ def summarise(diffs: dict[str, np.ndarray], resamples: int, seed: int) -> dict[s
 
 
 def write_out(path: Path | None, out: dict[str, Any]) -> None:
-    """Write a result as indented JSON if a path was given (the --out of this and bench/ruler_overlap.py)."""
+    """Write a result as indented JSON if a path was given (the --out of the RULER comparison and background scripts)."""
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1))

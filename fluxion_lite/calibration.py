@@ -85,11 +85,13 @@ def planted_fact_prompt(words: list[str], essay_ids: list[int], tokenizer_encode
 
 
 def group_outputs(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
-                  configs: list[Config], sink: int, window: int, scale: float) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                  configs: list[Config], sink: int, window: int, scale: float,
+                  masks: dict[str, torch.Tensor] | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """One KV group's attention for M queries under each configuration (scores and block bounds computed once).
 
     qg: [M, r, D] at absolute `positions` [M]; keys/values: [N, D] (N >= max position + 1).
     Returns config key -> (output [M, r, D], fraction of the context read [M]); key "full" is dense attention.
+    masks: if given, receives each configuration's tokens read (config key -> [M, N] bool).
     """
     m, r, d = qg.shape
     n_keys = keys.shape[0]
@@ -127,6 +129,8 @@ def group_outputs(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, po
             k_blocks = torch.ceil(cfg.budget * n_ctx.double() / g).long()  # [M]
             chosen = (rank < k_blocks[:, None]) & eligible
             allowed = allowed | chosen.repeat_interleave(g, dim=1)[:, :n_keys]
+        if masks is not None:
+            masks[cfg.key] = allowed
         results[cfg.key] = attend(allowed)
     return results
 

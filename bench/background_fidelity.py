@@ -1,0 +1,119 @@
+"""Teacher-forced fidelity of a simulated block top-k policy with and without the unread-background estimate.
+
+bench/background_mass.py measures, layer by layer, how much of a retrieval group's output error the estimate of
+the unread spans (per-block running sums of keys and values) takes back. This asks whether that carries through the
+whole model: decode the last M tokens of essay text one at a time (as bench/fidelity.py does) with a simulated
+policy in torch -- every KV group reads sink + window + the top `budget` of its g-token blocks by the Quest bound
+summed over its query heads (fluxion_lite/calibration.py's group_outputs) -- and optionally the background term at
+summary block size G; report KL(full || sim) and top-1 agreement. A policy simulation, not the engine's kernels:
+it compares the two variants under the same selection.
+
+Usage: python bench/background_fidelity.py --context 4096 --positions 64 --budgets 0.02 0.05 --summary-g 128 \
+           --out bench/results/background_fidelity_qwen2.5-coder-0.5b_4096_vm.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from background_mass import background_output  # noqa: E402  (bench scripts import each other from their folder)
+from fidelity import compare, decode_logprobs  # noqa: E402
+from ruler_paired import write_out  # noqa: E402
+
+from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
+from fluxion_lite.calibration import Config, group_outputs  # noqa: E402
+
+
+class SimulatedTopK(DenseAttention):
+    """Dense prefill; each single-token decode step attends, per KV group, over sink + window + the top `budget`
+    blocks of g tokens (Quest bound), plus the unread-background term at summary size `summary_g` if given."""
+
+    def __init__(self, base: DenseAttention, g: int, budget: float, sink: int, window: int,
+                 summary_g: int | None) -> None:
+        self.cache, self.scale = base.cache, base.scale  # share the loaded engine's (empty) cache
+        self.config = Config(False, g, budget)
+        self.sink, self.window, self.summary_g = sink, window, summary_g
+        self.read: list[float] = []
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                chunks: list[SeqChunk]) -> torch.Tensor:
+        b, hq, d = q.shape  # q: [1, Hq, D]
+        hkv = k.shape[1]
+        (c,) = chunks
+        ((keys4, values4),) = self.cache.append_decode(layer, [c.seq_id], [c.start], k, v)  # [1, Hkv, N, D] each
+        keys, values = keys4[0], values4[0]  # [Hkv, N, D]
+        n = keys.shape[1]
+        qg = q.float().view(hkv, 1, hq // hkv, d)  # [Hkv, M=1, r, D]
+        pos = torch.tensor([n - 1])
+        causal = torch.ones(1, n, dtype=torch.bool)
+        outs = []
+        for h in range(hkv):
+            kh, vh = keys[h].float(), values[h].float()
+            masks: dict[str, torch.Tensor] = {}
+            res = group_outputs(qg[h], kh, vh, pos, [self.config], self.sink, self.window, self.scale, masks)
+            allowed = masks[self.config.key]
+            self.read.append(float(allowed.float().mean()))
+            if self.summary_g is None:
+                outs.append(res[self.config.key][0])
+            else:
+                outs.append(background_output(qg[h], kh, vh, allowed, causal, self.summary_g, self.scale, "mean")[0])
+        return torch.stack(outs, dim=1).reshape(b, hq, d).to(q.dtype)  # [M=1, Hkv, r, D] -> [1, Hq, D]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--positions", type=int, default=64)
+    ap.add_argument("--text-offset", type=int, default=0)
+    ap.add_argument("--g", type=int, default=16)
+    ap.add_argument("--budgets", type=float, nargs="+", default=[0.02, 0.05])
+    ap.add_argument("--summary-g", type=int, nargs="+", default=[128])
+    ap.add_argument("--sink", type=int, default=16)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from fluxion_lite.engine import Engine
+    from fluxion_lite.eval_text import essay_text
+
+    engine = Engine(args.model, attention="full", dtype="float32", max_context=args.context + 1,
+                    prefix_cache_entries=0)
+    assert engine.tokenizer is not None
+    tokens = engine.tokenizer.encode(essay_text()[args.text_offset:][: args.context * 8], add_special=True)
+    tokens = tokens[: args.context]
+    if len(tokens) < args.context:
+        sys.exit(f"error: only {len(tokens)} tokens of essay text from offset {args.text_offset}")
+    next_tokens = tokens[len(tokens) - args.positions + 1 :]
+    base = engine.attn
+    assert isinstance(base, DenseAttention)
+    with torch.no_grad():
+        ref = decode_logprobs(engine.model, base, tokens, args.positions, 512)
+        rows: dict[str, Any] = {}
+        for budget in args.budgets:
+            for sg in [None, *args.summary_g]:
+                name = f"g{args.g} b{budget:g}" + ("" if sg is None else f" +bg{sg}")
+                sim = SimulatedTopK(base, args.g, budget, args.sink, args.window, sg)
+                t0 = time.perf_counter()
+                got = decode_logprobs(engine.model, sim, tokens, args.positions, 512)
+                rows[name] = compare(ref, got, next_tokens) | {"read": sum(sim.read) / len(sim.read),
+                                                               "seconds": time.perf_counter() - t0}
+                print(f"[{name}] done in {rows[name]['seconds']:.0f} s", file=sys.stderr, flush=True)
+    print(f"\n{args.model}, {args.context} tokens of essay text, last {args.positions} decoded one at a time "
+          f"(float32), simulated top-k vs full")
+    print(f"{'policy':<20} {'KL mean':>8} {'KL p90':>8} {'KL max':>8} {'top-1':>7} {'read':>7}")
+    for name, r in rows.items():
+        print(f"{name:<20} {r['kl_mean']:8.4f} {r['kl_p90']:8.4f} {r['kl_max']:8.4f} {r['top1_agreement']:7.1%} "
+              f"{r['read']:7.1%}")
+    write_out(args.out, {"model": args.model, "context": args.context, "positions": args.positions,
+                         "text_offset": args.text_offset, "g": args.g, "sink": args.sink,
+                         "window": args.window, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""bench/background_mass.py's unread-background estimate and bench/background_fidelity.py's simulated top-k backend,
+checked against float64 attention on random data and against dense decoding of a real model."""
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from background_fidelity import SimulatedTopK  # noqa: E402
+from background_mass import background_output  # noqa: E402
+
+from test_sparse import decode_logits, engine, essay_tokens  # noqa: E402,F401  (fixtures)
+
+
+def _attention64(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, read: torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Reference: softmax attention over the `read` tokens in float64, qg [M, r, D], read [M, N] -> [M, r, D]."""
+    s = torch.einsum("mrd,nd->mrn", qg.double(), keys.double()) * scale
+    p = torch.softmax(s.masked_fill(~read[:, None, :], float("-inf")), dim=-1)
+    return p @ values.double()
+
+
+def _case(m: int, r: int, n: int, d: int, seed: int) -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(seed)
+    qg = torch.randn(m, r, d, generator=gen) * 2.0
+    keys, values = torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen)
+    allowed = torch.rand(m, n, generator=gen) < 0.3
+    allowed[:, :4] = True  # a sink, so no row reads nothing
+    causal = torch.ones(m, n, dtype=torch.bool)
+    return qg, keys, values, allowed, causal
+
+
+@pytest.mark.parametrize("m,r,n,d", [(1, 1, 17, 8), (3, 7, 100, 64), (2, 4, 257, 32), (5, 2, 64, 16)])
+@pytest.mark.parametrize("mass", ["mean", "oracle"])
+def test_one_token_blocks_give_exact_attention(m: int, r: int, n: int, d: int, mass: str) -> None:
+    """With summary blocks of one token, an unread span is one token: its mean key is its key, so the estimate is
+    exact and the result is full attention over every causal token."""
+    qg, keys, values, allowed, causal = _case(m, r, n, d, seed=n + d)
+    got, ratio = background_output(qg, keys, values, allowed, causal, 1, d**-0.5, mass)
+    ref = _attention64(qg, keys, values, causal, d**-0.5)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+    assert ratio == pytest.approx(1.0, rel=1e-9)
+
+
+@pytest.mark.parametrize("block", [4, 16, 64])
+def test_oracle_mass_keeps_each_block_mean_value(block: int) -> None:
+    """`oracle` gives each unread span its true mass with the span's mean value: float64 reference built token by
+    token."""
+    m, r, n, d = 2, 3, 150, 16
+    qg, keys, values, allowed, causal = _case(m, r, n, d, seed=block)
+    got, _ = background_output(qg, keys, values, allowed, causal, block, d**-0.5, "oracle")
+    s = torch.einsum("mrd,nd->mrn", qg.double(), keys.double()) * d**-0.5  # [M, r, N]
+    ref = torch.zeros(m, r, d, dtype=torch.float64)
+    for i in range(m):
+        for h in range(r):
+            weights, vecs = [], []
+            for j in range(n):
+                if allowed[i, j]:
+                    weights.append(math.exp(float(s[i, h, j])))
+                    vecs.append(values[j].double())
+            for b0 in range(0, n, block):
+                span = [j for j in range(b0, min(n, b0 + block)) if not allowed[i, j]]
+                if span:
+                    weights.append(sum(math.exp(float(s[i, h, j])) for j in span))
+                    vecs.append(torch.stack([values[j].double() for j in span]).mean(0))
+            w = torch.tensor(weights, dtype=torch.float64)
+            ref[i, h] = (w[:, None] * torch.stack(vecs)).sum(0) / w.sum()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_mean_mass_underestimates_by_jensen() -> None:
+    """|U| exp(s q.kbar) <= sum over U of exp(s q.k) (convexity): the estimated / true mass ratio is at most 1."""
+    qg, keys, values, allowed, causal = _case(4, 3, 300, 32, seed=9)
+    _, ratio = background_output(qg, keys, values, allowed, causal, 32, 32**-0.5, "mean")
+    assert 0.0 < ratio <= 1.0
+
+
+def test_nothing_unread_is_plain_attention() -> None:
+    qg, keys, values, _, causal = _case(3, 2, 80, 16, seed=4)
+    got, ratio = background_output(qg, keys, values, causal.clone(), causal, 16, 0.25, "mean")
+    torch.testing.assert_close(got.double(), _attention64(qg, keys, values, causal, 0.25), rtol=1e-5, atol=1e-6)
+    assert ratio == 1.0
+
+
+def test_simulated_topk_at_full_budget_decodes_as_dense(engine, essay_tokens) -> None:  # noqa: F811
+    """Budget 1.0 reads every block, so the simulated backend must give dense decoding's logits (with and without
+    the background term, which then has nothing to add)."""
+    dense = decode_logits(engine, engine.attn, essay_tokens, 4)
+    for summary_g in (None, 64):
+        sim = SimulatedTopK(engine.attn, 16, 1.0, 16, 64, summary_g)
+        got = decode_logits(engine, sim, essay_tokens, 4)
+        torch.testing.assert_close(got.float(), dense.float(), rtol=2e-3, atol=2e-3)
+        assert min(sim.read) == pytest.approx(1.0)
+    small = SimulatedTopK(engine.attn, 16, 0.02, 16, 64, None)
+    decode_logits(engine, small, essay_tokens, 2)
+    assert max(small.read) < 0.5  # a small budget does read less
