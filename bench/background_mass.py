@@ -41,9 +41,11 @@ def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     """Read tokens exactly plus one estimated term per summary block for its unread tokens.
 
     mass: "mean" (|U| exp(s q.kbar)) or "oracle" (the unread tokens' true mass: a ceiling for any mass estimate
-    that keeps the mean value). qg: [M, r, D]; keys/values: [N, D]; allowed/causal:
-    [M, N] bool. Returns the output [M, r, D] and the estimated over the true unread mass (mean over M, r).
+    that keeps the mean value). qg: [M, r, D]; keys/values: [N, D]; allowed/causal: [M, N] bool. Returns the
+    output [M, r, D] and the estimated over the true unread mass (mean over M, r).
     """
+    if mass not in ("mean", "oracle"):
+        raise ValueError(f"mass={mass!r}: use 'mean' or 'oracle'")
     m, r, d = qg.shape
     n = keys.shape[0]
     nb = -(-n // block)
@@ -83,7 +85,7 @@ def prompt_errors(model: Any, ids: list[int], m: int, configs: list[Config], sum
     cap = capture_prompt(model, ids, m)
     r, d, hkv = cfgm.gqa_ratio, cfgm.head_dim, cfgm.n_kv_heads
     positions = torch.arange(len(ids) - m, len(ids))
-    sums: dict[str, list[float]] = {}
+    collected: dict[str, list[float]] = {}  # name -> one value per (layer, group)
     for layer in range(cfgm.n_layers):
         q = torch.cat(cap.q[layer]).view(m, hkv, r, d)  # [M, Hkv, r, D]
         keys, values = cap.kv[layer]  # [Hkv, N, D]
@@ -108,24 +110,24 @@ def prompt_errors(model: Any, ids: list[int], m: int, configs: list[Config], sum
 
             def add(name: str, out: torch.Tensor, h: int = h, full: torch.Tensor = full, ref: torch.Tensor = ref) -> None:
                 dev = (out - full).reshape(m, -1).norm(dim=-1) / ref
-                sums.setdefault(name, []).append(float((contrib[h] * dev).sum()) / m)
+                collected.setdefault(name, []).append(float((contrib[h] * dev).sum()) / m)
 
             for cfg in configs:
                 allowed = masks[cfg.key]
                 add(cfg.key, res[cfg.key][0])
                 unread_mass = float((probs * (~allowed)[:, None, :]).sum(-1).mean())
-                sums.setdefault(f"{cfg.key} unread mass", []).append(unread_mass)
+                collected.setdefault(f"{cfg.key} unread mass", []).append(unread_mass)
                 for gs in summary_g:
                     for mass in ("mean", "oracle"):
                         est, ratio = background_output(q[:, h], keys[h], values[h], allowed, causal, gs, d**-0.5,
                                                        mass)
                         name = f"{cfg.key} +bg{gs}" + ("" if mass == "mean" else f"+{mass}")
                         add(name, est)
-                        sums.setdefault(f"{name} mass ratio", []).append(ratio)
+                        collected.setdefault(f"{name} mass ratio", []).append(ratio)
     # per (layer, group) values: deviations are contribution-weighted within a layer, so sum over groups / layers
     n_layers = cfgm.n_layers
     per_layer = lambda k: "unread mass" not in k and "mass ratio" not in k  # noqa: E731
-    return {k: {"mean": sum(v) / n_layers if per_layer(k) else sum(v) / len(v)} for k, v in sums.items()}
+    return {k: {"mean": sum(v) / n_layers if per_layer(k) else sum(v) / len(v)} for k, v in collected.items()}
 
 
 def main() -> None:

@@ -100,3 +100,9 @@ def test_simulated_topk_at_full_budget_decodes_as_dense(engine, essay_tokens) ->
     small = SimulatedTopK(engine.attn, 16, 0.02, 16, 64, None)
     decode_logits(engine, small, essay_tokens, 2)
     assert max(small.read) < 0.5  # a small budget does read less
+
+
+def test_unknown_mass_rule_is_refused() -> None:
+    qg, keys, values, allowed, causal = _case(1, 1, 20, 8, seed=1)
+    with pytest.raises(ValueError, match="mass="):
+        background_output(qg, keys, values, allowed, causal, 4, 0.3, "median")
