@@ -80,13 +80,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     from fluxion_lite.engine import Engine
-    from fluxion_lite.eval_text import essay_text
+    from fluxion_lite.eval_text import essay_tokens
 
     engine = Engine(args.model, attention="full", dtype="float32", max_context=args.context + 1,
                     prefix_cache_entries=0)
     assert engine.tokenizer is not None
-    tokens = engine.tokenizer.encode(essay_text()[args.text_offset:][: args.context * 8], add_special=True)
-    tokens = tokens[: args.context]
+    tokens = essay_tokens(engine.tokenizer, args.context, args.text_offset)
     if len(tokens) < args.context:
         sys.exit(f"error: only {len(tokens)} tokens of essay text from offset {args.text_offset}")
     next_tokens = tokens[len(tokens) - args.positions + 1 :]

@@ -31,18 +31,20 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ruler_paired import write_out  # noqa: E402  (bench scripts import each other from their folder)
-from ruler_split import load_ids  # noqa: E402
+from ruler_split import _paths, load_ids, model_tag  # noqa: E402
 
 from fluxion_lite.calibration import Config, capture_prompt, group_outputs  # noqa: E402
 
 
 def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
-                      causal: torch.Tensor, block: int, scale: float, mass: str) -> tuple[torch.Tensor, float]:
+                      causal: torch.Tensor, block: int, scale: float, mass: str,
+                      scores: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """Read tokens exactly plus one estimated term per summary block for its unread tokens.
 
     mass: "mean" (|U| exp(s q.kbar)) or "oracle" (the unread tokens' true mass: a ceiling for any mass estimate
     that keeps the mean value). qg: [M, r, D]; keys/values: [N, D]; allowed/causal: [M, N] bool. Returns the
-    output [M, r, D] and the estimated over the true unread mass (mean over M, r).
+    output [M, r, D] and the estimated over the true unread mass (mean over M, r). scores: s q.k [M, r, N] if the
+    caller has them (computed here otherwise).
     """
     if mass not in ("mean", "oracle"):
         raise ValueError(f"mass={mass!r}: use 'mean' or 'oracle'")
@@ -65,7 +67,8 @@ def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     logit = torch.einsum("mrd,mbd->mrb", qg.double(), kbar) * scale  # [M, r, nb]
     logit = logit + count.clamp(min=1.0).log()[:, None, :]
     logit = logit.masked_fill(~has[:, None, :], float("-inf"))
-    s_all = torch.einsum("mrd,nd->mrn", qg.double(), keys.double()) * scale  # [M, r, N]
+    s_all = (torch.einsum("mrd,nd->mrn", qg.double(), keys.double()) * scale if scores is None
+             else scores.double())  # [M, r, N]
     s_unread = torch.nn.functional.pad(s_all.masked_fill(~(unread > 0)[:, None, :], float("-inf")), (0, pad),
                                        value=float("-inf")).view(m, r, nb, block).logsumexp(-1)  # [M, r, nb]
     true_total = s_unread.logsumexp(-1)  # [M, r]
@@ -105,7 +108,7 @@ def prompt_errors(model: Any, ids: list[int], m: int, configs: list[Config], sum
             res, masks = outs[h]
             full = res["full"][0]
             ref = full.reshape(m, -1).norm(dim=-1).clamp(min=1e-12)
-            scores = torch.einsum("mrd,nd->mrn", q[:, h], keys[h]) * d**-0.5
+            scores = torch.einsum("mrd,nd->mrn", q[:, h].double(), keys[h].double()) * d**-0.5  # [M, r, N]
             probs = torch.softmax(scores.masked_fill(~causal[:, None, :], float("-inf")), dim=-1)  # [M, r, N]
 
             def add(name: str, out: torch.Tensor, h: int = h, full: torch.Tensor = full, ref: torch.Tensor = ref) -> None:
@@ -120,7 +123,7 @@ def prompt_errors(model: Any, ids: list[int], m: int, configs: list[Config], sum
                 for gs in summary_g:
                     for mass in ("mean", "oracle"):
                         est, ratio = background_output(q[:, h], keys[h], values[h], allowed, causal, gs, d**-0.5,
-                                                       mass)
+                                                       mass, scores)
                         name = f"{cfg.key} +bg{gs}" + ("" if mass == "mean" else f"+{mass}")
                         add(name, est)
                         collected.setdefault(f"{name} mass ratio", []).append(ratio)
@@ -145,8 +148,7 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    tag = Path(args.model).stem if args.model.endswith(".gguf") else args.model
-    meta_path, ids_path = Path(args.dir) / f"{tag}_{args.length}.json", Path(args.dir) / f"{tag}_{args.length}.ids.xz"
+    meta_path, ids_path = _paths(Path(args.dir), model_tag(args.model), args.length)
     if not meta_path.exists() or not ids_path.exists():
         sys.exit(f"error: {meta_path} / {ids_path} missing: run bench/ruler_split.py export --lengths {args.length}")
     meta, prompts = load_ids(meta_path, ids_path)
@@ -167,7 +169,6 @@ def main() -> None:
         print(f"{s['task']} #{s['index']} ({len(ids)} tokens) done at {time.time() - t0:.0f} s", flush=True)
     names = list(per_prompt[0]["results"])
     mean = {k: sum(p["results"][k]["mean"] for p in per_prompt) / len(per_prompt) for k in names}
-    d = engine.config.head_dim
     print(f"\n{len(per_prompt)} prompts x {args.positions} positions at {args.length}, sink {args.sink}, window "
           f"{args.window}, retrieval g={args.g}")
     print(f"{'configuration':<28} {'deviation':>10} {'unread mass':>12} {'est / true':>11} {'sums / KV bytes':>16}")
@@ -179,7 +180,7 @@ def main() -> None:
         meta_cost = ""
         if "+bg" in k and "oracle" not in k:
             gs = int(k.split("+bg")[1].split("+")[0])
-            meta_cost = f"{2 * 4 * d / (gs * 2 * 2 * d):.1%}"  # fp32 sums of K and V per block vs bf16 K, V per token
+            meta_cost = f"{2 / gs:.1%}"  # fp32 K and V sums: 8 bytes a dim per gs tokens of bf16 K, V (4 gs)
         ratio = mean.get(f"{k} mass ratio")
         print(f"{k:<28} {mean[k]:10.4f} {('' if um is None else f'{um:.3f}'):>12} "
               f"{('' if ratio is None else f'{ratio:.2f}'):>11} {meta_cost:>16}")

@@ -27,7 +27,7 @@ import torch
 from fluxion_lite.attention import AttentionBackend, SeqChunk
 from fluxion_lite.engine import Engine
 from fluxion_lite.errors import FluxionError
-from fluxion_lite.eval_text import essay_text
+from fluxion_lite.eval_text import essay_tokens
 from fluxion_lite.model import Transformer
 from fluxion_lite.sparse_plan import SparsePlan
 
@@ -128,8 +128,7 @@ def main() -> None:
         tokens = json.loads(Path(args.tokens).read_text())[: args.context]
     else:
         assert full.tokenizer is not None
-        text = essay_text()[args.text_offset :]
-        tokens = full.tokenizer.encode(text[: args.context * 8], add_special=True)[: args.context]
+        tokens = essay_tokens(full.tokenizer, args.context, args.text_offset)
         if args.export_tokens:
             Path(args.export_tokens).write_text(json.dumps(tokens))
             print(f"wrote {len(tokens)} token ids to {args.export_tokens}")

@@ -26,7 +26,7 @@ from pathlib import Path
 from fluxion_lite import native
 from fluxion_lite.errors import ModelFileError
 from fluxion_lite.policy import plan_bytes_fraction
-from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, SparsePlan, check_short
+from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, GroupPlan, SparsePlan, check_short
 
 
 def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str | None = None,
@@ -48,16 +48,17 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
     window = plan.window if window is None else window
     short_scale = plan.short_scale if short_scale is None else short_scale
     short_tokens = plan.short_tokens if short_tokens is None else short_tokens
-    if streaming_budget is not None:
-        sizes = Counter(gp.g for row in plan.groups for gp in row if not gp.streaming)
-        g_new = g or (sizes.most_common(1)[0][0] if sizes else 16)
-        rows = [[replace(gp, streaming=False, g=g_new, budget=streaming_budget) if gp.streaming else gp for gp in row]
-                for row in plan.groups]
-    else:
-        rows = plan.groups
-    rows = [[gp if gp.streaming
-             else replace(gp, g=g or gp.g, budget=min(1.0, max(gp.budget, min_budget) * budget_scale))
-             for gp in row] for row in rows]
+    sizes = Counter(gp.g for row in plan.groups for gp in row if not gp.streaming)
+    g_turned = sizes.most_common(1)[0][0] if sizes else 16  # a turned streaming group's block size when g is None
+
+    def retrieval(gp: GroupPlan) -> GroupPlan:
+        if gp.streaming:
+            if streaming_budget is None:
+                return gp
+            gp = replace(gp, streaming=False, g=g_turned, budget=streaming_budget)
+        return replace(gp, g=g or gp.g, budget=min(1.0, max(gp.budget, min_budget) * budget_scale))
+
+    rows = [[retrieval(gp) for gp in row] for row in plan.groups]
     floor = f"budgets >= {min_budget:g} then " if min_budget > 0 else "budgets "
     source = (f"{plan.source}; retrieval g={g or 'kept'}, {floor}x{budget_scale:g}, {scoring} scoring, "
               f"{pin_fraction:g} pinned" + (f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else "")

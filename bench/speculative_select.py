@@ -48,7 +48,7 @@ import torch
 
 from fluxion_lite.attention import causal_attention
 from fluxion_lite.engine import Engine
-from fluxion_lite.eval_text import essay_text
+from fluxion_lite.eval_text import essay_tokens
 from fluxion_lite.model import Transformer
 from fluxion_lite.sparse_plan import SparsePlan
 
@@ -248,7 +248,7 @@ def main() -> None:
     eng = Engine(args.model, attention="full", max_context=args.context + 1, prefix_cache_entries=0)
     model = eng.model
     assert eng.tokenizer is not None
-    tokens = eng.tokenizer.encode(essay_text()[args.text_offset:][: args.context * 8], add_special=True)[: args.context]
+    tokens = essay_tokens(eng.tokenizer, args.context, args.text_offset)
     if len(tokens) < args.context:
         raise SystemExit(f"error: the essay text from offset {args.text_offset} has only {len(tokens)} tokens")
     plan = SparsePlan.load(Path(args.plan))
