@@ -13,6 +13,8 @@ asked); flags left out keep the base plan's values. Feed the result to `bench/ru
       --short-scale 1.8 --short-tokens 8192 --out /tmp/short.plan.json
   python bench/plan_variant.py --base models/qwen2.5-coder-0.5b.plan.json --min-budget 0.02 --budget-scale 0.95 \
       --out /tmp/floor.plan.json
+  python bench/plan_variant.py --base bench/results/plans/shipped_a62cb96.plan.json --streaming-budget 0.02 \
+      --long-only --budget-scale 0.9 --short-scale 1.8888888888888888 --out /tmp/long_only.plan.json
 """
 from __future__ import annotations
 
@@ -33,12 +35,13 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
             pin_fraction: float | None = None, obs_window: int | None = None, pin_span: int | None = None,
             pin_decay: float | None = None, short_scale: float | None = None,
             short_tokens: int | None = None, sink: int | None = None, min_budget: float = 0.0,
-            window: int | None = None, streaming_budget: float | None = None) -> SparsePlan:
+            window: int | None = None, streaming_budget: float | None = None, long_only: bool = False) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets raised to at least min_budget and
     then x budget_scale (capped at 1), the given block scoring, share of pinned blocks and pin span (with its
     decay), short-context budget scale (SparsePlan.budget_factor), sink and recent window; None keeps the base plan's
     value of any of these. streaming_budget: every streaming group becomes a retrieval group with this budget (before
-    the scale) at the retrieval block size (g, else the base plan's most common one)."""
+    the scale) at the retrieval block size (g, else the base plan's most common one); long_only: a long-only one
+    (GroupPlan.long_only: streaming up to short_tokens, its budget from twice that on)."""
     scoring = plan.scoring if scoring is None else scoring
     pin_fraction = plan.pin_fraction if pin_fraction is None else pin_fraction
     obs_window = plan.obs_window if obs_window is None else obs_window
@@ -55,7 +58,7 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
         if gp.streaming:
             if streaming_budget is None:
                 return gp
-            gp = replace(gp, streaming=False, g=g_turned, budget=streaming_budget)
+            gp = replace(gp, streaming=False, g=g_turned, budget=streaming_budget, long_only=long_only)
         return replace(gp, g=g or gp.g, budget=min(1.0, max(gp.budget, min_budget) * budget_scale))
 
     rows = [[retrieval(gp) for gp in row] for row in plan.groups]
@@ -65,7 +68,9 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
               + (f", short contexts x{short_scale:g} up to {short_tokens}" if short_scale != 1.0 else "")
               + (f", sink {sink}" if sink != plan.sink else "")
               + (f", window {window}" if window != plan.window else "")
-              + (f", streaming groups retrieve at {streaming_budget:g}" if streaming_budget is not None else ""))
+              + (f", streaming groups retrieve at {streaming_budget:g}" if streaming_budget is not None else "")
+              + (f" from {2 * short_tokens} tokens on (long-only)" if streaming_budget is not None and long_only
+                 else ""))
     return SparsePlan(sink, window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
                       short_scale, short_tokens)
 
@@ -106,6 +111,9 @@ def main() -> None:
     ap.add_argument("--streaming-budget", type=float, default=None,
                     help="turn every streaming group into a retrieval group with this budget (then x --budget-scale): "
                          "do the groups that never read past sink + window cost the long-context answers?")
+    ap.add_argument("--long-only", action="store_true",
+                    help="with --streaming-budget: the turned groups stay streaming up to the short-context tokens and "
+                         "retrieve from twice that on (linear in log2 of the context between)")
     ap.add_argument("--out", required=True, help="where to write the variant plan (.plan.json)")
     args = ap.parse_args()
     if args.sink is not None and args.sink < 1:
@@ -116,6 +124,8 @@ def main() -> None:
         sys.exit("error: --budget-scale must be > 0")
     if args.streaming_budget is not None and not 0.0 < args.streaming_budget <= 1.0:
         sys.exit("error: --streaming-budget must be in (0, 1]")
+    if args.long_only and args.streaming_budget is None:
+        sys.exit("error: --long-only needs --streaming-budget (the budget the turned groups get at long contexts)")
     if not 0.0 <= args.min_budget <= 1.0:
         sys.exit("error: --min-budget must be in [0, 1]")
     # flags left out (None) keep the base plan's values: variant() fills them in, so only given values are checked
@@ -139,7 +149,7 @@ def main() -> None:
         sys.exit(f"error: --base: {exc}")
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
                   args.pin_decay, args.short_scale, args.short_tokens, args.sink, args.min_budget,
-                  args.window, args.streaming_budget)
+                  args.window, args.streaming_budget, args.long_only)
     out.save(Path(args.out))
     print(out.explain())
     for n in (4096, 8192, 16384, 32768):  # head_dim only scales both numerator and denominator

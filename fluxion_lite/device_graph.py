@@ -164,8 +164,11 @@ class DeviceGraphedDecode:
         self.dsum.reserve(a.cfg.n_layers, max(a._slot[c.seq_id] for c in chunks), nb // self.g)
         bucket = self._buckets.get(nb)
         if bucket is None:  # once per length bucket, not per step
-            # an upper bound of every row's k in this bucket: the short-context factor only falls as n grows
-            factor = float(a.plan.budget_factor(max(nb - BUCKET_TOKENS + 1, 1)))
+            # an upper bound of every row's k in this bucket: the short-context factor only falls as n grows, a
+            # long-only group's factor only rises (0 below short_tokens: no blocks, as a streaming group)
+            factor = np.full(a._budget.shape, float(a.plan.budget_factor(max(nb - BUCKET_TOKENS + 1, 1))))
+            if a._long is not None:
+                factor[a._long] = float(a.plan.long_factor(nb))
             k_cap = np.where(a._retrieval, np.ceil(a._budget * nb * factor / self.g), 0).astype(np.int64)  # [L, Hkv]
             widths = tuple(int(w) for w in np.minimum(k_cap, nb // self.g).max(axis=1))  # per layer
             bucket = self._buckets[nb] = (k_cap, -(-nb // a.store.page_tokens), k_cap.tobytes(), widths)

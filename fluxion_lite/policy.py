@@ -56,15 +56,18 @@ def select_plan(labels: Labels, n_layers: int, n_groups: int, epsilon: float, n_
 
 def plan_bytes_fraction(plan: SparsePlan, n: int, head_dim: int) -> tuple[float, float]:
     """(KV read fraction, bytes-touched fraction incl. summaries) of a plan at context n, averaged over groups; the
-    budgets as scaled at n by the plan's short-context factor (SparsePlan.budget_factor), at most the whole context."""
+    budgets as scaled at n by the plan's short-context factor (SparsePlan.budget_factor; long_factor for long-only
+    groups), at most the whole context."""
     full = n * 2 * head_dim * 2
     kv, touched = 0.0, 0.0
     flat = [gp for row in plan.groups for gp in row]
-    factor = float(plan.budget_factor(n))
+    factor, long_factor = float(plan.budget_factor(n)), float(plan.long_factor(n))
     for gp in flat:
-        c = Config(gp.streaming, gp.g, min(1.0, gp.budget * factor))
+        # a long-only group streams while its factor is 0 (short contexts)
+        streaming = gp.streaming or (gp.long_only and long_factor == 0.0)
+        c = Config(streaming, gp.g, min(1.0, gp.budget * (long_factor if gp.long_only else factor)))
         b = bytes_per_step(c, n, plan.sink, plan.window, head_dim)
-        meta = 0.0 if gp.streaming else summary_bytes(n, gp.g, head_dim)
+        meta = 0.0 if streaming else summary_bytes(n, gp.g, head_dim)
         kv += (b - meta) / full
         touched += b / full
     return kv / len(flat), touched / len(flat)

@@ -35,6 +35,7 @@ class RowPlan:
     budget: np.ndarray
     gidx: np.ndarray  # index into GVALS
     gidx_dev: torch.Tensor
+    long_only: np.ndarray | None = None  # the static plan's long-only flags where rows keep them; None: none
 
 
 class RequestPlanner:
@@ -44,12 +45,9 @@ class RequestPlanner:
         self.r = cfg.n_heads // cfg.n_kv_heads
         # below sink + window + a block everything is read anyway: no point predicting
         self.min_context = max(min_context, static.sink + static.window + 128)
-        st = static.groups
-        self._static = (np.array([[not gp.streaming for gp in row] for row in st]),
-                        np.array([[1 if gp.streaming else gp.g for gp in row] for row in st], np.int64),
-                        np.array([[gp.budget for gp in row] for row in st], np.float64))
+        self._static = static.arrays()  # retrieval, g, budget, long-only: [L, Hkv] each
         self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [<=Q, Hq, D]
-        self._plans: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}  # seq -> ([L,Hkv] x 3)
+        self._plans: dict[int, tuple[np.ndarray, ...]] = {}  # seq -> ([L,Hkv] x 4), as _static
         self._done: set[int] = set()  # sequences whose first decode step planned them (or found nothing to plan)
         self._version = 0
         self._cache: tuple[object, int, RowPlan | None] | None = None
@@ -90,11 +88,11 @@ class RequestPlanner:
             self._costs = {n: config_costs(n, self.static.sink, self.static.window, c.head_dim)}
         if seq_id not in self._plans:
             self._plans[seq_id] = tuple(a.copy() for a in self._static)  # type: ignore[assignment]
-        ret_a, g_a, b_a = self._plans[seq_id]
+        ret_a, g_a, b_a, long_a = self._plans[seq_id]
         for i, f in zip(layers, feats):
             p, err = self.pred.predict_layer(f.numpy(), i)
             streaming, g, budget = select_groups(p, err, self._costs[n], self.pred.epsilon)
-            ret_a[i], g_a[i], b_a[i] = ~streaming, np.where(streaming, 1, g), budget
+            ret_a[i], g_a[i], b_a[i], long_a[i] = ~streaming, np.where(streaming, 1, g), budget, False
         self._version += 1
         self.last_seq = seq_id
         self.seconds += time.perf_counter() - t0
@@ -116,9 +114,9 @@ class RequestPlanner:
         rp = None
         if any(s in self._plans for s in seq_ids):
             per = [self._plans.get(s, self._static) for s in seq_ids]
-            ret, g, bud = (np.stack([p[i] for p in per], axis=1) for i in range(3))
+            ret, g, bud, long_only = (np.stack([p[i] for p in per], axis=1) for i in range(4))
             gidx = np.searchsorted(np.array(GVALS), g)
-            rp = RowPlan(ret, g, bud, gidx, torch.from_numpy(gidx).to(device))
+            rp = RowPlan(ret, g, bud, gidx, torch.from_numpy(gidx).to(device), long_only if long_only.any() else None)
         self._cache = (step, self._version, rp)
         return rp
 
@@ -126,8 +124,9 @@ class RequestPlanner:
     def plan_of(self, seq_id: int) -> SparsePlan | None:
         if seq_id not in self._plans:
             return None
-        ret, g, bud = self._plans[seq_id]
-        groups = [[GroupPlan(not bool(ret[i, h]), int(g[i, h]) if ret[i, h] else 16, float(bud[i, h]) if ret[i, h] else 0.0)
+        ret, g, bud, long_only = self._plans[seq_id]
+        groups = [[GroupPlan(not bool(ret[i, h]), int(g[i, h]) if ret[i, h] else 16,
+                             float(bud[i, h]) if ret[i, h] else 0.0, bool(ret[i, h] and long_only[i, h]))
                    for h in range(ret.shape[1])] for i in range(ret.shape[0])]
         st = self.static  # its short-context scale applies to these budgets too (the step's budget_scale)
         return SparsePlan(st.sink, st.window, groups, source=f"predictor, sequence {seq_id}",

@@ -40,7 +40,7 @@ from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan
 from .device_graph import DeviceGraphedDecode
 from .sparse_graph import GraphedDecode
-from .sparse_step import GVALS, DecodeStep, build_step, retrieval_tasks
+from .sparse_step import GVALS, DecodeStep, active_retrieval, build_step, retrieval_tasks
 from . import zero_copy as zc
 
 MAX_G = max(GRANULARITIES)
@@ -77,9 +77,8 @@ class SparseAttention(AttentionBackend):
         self._near = torch.zeros(cfg.n_layers, 0, 2, cfg.n_kv_heads, self.sink_cap + self.ring_cap, cfg.head_dim,
                                  dtype=dtype, device=device)
         # plan as arrays [L, Hkv]
-        self._retrieval = np.array([[not gp.streaming for gp in row] for row in plan.groups])
-        self._g = np.array([[1 if gp.streaming else gp.g for gp in row] for row in plan.groups], np.int64)
-        self._budget = np.array([[gp.budget for gp in row] for row in plan.groups], dtype=np.float64)
+        self._retrieval, self._g, self._budget, long_only = plan.arrays()
+        self._long = long_only if long_only.any() else None  # None: no long-only groups (the usual plan)
         self._gidx = np.searchsorted(np.array(GVALS), self._g)  # [L, Hkv] row of DecodeStep's per-g arrays
         self._gidx_dev = torch.from_numpy(self._gidx).to(device)
         self._dsum: DeviceSummaries | None = None
@@ -409,7 +408,7 @@ class SparseAttention(AttentionBackend):
         if self._step is None or self._step.key != key:
             self._step = build_step(key, [self._slot[c.seq_id] for c in chunks], self.plan.sink, self.plan.window,
                                     self.sink_cap, self.ring_cap, self.device, self.plan.short_scale,
-                                    self.plan.short_tokens)
+                                    self.plan.short_tokens, self._long is not None)
         return self._step
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
@@ -544,12 +543,14 @@ class SparseAttention(AttentionBackend):
         holds at least one block. Returns the native task table and (seq row, group, k, lo, hi) per task."""
         if rp is None:  # the static plan: [1, 1, Hkv], broadcast over rows
             gi, g, ret, bud = (a[layer][None, None, :] for a in (self._gidx, self._g, self._retrieval, self._budget))
+            long_only = None if self._long is None else self._long[layer][None, None, :]
         else:  # per-request plans: [1, B, Hkv]
             gi, g, ret, bud = (a[layer][None] for a in (rp.gidx, rp.g, rp.retrieval, rp.budget))
+            long_only = None if rp.long_only is None else rp.long_only[layer][None]
         n_groups = st.batch * ret.shape[-1]
-        self._stream_groups += float(n_groups - np.broadcast_to(ret, (1, st.batch, ret.shape[-1])).sum())
+        self._stream_groups += float(n_groups - active_retrieval(st, ret, long_only).sum())
         self._all_groups += float(n_groups)
-        tasks, _, bi, h, k_blocks, lo, hi = retrieval_tasks(st, gi, g, ret, bud)
+        tasks, _, bi, h, k_blocks, lo, hi = retrieval_tasks(st, gi, g, ret, bud, long_only)
         return tasks, (bi, h, k_blocks, lo, hi)
 
     def _select_on_device(self, layer: int, st: DecodeStep, qg: torch.Tensor, bi: np.ndarray, h: np.ndarray,

@@ -39,7 +39,7 @@ from . import native
 from .attention import SeqChunk
 from .hybrid import biased_attention
 from .scheduler import Placement, all_cpu_suffices, split_tasks, task_bytes
-from .sparse_step import GVALS, DecodeStep, retrieval_tasks
+from .sparse_step import GVALS, DecodeStep, active_retrieval, retrieval_tasks
 
 if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
@@ -61,7 +61,7 @@ def plan_tasks(a: SparseAttention, st: DecodeStep) -> tuple[np.ndarray, np.ndarr
     n_layers, hkv = a.cfg.n_layers, a.cfg.n_kv_heads
     gi = a._gidx[:, None, :]  # [L, 1, Hkv]
     tasks, li, bi, h, k_blocks, lo, hi = retrieval_tasks(st, gi, a._g[:, None, :], a._retrieval[:, None, :],
-                                                a._budget[:, None, :])
+                                                a._budget[:, None, :], _long(a))
     ends = np.searchsorted(li, np.arange(n_layers + 1))  # li is layer-major
     g = tasks[:, 3].astype(np.int64)
     selected = np.minimum(k_blocks, (hi - lo) // g) * g
@@ -72,8 +72,14 @@ def step_counts(a: SparseAttention, st: DecodeStep) -> tuple[float, float, float
     """The step's streaming reads and context (tokens), streaming and all groups: what count_step adds."""
     n_layers, hkv, B = a.cfg.n_layers, a.cfg.n_kv_heads, st.batch
     gi = a._gidx[:, None, :]  # [L, 1, Hkv]
+    retrieving = float(active_retrieval(st, a._retrieval[:, None, :], _long(a)).sum())
     return (float(st.stream_read[gi, np.arange(B)[None, :, None]].sum()), float(st.n.sum()) * hkv * n_layers,
-            float(n_layers * B * hkv - B * a._retrieval.sum()), float(n_layers * B * hkv))
+            float(n_layers * B * hkv) - retrieving, float(n_layers * B * hkv))
+
+
+def _long(a: SparseAttention) -> np.ndarray | None:
+    """The static plan's long-only flags as [L, 1, Hkv], or None when it has none."""
+    return None if a._long is None else a._long[:, None, :]
 
 
 def add_counts(a: SparseAttention, counts: tuple[float, float, float, float]) -> None:

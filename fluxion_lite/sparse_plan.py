@@ -24,6 +24,13 @@ def short_factor(n: np.ndarray | int, scale: float, tokens: int) -> np.ndarray:
     return 1.0 + (scale - 1.0) * (1.0 - toward_long)
 
 
+def long_factor(n: np.ndarray | int, tokens: int) -> np.ndarray:
+    """The multiplier of a long-only group's budget at context n (any shape): 0 up to `tokens`, 1 from 2 x `tokens`
+    on, linear in log2(n) in between (short_factor's ramp, rising instead of falling)."""
+    n_f = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
+    return np.clip(np.log2(n_f / tokens), 0.0, 1.0)
+
+
 def check_short(short_scale: object, short_tokens: object) -> None:
     """ValueError naming the field unless short_scale is a finite number >= 1 and short_tokens an integer > 0."""
     if isinstance(short_scale, bool) or not isinstance(short_scale, (int, float)) or not math.isfinite(short_scale) \
@@ -38,6 +45,10 @@ class GroupPlan:
     streaming: bool  # True: sink + recent window only
     g: int = 16  # block size for top-k selection (retrieval groups)
     budget: float = 0.0  # fraction of the context selected by top-k, on top of sink + window
+    # a retrieval group that attends like a streaming one (sink + window only) up to the plan's short_tokens and
+    # retrieves its budget from twice that on (x long_factor in between): calibrated at 4K, where sink + window is 2%
+    # of the context, a group looks streaming that at 32K (0.25%) still needs a few far blocks
+    long_only: bool = False
 
 
 @dataclass
@@ -68,13 +79,24 @@ class SparsePlan:
         """What every retrieval budget is multiplied by at context n (tokens incl. the new one; any shape)."""
         return short_factor(n, self.short_scale, self.short_tokens)
 
+    def long_factor(self, n: np.ndarray | int) -> np.ndarray:
+        """What a long-only group's budget is multiplied by at context n (0 up to short_tokens: streaming there)."""
+        return long_factor(n, self.short_tokens)
+
+    @property
+    def has_long_only(self) -> bool:
+        return any(gp.long_only for row in self.groups for gp in row)
+
     def block_count(self, gp: GroupPlan, n: int) -> int:
-        """Top-k blocks of a retrieval group at context n: ceil(budget x n x budget_factor(n) / g), in the order
-        sparse_step.retrieval_tasks computes it per step, so both round alike (0 for a streaming group)."""
+        """Top-k blocks of a retrieval group at context n: ceil(budget x n x budget_factor(n) / g) (long_factor(n)
+        for a long-only group), in the order sparse_step.retrieval_tasks computes it per step, so both round alike
+        (0 for a streaming group, and for a long-only one up to short_tokens)."""
         if gp.streaming:
             return 0
         tokens = gp.budget * n
-        if self.short_scale != 1.0:
+        if gp.long_only:
+            tokens *= float(self.long_factor(n))
+        elif self.short_scale != 1.0:
             tokens *= float(self.budget_factor(n))
         return int(np.ceil(tokens / gp.g))
 
@@ -90,6 +112,8 @@ class SparsePlan:
             for gp in row:
                 if not gp.streaming and (gp.g not in GRANULARITIES or not 0.0 < gp.budget <= 1.0):
                     raise ModelFileError(f"sparse plan: bad group entry {gp}")
+                if gp.streaming and gp.long_only:
+                    raise ModelFileError(f"sparse plan: a streaming group cannot be long_only ({gp})")
         if self.scoring not in ("group", "per-head", "midrange"):
             raise ModelFileError(f"sparse plan: scoring must be 'group', 'per-head' or 'midrange' (got {self.scoring!r})")
         if not 0.0 <= self.pin_fraction <= 1.0 or self.obs_window < 1:
@@ -106,7 +130,7 @@ class SparsePlan:
 
     def save(self, path: Path) -> None:
         data = {"sink": self.sink, "window": self.window, "source": self.source,
-                "groups": [[asdict(gp) for gp in row] for row in self.groups]}
+                "groups": [[_group_dict(gp) for gp in row] for row in self.groups]}
         if self.pin_fraction:
             data |= {"pin_fraction": self.pin_fraction, "obs_window": self.obs_window}
         if self.scoring != "group":
@@ -124,7 +148,7 @@ class SparsePlan:
         path = Path(path)  # a str path too: its name is the source of a plan file without one
         try:
             data = json.loads(path.read_text())
-            groups = [[GroupPlan(**gp) for gp in row] for row in data["groups"]]
+            groups = [[_group_from(gp) for gp in row] for row in data["groups"]]
             pin_span = data.get("pin_span", 1)
             if type(pin_span) is not int:  # 2.5 or "2" would otherwise be truncated or parsed silently
                 raise ValueError(f"pin_span must be an integer (got {pin_span!r})")
@@ -149,13 +173,39 @@ class SparsePlan:
         if self.short_scale != 1.0:
             lines.append(f"  short contexts: budgets x{self.short_scale:g} up to {self.short_tokens} tokens, x1 from "
                          f"{2 * self.short_tokens} on (linear in log2 of the context between)")
+        if self.has_long_only:
+            lines.append(f"  long-only groups (marked *): streaming up to {self.short_tokens} tokens, their budget from "
+                         f"{2 * self.short_tokens} on (linear in log2 of the context between)")
         for i, row in enumerate(self.groups):
             ret = [gp for gp in row if not gp.streaming]
-            desc = ", ".join(f"g={gp.g} b={gp.budget:.3f}" for gp in ret) or "-"
+            desc = ", ".join(f"g={gp.g} b={gp.budget:.3f}" + ("*" if gp.long_only else "") for gp in ret) or "-"
             lines.append(f"  layer {i:>2}: {len(row) - len(ret)} streaming, {len(ret)} retrieval [{desc}]")
         return "\n".join(lines)
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The plan as [L, Hkv] arrays: retrieval flag, block size (1 for a streaming group), budget, long-only."""
+        gs = self.groups
+        return (np.array([[not gp.streaming for gp in row] for row in gs]),
+                np.array([[1 if gp.streaming else gp.g for gp in row] for row in gs], np.int64),
+                np.array([[gp.budget for gp in row] for row in gs], np.float64),
+                np.array([[gp.long_only for gp in row] for row in gs]))
 
     @property
     def streaming_fraction(self) -> float:
         flat = [gp for row in self.groups for gp in row]
         return sum(gp.streaming for gp in flat) / max(1, len(flat))
+
+
+def _group_dict(gp: GroupPlan) -> dict[str, object]:
+    """A group's JSON entry; long_only only where set, so plans without long-only groups keep their old form."""
+    d = asdict(gp)
+    if not gp.long_only:
+        del d["long_only"]
+    return d
+
+
+def _group_from(d: dict[str, object]) -> GroupPlan:
+    long_only = d.get("long_only", False)
+    if type(long_only) is not bool:  # "false" or 0 must not be read as a flag silently
+        raise ValueError(f"long_only must be true or false (got {long_only!r})")
+    return GroupPlan(**d)  # type: ignore[arg-type]

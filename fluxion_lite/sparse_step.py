@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from . import native
-from .sparse_plan import DEFAULT_SHORT_TOKENS, short_factor
+from .sparse_plan import DEFAULT_SHORT_TOKENS, long_factor, short_factor
 
 GVALS = (1, 16, 32, 64, 128)  # 1 = a streaming group (exact sink / window); else the group's block size
 
@@ -34,6 +34,9 @@ class DecodeStep:
     sink_rows: list[int]  # rows whose new token also belongs in the sink slots (position < sink_cap)
     # float64 [B]: each row's retrieval budgets x this at its context n (SparsePlan.budget_factor); None = x1
     budget_scale: np.ndarray | None = None
+    # float64 [B]: each row's long-only budgets x this (SparsePlan.long_factor; 0 = those groups stream); None = the
+    # plan has no long-only groups
+    long_scale: np.ndarray | None = None
 
     @property
     def batch(self) -> int:
@@ -42,8 +45,9 @@ class DecodeStep:
 
 def build_step(key: tuple[tuple[int, int], ...], slots: list[int], sink: int, window: int, sink_cap: int,
                ring_cap: int, device: torch.device, short_scale: float = 1.0,
-               short_tokens: int = DEFAULT_SHORT_TOKENS) -> DecodeStep:
-    """short_scale, short_tokens: the plan's short-context budget scale (SparsePlan.budget_factor); 1 = off."""
+               short_tokens: int = DEFAULT_SHORT_TOKENS, long_only: bool = False) -> DecodeStep:
+    """short_scale, short_tokens: the plan's short-context budget scale (SparsePlan.budget_factor); 1 = off.
+    long_only: the plan has long-only groups (their factor, SparsePlan.long_factor, per row)."""
     pos = np.array([p for _, p in key], np.int64)  # [B]
     n = pos + 1
     slots_a = np.array(slots, np.int64)
@@ -69,25 +73,38 @@ def build_step(key: tuple[tuple[int, int], ...], slots: list[int], sink: int, wi
     return DecodeStep(key, slots_a, n, sink_hi, win_lo, valid.sum(-1).astype(np.float64), bias_d, idx_d[0],
                       idx_d[1], idx_d[2], idx, int(slots_a[0]) if contiguous else None,
                       [b for b in range(len(pos)) if pos[b] < sink_cap],
-                      short_factor(n, short_scale, short_tokens) if short_scale != 1.0 else None)
+                      short_factor(n, short_scale, short_tokens) if short_scale != 1.0 else None,
+                      long_factor(n, short_tokens) if long_only else None)
 
 
-def retrieval_tasks(st: DecodeStep, gi: np.ndarray, g: np.ndarray, retrieval: np.ndarray, budget: np.ndarray
-                    ) -> tuple[np.ndarray, ...]:
+def active_retrieval(st: DecodeStep, retrieval: np.ndarray, long_only: np.ndarray | None) -> np.ndarray:
+    """Which groups retrieve at this step, [L', B, Hkv] bool: the retrieval ones, less the long-only ones of rows whose
+    context is still short (st.long_scale 0: they stream there)."""
+    if long_only is None or st.long_scale is None:
+        return np.broadcast_to(retrieval, retrieval.shape[:1] + (st.batch,) + retrieval.shape[2:])
+    return retrieval & ~(long_only & (st.long_scale == 0.0)[None, :, None])
+
+
+def retrieval_tasks(st: DecodeStep, gi: np.ndarray, g: np.ndarray, retrieval: np.ndarray, budget: np.ndarray,
+                    long_only: np.ndarray | None = None) -> tuple[np.ndarray, ...]:
     """The retrieval tasks of a step for plan arrays shaped [L', B or 1, Hkv] (row of GVALS, block size, retrieval
-    flag, budget per layer, sequence row and group): one task per retrieval group whose gap between the sink and the
-    window holds at least one block, layer-major; a task's k is ceil(budget x n x st.budget_scale / g). Returns the
-    native task table int32 [T, 9] and, per task, the layer index into the L' layers given, sequence row, group,
-    k (blocks), and the gap [lo, hi)."""
+    flag, budget, long-only flag per layer, sequence row and group): one task per group retrieving at this step
+    (active_retrieval) whose gap between the sink and the window holds at least one block, layer-major; a task's k is
+    ceil(budget x n x st.budget_scale / g), st.long_scale for a long-only group. Returns the native task table int32
+    [T, 9] and, per task, the layer index into the L' layers given, sequence row, group, k (blocks), and the gap
+    [lo, hi)."""
     rows = np.arange(st.batch)[None, :, None]  # [1, B, 1]
     lo, hi = st.sink_hi[gi, rows], st.win_lo[gi, rows]  # [L', B, Hkv]
     g_all = np.broadcast_to(g, lo.shape)
-    wanted = retrieval & (hi - lo >= g_all)
+    wanted = active_retrieval(st, retrieval, long_only) & (hi - lo >= g_all)
     li, bi, h = np.nonzero(wanted)
     gh = g_all[li, bi, h]
     tokens = np.broadcast_to(budget, lo.shape)[li, bi, h] * st.n[bi]
-    if st.budget_scale is not None:
-        tokens = tokens * st.budget_scale[bi]
+    if st.budget_scale is not None or st.long_scale is not None:
+        factor = np.ones(len(bi)) if st.budget_scale is None else st.budget_scale[bi]
+        if st.long_scale is not None and long_only is not None:
+            factor = np.where(np.broadcast_to(long_only, lo.shape)[li, bi, h], st.long_scale[bi], factor)
+        tokens = tokens * factor
     k_blocks = np.ceil(tokens / gh).astype(np.int64)
     lo_t, hi_t = lo[li, bi, h], hi[li, bi, h]
     tasks = native.make_tasks(st.slots[bi], bi, h, gh, k_blocks, exclude=[(0, lo_t), (hi_t, st.n[bi])])
