@@ -92,8 +92,11 @@ def borrowed_plan(cfg: ModelConfig, source: Path, seed: int = 0) -> SparsePlan:
     for layer in range(cfg.n_layers):
         row = src.groups[layer * len(src.groups) // cfg.n_layers]
         groups.append([rng.choice(row) for _ in range(cfg.n_kv_heads)])
+    # the source's context scaling too (short_scale, and short_tokens for its long-only groups' ramp): a drawn plan
+    # reads at each context what the source reads there (runs before the twenty-second session drew no short scale)
     return SparsePlan(src.sink, src.window, groups, source=f"drawn from {source.name}", pin_fraction=src.pin_fraction,
-                      obs_window=src.obs_window, scoring=src.scoring, pin_span=src.pin_span, pin_decay=src.pin_decay)
+                      obs_window=src.obs_window, scoring=src.scoring, pin_span=src.pin_span, pin_decay=src.pin_decay,
+                      short_scale=src.short_scale, short_tokens=src.short_tokens)
 
 
 def host_bytes_per_token(cfg: ModelConfig) -> float:

@@ -68,7 +68,7 @@ class SparsePlan:
     pin_span: int = 1
     pin_decay: float = 1.0
     # short contexts get more blocks: every retrieval budget x short_factor(n, short_scale, short_tokens), i.e.
-    # x short_scale up to short_tokens, x 1 from twice that on (1 = off)
+    # x short_scale up to short_tokens, x 1 from twice that on (1 = off); long-only groups stream up to short_tokens
     short_scale: float = 1.0
     short_tokens: int = DEFAULT_SHORT_TOKENS
 
@@ -139,7 +139,7 @@ class SparsePlan:
             data["pin_span"] = self.pin_span
         if self.pin_decay != 1.0:
             data["pin_decay"] = self.pin_decay
-        if self.short_scale != 1.0:
+        if self.short_scale != 1.0 or self.has_long_only:  # long-only groups ramp up at short_tokens too
             data |= {"short_scale": self.short_scale, "short_tokens": self.short_tokens}
         path.write_text(json.dumps(data, indent=1))
 

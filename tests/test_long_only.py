@@ -131,6 +131,7 @@ def test_file_format_round_trip_and_checks(tmp_path: Path) -> None:
     assert [("long_only" in gp) for gp in raw["groups"][0]] == [False, False, True]  # only where set
     back = SparsePlan.load(path)
     assert back.groups == plan().groups and back.has_long_only
+    assert (back.short_scale, back.short_tokens) == (1.0, N0)  # the ramp's tokens, kept without a short scale
     assert "long-only groups" in back.explain() and "b=0.030*" in back.explain()
     plan(False).save(path)
     assert "long_only" not in path.read_text() and not SparsePlan.load(path).has_long_only
@@ -207,3 +208,40 @@ def test_plan_variant_long_only_flag(tmp_path: Path) -> None:
     assert made.groups == [[GroupPlan(False, 16, 0.01, True), GroupPlan(False, 16, 0.025)]]
     refused = subprocess.run([*cmd, "--long-only"], capture_output=True, text=True, env=env, timeout=120)
     assert refused.returncode != 0 and "--long-only needs --streaming-budget" in refused.stderr
+
+
+def test_tpot_draws_long_only_groups_and_the_context_scaling_from_the_shipped_plan() -> None:
+    """bench/tpot.py's plan for the 8B shape copies groups of the shipped plan, long-only flags included, and keeps
+    its short_scale / short_tokens, so the drawn plan streams and retrieves at the same contexts as its source."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import tpot
+
+    from fluxion_lite.config import ModelConfig
+
+    cfg = ModelConfig(**tpot.SHAPES["llama3.1-8b"], context_length=131072, rms_eps=1e-5, rope_dim=128)
+    src = SparsePlan.load(ROOT / "models" / "qwen2.5-coder-0.5b.plan.json")
+    drawn = tpot.borrowed_plan(cfg, ROOT / "models" / "qwen2.5-coder-0.5b.plan.json")
+    drawn.validate(cfg.n_layers, cfg.n_kv_heads)
+    assert drawn.has_long_only and (drawn.short_scale, drawn.short_tokens) == (src.short_scale, src.short_tokens)
+    source_groups = {gp for row in src.groups for gp in row}
+    assert all(gp in source_groups for row in drawn.groups for gp in row)
+
+
+def test_per_request_rows_keep_the_static_long_only_flags_where_a_row_has_no_plan_of_its_own() -> None:
+    """request_plan.RequestPlanner.rows: a sequence the predictor planned has no long-only groups (its layers are
+    replaced whole); one it did not plan keeps the static plan's flags, so its long-only groups still stream below
+    short_tokens."""
+    from fluxion_lite.config import ModelConfig
+    from fluxion_lite.request_plan import RequestPlanner
+
+    cfg = ModelConfig(arch="llama", n_layers=1, d_model=48, d_ff=64, n_heads=6, n_kv_heads=3, head_dim=16,
+                      vocab_size=10, context_length=8192, rms_eps=1e-5, rope_theta=10000.0, rope_dim=16,
+                      rope_style="interleaved", qkv_bias=False, tied_embeddings=True)
+    planner = RequestPlanner(None, plan(), cfg, [])  # type: ignore[arg-type]  # rows() never asks the predictor
+    ret, g, bud, long_only = (a.copy() for a in planner._static)
+    long_only[:] = False  # what prefill_done writes for a planned layer
+    planner._plans[7] = (ret, g, bud, long_only)
+    rp = planner.rows(object(), [7, 8], torch.device("cpu"))
+    assert rp is not None and rp.long_only is not None
+    assert rp.long_only.tolist() == [[[False, False, False], [False, False, True]]]  # [L, B, Hkv]
+    assert planner.plan_of(7).groups == [[GroupPlan(True), GroupPlan(False, 16, 0.05), GroupPlan(False, 16, 0.03)]]
