@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import platform
 import time
 from pathlib import Path
@@ -118,13 +117,13 @@ def selection_run(model: Transformer, plan: SparsePlan, pin_fraction: float, tok
             o = causal_attention(q, kk, vv, p, scale)
             x_mid = x + o.reshape(1, -1) @ lw.wo.t()  # the residual stream after attention, before the MLP
             probs = torch.softmax(torch.einsum("hrd,hnd->hrn", q[0].view(hkv, r, d), kk) * scale, -1)  # [Hkv, r, N]
-            factor = float(plan.budget_factor(ctx))
             for h, gp in enumerate(plan.groups[i]):
-                if gp.streaming or spec_q is None or early_q is None or prev_q[i] is None:
+                k_all = plan.block_count(gp, ctx)  # 0: streaming here (a long-only group at a short context too)
+                if k_all == 0 or spec_q is None or early_q is None or prev_q[i] is None:
                     continue
                 g = gp.g
                 lo, hi = eligible(plan, g, ctx)
-                k_dyn = max(1, round((1 - pin_fraction) * math.ceil(gp.budget * factor * ctx / g)))
+                k_dyn = max(1, round((1 - pin_fraction) * k_all))
                 if hi - lo <= k_dyn:
                     continue
                 kmin, kmax, kmean = block_bounds(kk[h], g)
@@ -170,15 +169,14 @@ def sparse_attention(plan: SparsePlan, layer: int, q: torch.Tensor, sel_q: torch
     r = q.shape[0] // hkv
     out = torch.empty_like(q)
     near = list(range(min(plan.sink, n))) + list(range(max(plan.sink, n - plan.window), n))
-    factor = float(plan.budget_factor(n))
     for h, gp in enumerate(plan.groups[layer]):
         idx = near
-        if not gp.streaming:
+        k_all = plan.block_count(gp, n)  # 0: streaming here (a long-only group at a short context too)
+        if k_all > 0:
             g = gp.g
             lo, hi = eligible(plan, g, n)
             if hi > lo:
                 kmin, kmax, kmean = bounds[(h, g)]
-                k_all = math.ceil(gp.budget * factor * n / g)
                 qs = sel_q.view(hkv, r, d)[h]
                 chosen = (top_of((kmean[lo:hi] @ qs.T).sum(1), lo, k_all) if mean_scoring
                           else quest_top(qs, kmin, kmax, lo, hi, k_all))
