@@ -144,14 +144,19 @@ def test_file_format_round_trip_and_checks(tmp_path: Path) -> None:
         bad.validate(1, 1)
 
 
-def _backend(p: SparsePlan):  # type: ignore[no-untyped-def]
+def _tiny_cfg():  # type: ignore[no-untyped-def]
+    """One layer, 3 KV groups of 2 query heads each: the plan() rows' shape."""
     from fluxion_lite.config import ModelConfig
+
+    return ModelConfig(arch="llama", n_layers=1, d_model=48, d_ff=64, n_heads=6, n_kv_heads=3, head_dim=16,
+                       vocab_size=10, context_length=8192, rms_eps=1e-5, rope_theta=10000.0, rope_dim=16,
+                       rope_style="interleaved", qkv_bias=False, tied_embeddings=True)
+
+
+def _backend(p: SparsePlan):  # type: ignore[no-untyped-def]
     from fluxion_lite.sparse_attention import SparseAttention
 
-    cfg = ModelConfig(arch="llama", n_layers=1, d_model=48, d_ff=64, n_heads=6, n_kv_heads=3, head_dim=16,
-                      vocab_size=10, context_length=8192, rms_eps=1e-5, rope_theta=10000.0, rope_dim=16,
-                      rope_style="interleaved", qkv_bias=False, tied_embeddings=True)
-    return SparseAttention(cfg, p, torch.float32, torch.device("cpu"), max_seqs=2, placement="cpu")
+    return SparseAttention(_tiny_cfg(), p, torch.float32, torch.device("cpu"), max_seqs=2, placement="cpu")
 
 
 def _decode(p: SparsePlan, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
@@ -231,13 +236,9 @@ def test_per_request_rows_keep_the_static_long_only_flags_where_a_row_has_no_pla
     """request_plan.RequestPlanner.rows: a sequence the predictor planned has no long-only groups (its layers are
     replaced whole); one it did not plan keeps the static plan's flags, so its long-only groups still stream below
     short_tokens."""
-    from fluxion_lite.config import ModelConfig
     from fluxion_lite.request_plan import RequestPlanner
 
-    cfg = ModelConfig(arch="llama", n_layers=1, d_model=48, d_ff=64, n_heads=6, n_kv_heads=3, head_dim=16,
-                      vocab_size=10, context_length=8192, rms_eps=1e-5, rope_theta=10000.0, rope_dim=16,
-                      rope_style="interleaved", qkv_bias=False, tied_embeddings=True)
-    planner = RequestPlanner(None, plan(), cfg, [])  # type: ignore[arg-type]  # rows() never asks the predictor
+    planner = RequestPlanner(None, plan(), _tiny_cfg(), [])  # type: ignore[arg-type]  # rows() never asks the predictor
     ret, g, bud, long_only = (a.copy() for a in planner._static)
     long_only[:] = False  # what prefill_done writes for a planned layer
     planner._plans[7] = (ret, g, bud, long_only)
