@@ -7,7 +7,9 @@ Decode is dominated by per-op overhead (Python dispatch on the CPU, kernel launc
 forward keeps the op count per layer small: one matmul for q/k/v and one for gate/up (weights concatenated at load),
 RoPE as three in-place kernels over q and k together with cos/sin gathered once per forward from a table built once per
 position range, residual adds fused into the output matmuls (addmm_), logits only for the rows asked for, and at most
-one host->device copy per forward (non-blocking, from pinned memory) with no device->host syncs.
+one host->device copy per forward (non-blocking, from pinned memory) with no device->host syncs. On CUDA a one-row
+forward (batch-1 decode) runs its weight products as matrix-vector kernels (gemv_kernels.py: no split-K reduction
+kernels, gate/up/silu in one).
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import dense_kernels
+from . import dense_kernels, gemv_kernels
 from .attention import AttentionBackend, SeqChunk
 from .config import ModelConfig
 from .decode_graphs import DecodeGraphs, graphs_wanted
@@ -203,6 +205,7 @@ class Transformer:
         # ops, so the CPU keeps ours.
         self._fused_norm = self.device.type == "cuda"
         self._dense_kernels = dense_kernels.enabled(self.device)  # norm and silu * mul: one short kernel each at T = 1
+        self._gemv = gemv_kernels.enabled(self.device) and not self.prepacked  # one-row weight products (gemv_kernels.py)
         self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, cuda_graphs) else None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -211,6 +214,10 @@ class Transformer:
         if self._fused_norm:
             return F.rms_norm(x, weight.shape, weight, self.cfg.rms_eps)
         return rms_norm(x, weight, self.cfg.rms_eps)
+
+    def _one_row(self, x: torch.Tensor) -> bool:
+        """Whether x [T, K] goes through gemv_kernels: a single contiguous row (batch-1 decode) on CUDA."""
+        return self._gemv and x.shape[0] == 1 and x.is_contiguous()
 
     def _inputs(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None
@@ -296,7 +303,10 @@ class Transformer:
         hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         n_tok = x.shape[0]
         h = self._norm(x, lw.attn_norm)
-        qkv = linear(h, lw.wqkv, lw.bqkv)  # [T, (Hq + 2 Hkv) D]
+        if self._one_row(h):
+            qkv = gemv_kernels.gemv(h, lw.wqkv, lw.bqkv)  # [1, (Hq + 2 Hkv) D]
+        else:
+            qkv = linear(h, lw.wqkv, lw.bqkv)  # [T, (Hq + 2 Hkv) D]
         qk, v = qkv.split(((hq + hkv) * d, hkv * d), dim=-1)  # views of qkv
         qk = qk.view(n_tok, hq + hkv, d)  # [T, Hq + Hkv, D]: q and k rotate together
         self.rope.apply_(qk, cos, sin)
@@ -311,7 +321,9 @@ class Transformer:
         n_q = cfg.n_heads * cfg.head_dim
         assert not lw.wqkv.is_mkldnn, "a packed qkv weight has no q rows to slice"
         bias = lw.bqkv[:n_q] if lw.bqkv is not None else None
-        q = linear(self._norm(x, lw.attn_norm), lw.wqkv[:n_q], bias).view(x.shape[0], cfg.n_heads, cfg.head_dim)
+        h = self._norm(x, lw.attn_norm)
+        q = gemv_kernels.gemv(h, lw.wqkv[:n_q], bias) if self._one_row(h) else linear(h, lw.wqkv[:n_q], bias)
+        q = q.view(x.shape[0], cfg.n_heads, cfg.head_dim)
         self.rope.apply_(q, cos, sin)
         return q
 
@@ -321,13 +333,20 @@ class Transformer:
         updated in place, except with oneDNN-packed weights on the CPU). after_attention(x) is called between the
         two, with the stream after the attention's residual add (read it before the MLP's add changes it)."""
         o = o.reshape(x.shape[0], -1)  # [T, Hq D]
-        if lw.wo_packed is None:
+        one_row = self._one_row(o) and x.is_contiguous()
+        if one_row:
+            gemv_kernels.gemv_add_(x, o, lw.wo)  # x += o @ wo^T, one kernel
+        elif lw.wo_packed is None:
             x.addmm_(o, lw.wo_t)  # x += o @ wo^T in the matmul itself
         else:
             x = torch.ops.mkldnn._linear_pointwise.binary(o, x, lw.wo_packed, None, "add")  # x + o @ wo^T
         if after_attention is not None:
             after_attention(x)
         h = self._norm(x, lw.ffn_norm)
+        if one_row:
+            act = gemv_kernels.gemv_silu_mul(h, lw.w_gate_up)  # [1, F]: gate, up and silu * mul in one kernel
+            gemv_kernels.gemv_add_(x, act, lw.w_down)  # x += act @ w_down^T
+            return x
         gate_up = linear(h, lw.w_gate_up)  # [T, 2F]
         if self._dense_kernels:  # one kernel instead of two (dense_kernels.py)
             act = dense_kernels.silu_mul(gate_up)  # [T, F]
@@ -344,4 +363,7 @@ class Transformer:
         """x [T, d] -> fp32 logits [R, V] for the rows asked for (None: every row)."""
         if rows is not None:
             x = x[rows]  # [R, d]: the vocabulary matmul only for the rows asked for
-        return linear(self._norm(x, self.output_norm), self.output_mm).float()  # [R, V]
+        h = self._norm(x, self.output_norm)
+        if self._one_row(h):
+            return gemv_kernels.gemv(h, self.output_mm).float()  # [1, V]
+        return linear(h, self.output_mm).float()  # [R, V]

@@ -1,0 +1,125 @@
+"""gemv_kernels' three one-row weight products against float64 references on random data: several weight shapes
+(ragged against every block size, a row stride wider than K as a sliced weight has), with and without bias and
+residual, bf16 and fp32, and a forced tiling; then a one-row forward of a small model with the kernels against the
+same model's matmuls. Runs the Triton kernels compiled on a GPU, else through the interpreter (TRITON_INTERPRET=1,
+FLUXION_TRITON=1 with Triton installed, as conftest sets); skipped without Triton."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fluxion_lite import gemv_kernels
+
+pytestmark = pytest.mark.skipif(gemv_kernels.triton is None, reason="Triton not installed")
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# relative to the output's scale: fp32 summation order; bf16 one rounding of the output (2^-8) and of gate / up
+TOL = {torch.float32: 2e-5, torch.bfloat16: 1.6e-2}
+SHAPES = [(7, 64), (130, 896), (33, 1000), (257, 520)]  # (N, K)
+
+
+def _weights(n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    wide = torch.randn(n, k + 5, generator=gen).to(dtype)  # rows 5 elements wider than K: a strided weight view
+    x = (torch.randn(1, k, generator=gen) * 2.0).to(dtype)
+    return wide[:, 2:2 + k], x
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    scale = float(want.abs().max())
+    torch.testing.assert_close(got.double().cpu(), want, rtol=TOL[dtype], atol=TOL[dtype] * scale)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_float64(dtype: torch.dtype, n: int, k: int, with_bias: bool) -> None:
+    w, x = _weights(n, k, dtype, n * 31 + k)
+    bias = (torch.randn(n, generator=torch.Generator().manual_seed(k)) * 3.0).to(dtype) if with_bias else None
+    want = x.double() @ w.double().T + (bias.double() if bias is not None else 0.0)  # [1, N]
+    got = gemv_kernels.gemv(x.to(DEV), w.to(DEV), bias.to(DEV) if bias is not None else None)
+    assert got.dtype == dtype and got.shape == (1, n)
+    _close(got, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemv_add_matches_float64(dtype: torch.dtype, n: int, k: int) -> None:
+    w, x = _weights(n, k, dtype, n + 7 * k)
+    res = (torch.randn(1, n, generator=torch.Generator().manual_seed(n)) * 10.0).to(dtype)
+    want = res.double() + x.double() @ w.double().T
+    res_dev = res.to(DEV)
+    out = gemv_kernels.gemv_add_(res_dev, x.to(DEV), w.to(DEV))
+    assert out is res_dev  # in place
+    _close(res_dev, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("f,k", [(7, 64), (130, 896), (257, 520)])
+def test_gemv_silu_mul_matches_float64(dtype: torch.dtype, f: int, k: int) -> None:
+    w, x = _weights(2 * f, k, dtype, f * 3 + k)
+    w = w / k**0.5  # gate / up of order 1, where silu bends
+    gate_up = x.double() @ w.double().T  # [1, 2F]
+    gate_up = gate_up.to(dtype).double()  # the matmul output the kernel rounds to, as cuBLAS would
+    g, u = gate_up[:, :f], gate_up[:, f:]
+    want = g / (1.0 + torch.exp(-g)) * u
+    got = gemv_kernels.gemv_silu_mul(x.to(DEV), w.to(DEV))
+    assert got.dtype == dtype and got.shape == (1, f)
+    _close(got, want, dtype)
+
+
+def test_forced_config_tiles_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLUXION_GEMV_CONFIG (bench/gemv.py's sweep) changes only the tiling, not the result beyond fp32 order."""
+    w, x = _weights(130, 1000, torch.float32, 5)
+    default = gemv_kernels.gemv(x.to(DEV), w.to(DEV)).cpu()
+    monkeypatch.setenv("FLUXION_GEMV_CONFIG", "16,128,2")
+    assert gemv_kernels.config(130, 1000) == (16, 128, 2)
+    forced = gemv_kernels.gemv(x.to(DEV), w.to(DEV)).cpu()
+    torch.testing.assert_close(forced, default, rtol=1e-5, atol=1e-4)
+
+
+def test_bad_shapes_are_refused() -> None:
+    w, x = _weights(8, 64, torch.float32, 1)
+    with pytest.raises(AssertionError):
+        gemv_kernels.gemv(torch.cat([x, x]).to(DEV), w.to(DEV))  # two rows: not a matrix-vector product
+    with pytest.raises(AssertionError):
+        gemv_kernels.gemv(x.to(DEV), w.t().contiguous().t().to(DEV))  # column-major weight
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # with and without the q/k/v bias
+def test_one_row_forward_with_the_kernels_equals_float64(arch: str) -> None:
+    """A model whose batch-1 decode steps take the kernels (forced on, as on CUDA) still gives the unfused float64
+    forward's logits: q/k/v with bias, the o- and down-projections' residual adds, gate/up/silu and the vocabulary."""
+    from pathlib import Path
+
+    from fluxion_lite.attention import DenseAttention, SeqChunk
+    from fluxion_lite.gguf_loader import GGUFModel
+    from fluxion_lite.model import Transformer
+    from test_decode_fastpath import make_cfg, random_weights, unfused_logits
+
+    cfg = make_cfg(arch)
+    w = random_weights(cfg, seed=3)
+    model = Transformer(GGUFModel(Path(arch), cfg, {}, w), DEV, torch.float32, prepack=False)
+    model._gemv = True  # on a CPU the kernels run in Triton's interpreter
+    tokens = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
+    want = unfused_logits(cfg, w, tokens)  # [24, V] float64
+    attn = DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.float32, DEV)
+    attn.allocate(0)
+    model.forward(tokens[:20].to(DEV), torch.arange(20).to(DEV), [SeqChunk(0, 0, 20)], attn)  # prefill: matmuls
+    for p in range(20, 24):  # decode: one row, the kernels
+        got = model.forward(tokens[p:p + 1].to(DEV), torch.tensor([p]).to(DEV), [SeqChunk(0, p, 1)], attn)
+        scale = float(want[p].abs().max())
+        assert (got.double().cpu()[0] - want[p]).abs().max() < 1e-4 * scale
+
+
+def test_tuned_table_is_read_and_unknown_shapes_fall_back() -> None:
+    """The shipped table (bench/gemv.py --write-table on the H200) parses into power-of-two tilings; a shape it does
+    not list gets DEFAULT_CONFIG."""
+    table = gemv_kernels._table()
+    assert table, "fluxion_lite/gemv_configs.json is missing or empty"
+    for key, (bn, bk, warps) in table.items():
+        kind, shape = key.split(":")
+        n, k = (int(v) for v in shape.split("x"))
+        assert kind in ("plain", "silu") and n > 0 and k > 0
+        assert all(v > 0 and v & (v - 1) == 0 for v in (bn, bk, warps)), key
+        assert gemv_kernels.config(n, k, kind) == (bn, bk, warps)
+    assert gemv_kernels.config(3, 5) == gemv_kernels.DEFAULT_CONFIG
