@@ -37,6 +37,7 @@ from fluxion_lite.attention import DenseAttention, SeqChunk
 from fluxion_lite.config import ModelConfig
 from fluxion_lite.decode_graphs import DecodeGraphs
 from fluxion_lite.engine import make_attention
+from fluxion_lite.catalog import resolve_model
 from fluxion_lite.gguf_loader import GGUFModel, load_gguf, tensor_shapes
 from fluxion_lite.host_kv import page_stride
 from fluxion_lite.model import Transformer
@@ -356,7 +357,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="tiny", choices=list(SHAPES))
-    ap.add_argument("--gguf", default=None, help="time a real GGUF model instead of a random-weight shape")
+    ap.add_argument("--gguf", default=None, help="time a real GGUF model (catalog name or .gguf path) instead of a random-weight shape")
     ap.add_argument("--contexts", nargs="+", type=int, default=[2048])
     ap.add_argument("--batches", nargs="+", type=int, default=[1])
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES) + ["full"])
@@ -384,8 +385,9 @@ def main() -> None:
         native.set_threads(args.native_threads or max(1, native.physical_cores() - 1))
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
     if args.gguf:
-        model = Transformer(load_gguf(Path(args.gguf), dtype=torch.float32), device=dev, dtype=dtype)
-        name, weights = Path(args.gguf).stem, "real weights"
+        path = resolve_model(args.gguf, pull_missing=False)  # a catalog name or a .gguf path
+        model = Transformer(load_gguf(path, dtype=torch.float32), device=dev, dtype=dtype)
+        name, weights = path.stem, "real weights"
     else:
         model = random_model(args.shape, dev, dtype)
         name, weights = args.shape, "random weights"
