@@ -1,12 +1,14 @@
 """Triton matrix-vector kernels for the dense weights of a batch-1 CUDA decode step (one token row).
 
 Why: at batch 1 a decode step's weight matmuls are matrix-vector products whose cost is reading the weights from HBM.
-cuBLAS runs them as skinny GEMMs, and for the narrower weights it splits K and adds a separate reduction kernel:
-on the H200 (8B shape, 32K, batch 1; bench/results/tpot_trace_h200_7a25f73_early1.json.gz) the o-projection took
-~18.6 us for 33.5 MB (1.8 TB/s) and q/k/v ~17 us for 50 MB, against ~4.8 TB/s of HBM. Here one program owns
-BLOCK_N whole weight rows (a weight [N, K] is row-major, so each row is one contiguous read), walks K in BLOCK_K
-chunks and keeps a [BLOCK_N, BLOCK_K] fp32 partial in registers, reduced once at the end: no split, no second
-kernel. bench/gemv.py times these against cuBLAS per weight shape; `config` below holds what it chose.
+cuBLAS runs them as skinny GEMMs, and for most weights it splits K and adds a separate reduction kernel: in a traced
+H200 step (8B shape, 32K, batch 1; bench/results/tpot_trace_h200_7a25f73_early1.json.gz) 94 such reductions took
+0.67 ms, each a dependent launch on the layer's chain. Here one program owns BLOCK_N whole weight rows (a weight
+[N, K] is row-major, so each row is one contiguous read), walks K in BLOCK_K chunks and keeps a [BLOCK_N, BLOCK_K]
+fp32 partial in registers, reduced once at the end: no split, no second kernel. bench/gemv.py times these against
+cuBLAS per weight shape; `config` below holds what it chose. Measured (docs/hybrid.md, twenty-third session): about
+even with cuBLAS on the 8B shape's large weights in isolation, 1.2-1.9x faster on the 0.5b model's small ones, and
+32K batch-1 TPOT 6.25 / 6.36 -> 6.18 / 6.28 ms on the 8B shape.
 
 Three entry points, each one kernel:
   gemv          x [1, K] @ w[N, K]^T (+ bias [N]) -> [1, N]                      (q/k/v, vocabulary)
