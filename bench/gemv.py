@@ -160,7 +160,7 @@ def main() -> None:
         sys.exit("error: bench/gemv.py needs CUDA and Triton")
     dtype = getattr(torch, args.dtype)
     configs = list(itertools.product(BLOCK_N, BLOCK_K, WARPS))
-    rows, seen = [], set()
+    rows = []
     print(f"{'model':20} {'op':14} {'weight':>13} {'MB':>7} {'cuBLAS us':>10} {'best us':>8} {'best tiling':>12} "
           f"{'speedup':>8} {'TB/s':>6}", flush=True)
     for name in args.shapes:
@@ -168,7 +168,6 @@ def main() -> None:
             r = case(kind, n, k, bias, dtype, args.calls, args.repeats, configs)
             r |= {"model": name, "op": label}
             rows.append(r)
-            seen.add((kind, n, k))
             print(f"{name:20} {label:14} {f'{n}x{k}':>13} {r['bytes'] / 1e6:7.1f} {r['cublas_us']:10.2f} "
                   f"{r['best_us']:8.2f} {','.join(map(str, r['best'])):>12} {r['cublas_us'] / r['best_us']:7.2f}x "
                   f"{r['bytes'] / r['best_us'] / 1e6:6.2f}  (diff {r['max_rel_diff']:.1e})", flush=True)
