@@ -27,48 +27,100 @@ from __future__ import annotations
 import functools
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from . import dense_kernels
-from .device_kernels import triton
+from .device_kernels import pow2, triton
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """fp32 [BLOCK_N]: the dot products of x [K] with the weight rows `rows`."""
+    def _inverse_rms(x_ptr, K, eps, KP: tl.constexpr):
+        """fp32 1 / sqrt(mean(x^2) + eps) of x [K], read in one [KP] load (KP = K rounded up to a power of two)."""
+        cols = tl.arange(0, KP)
+        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+        return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
+
+    @triton.jit
+    def _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, inv_rms,
+                  NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp32 [BLOCK_N]: the dot products of h [K] with the weight rows `rows`, where h = x, or with NORM the RMS
+        norm of x rounded as dense_kernels.rms_norm rounds it (x * inv_rms to the model dtype, times g, rounded)."""
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         cols = tl.arange(0, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + cols
             k_ok = kk < K
-            x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
+            x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)  # [BLOCK_K]
+            if NORM:
+                g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+                x = ((x.to(tl.float32) * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32) * g).to(x_ptr.dtype.element_ty)
             w = tl.load(w_ptr + rows[:, None] * w_row + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)  # [BLOCK_N, BLOCK_K]
-            acc += w.to(tl.float32) * x[None, :]
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         return tl.sum(acc, axis=1)
 
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, N, K, w_row,
-                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    def _gemv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, g_ptr, cos_ptr, sin_ptr, N, K, w_row, eps, n_rot,
+                     HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                     NEOX: tl.constexpr, HEAD_DIM: tl.constexpr, KP: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        inv_rms = 1.0
+        if NORM:
+            inv_rms = _inverse_rms(x_ptr, K, eps, KP)
+        pid = tl.program_id(0)
+        lane = tl.arange(0, BLOCK_N)
+        rows = pid * BLOCK_N + lane
+        col = rows
+        rotate = pid < 0
+        if ROPE:
+            # The first n_rot rows (q and k) rotate: their programs come first, each owning BLOCK_N / 2 whole pairs
+            # (lane 2i the first member, lane 2i + 1 the second), so a pair meets in one program's registers.
+            rope_programs = tl.cdiv(n_rot, BLOCK_N)
+            rotate = (pid + 0 * lane) < rope_programs  # [BLOCK_N], the same for every lane
+            pair = pid * (BLOCK_N // 2) + lane // 2
+            second = lane % 2
+            if NEOX:  # pairs (j, j + D/2) of each head
+                col = pair % (HEAD_DIM // 2) + second * (HEAD_DIM // 2)
+                rot_rows = (pair // (HEAD_DIM // 2)) * HEAD_DIM + col
+            else:  # pairs (2j, 2j + 1)
+                rot_rows = 2 * pair + second
+                col = rot_rows % HEAD_DIM
+            rows = tl.where(rotate, rot_rows, n_rot + (pid - rope_programs) * BLOCK_N + lane)
         row_ok = rows < N
-        y = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, BLOCK_N, BLOCK_K)  # [BLOCK_N] fp32
+        if ROPE:
+            row_ok = rows < tl.where(rotate, n_rot, N)  # a rotating program's last pairs may pass n_rot
+        y = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, inv_rms, NORM, BLOCK_N, BLOCK_K)  # [BLOCK_N]
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if HAS_RES:  # res and out may be one tensor: each program reads its own rows before it writes them
             y += tl.load(res_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
+        y = y.to(x_ptr.dtype.element_ty)  # the model dtype, also when the output is stored wider (fp32 logits)
+        if ROPE:
+            # as dense_kernels.rope_: the rounded projection times the table's factors in fp32, rounded once more
+            yf = y.to(tl.float32)
+            rot_ok = row_ok & rotate
+            c = tl.load(cos_ptr + col, mask=rot_ok, other=1.0).to(tl.float32)
+            s = tl.load(sin_ptr + col, mask=rot_ok, other=0.0).to(tl.float32)
+            y_first, y_second = tl.split(tl.reshape(yf, [BLOCK_N // 2, 2]))
+            y_partner = tl.reshape(tl.join(y_second, y_first), [BLOCK_N])  # each lane's pair member
+            y = tl.where(rot_ok, (yf * c + y_partner * s).to(x_ptr.dtype.element_ty), y)
         tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_ok)
 
     @triton.jit
-    def _gemv_silu_mul_kernel(x_ptr, w_ptr, out_ptr, F, K, w_row, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _gemv_silu_mul_kernel(x_ptr, w_ptr, out_ptr, g_ptr, F, K, w_row, eps,
+                              NORM: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        inv_rms = 1.0
+        if NORM:
+            inv_rms = _inverse_rms(x_ptr, K, eps, KP)
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < F
-        gate = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, BLOCK_N, BLOCK_K)
-        up = _row_dots(x_ptr, w_ptr, rows + F, row_ok, K, w_row, BLOCK_N, BLOCK_K)
+        gate = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, inv_rms, NORM, BLOCK_N, BLOCK_K)
+        up = _row_dots(x_ptr, w_ptr, rows + F, row_ok, K, w_row, g_ptr, inv_rms, NORM, BLOCK_N, BLOCK_K)
         gate = gate.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded as the [1, 2F] matmul output would be
         up = up.to(w_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + rows, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -77,6 +129,12 @@ if triton is not None:
 def enabled(device: torch.device) -> bool:
     """Whether model.py should run batch-1 weight products here (CUDA, Triton, dense kernels on, FLUXION_GEMV != 0)."""
     return dense_kernels.enabled(device) and os.environ.get("FLUXION_GEMV", "1") != "0"
+
+
+def fuse_enabled() -> bool:
+    """Whether model.py also moves the RMS norm before each product (and RoPE after q/k/v) into these kernels
+    (FLUXION_GEMV_FUSE != 0): five fewer kernels per layer on the batch-1 chain."""
+    return os.environ.get("FLUXION_GEMV_FUSE", "1") != "0"
 
 
 TABLE = Path(__file__).with_name("gemv_configs.json")  # written by `bench/gemv.py --write-table` on the H200
@@ -101,20 +159,59 @@ def config(n: int, k: int, kind: str = "plain") -> tuple[int, int, int]:
     return _table().get(f"{kind}:{n}x{k}", DEFAULT_CONFIG)
 
 
-def _check(x: torch.Tensor, w: torch.Tensor) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Norm:
+    """An RMS norm applied to x inside the kernel: h = rms_norm(x) * weight, rounded as dense_kernels.rms_norm."""
+
+    weight: torch.Tensor  # [K], contiguous
+    eps: float
+
+
+@dataclass(frozen=True)
+class Rope:
+    """RoPE applied to the first `rows` output rows (q and k heads of head_dim each) inside gemv, as
+    dense_kernels.rope_ would apply it to the rounded output. cos, sin: the step's rows of the RoPE table [1, 1, D]
+    (model.RotaryEmbedding; rope_dim == head_dim), unit last stride."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    rows: int
+    head_dim: int
+    neox: bool
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> tuple[int, int]:
     n, k = w.shape
     assert x.shape == (1, k) and x.is_contiguous() and w.stride(1) == 1, (x.shape, w.shape, w.stride())
+    assert norm is None or (norm.weight.shape == (k,) and norm.weight.is_contiguous()), "norm weight must be [K]"
     return n, k
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [1, K] @ w [N, K]^T (+ bias [N]) -> a new [1, N] tensor of x's dtype."""
-    n, k = _check(x, w)
-    out = torch.empty((1, n), dtype=x.dtype, device=x.device)
+def _norm_args(norm: Norm | None, x: torch.Tensor, k: int) -> dict:
+    """The kernel arguments of an optional fused norm (weight pointer, eps, NORM, KP)."""
+    return dict(g_ptr=norm.weight if norm is not None else x, eps=norm.eps if norm is not None else 0.0,
+                NORM=norm is not None, KP=pow2(k) if norm is not None else 1)
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, norm: Norm | None = None,
+         rope: Rope | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """h @ w [N, K]^T (+ bias [N]) -> a new [1, N] tensor, where h = x [1, K] or its RMS norm (`norm`); `rope`
+    rotates the first rope.rows outputs. The result is rounded to x's dtype and stored as out_dtype (default x's:
+    fp32 logits are the rounded values widened, as the unfused `.float()` gives)."""
+    n, k = _check(x, w, norm)
+    out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     bn, bk, warps = config(n, k)
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, bias if bias is not None else w, out, out, n, k, w.stride(0),
-                                       HAS_BIAS=bias is not None, HAS_RES=False, BLOCK_N=bn, BLOCK_K=bk,
-                                       num_warps=warps)
+    rope_args = dict(cos_ptr=x, sin_ptr=x, n_rot=0, ROPE=False, NEOX=False, HEAD_DIM=2)
+    if rope is not None:
+        d = rope.head_dim
+        assert rope.rows % d == 0 and rope.rows <= n and d % 2 == 0, (rope.rows, d, n)
+        assert rope.cos.shape[-1] == d and rope.cos.stride(-1) == 1 and rope.sin.stride(-1) == 1, "rope_dim != head_dim"
+        bn = max(bn, 2)  # a program owns whole pairs
+        rope_args = dict(cos_ptr=rope.cos, sin_ptr=rope.sin, n_rot=rope.rows, ROPE=True, NEOX=rope.neox, HEAD_DIM=d)
+    programs = triton.cdiv(n, bn) if rope is None else triton.cdiv(rope.rows, bn) + triton.cdiv(n - rope.rows, bn)
+    _gemv_kernel[(programs,)](x, w, bias if bias is not None else w, out, out, N=n, K=k, w_row=w.stride(0),
+                              HAS_BIAS=bias is not None, HAS_RES=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                              **_norm_args(norm, x, k), **rope_args)
     return out
 
 
@@ -123,18 +220,21 @@ def gemv_add_(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tens
     n, k = _check(x, w)
     assert res.shape == (1, n) and res.is_contiguous() and res.dtype == x.dtype
     bn, bk, warps = config(n, k)
-    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, res, res, n, k, w.stride(0), HAS_BIAS=False, HAS_RES=True,
-                                       BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+    _gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, res, res, N=n, K=k, w_row=w.stride(0), HAS_BIAS=False,
+                                       HAS_RES=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                       **_norm_args(None, x, k), cos_ptr=x, sin_ptr=x, n_rot=0, ROPE=False,
+                                       NEOX=False, HEAD_DIM=2)
     return res
 
 
-def gemv_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor) -> torch.Tensor:
-    """x [1, K], w_gate_up [2F, K] (gate rows, then up rows) -> silu(x @ gate^T) * (x @ up^T) [1, F]."""
-    two_f, k = _check(x, w_gate_up)
+def gemv_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+    """h [1, K] (x, or its RMS norm with `norm`), w_gate_up [2F, K] (gate rows, then up rows)
+    -> silu(h @ gate^T) * (h @ up^T) [1, F]."""
+    two_f, k = _check(x, w_gate_up, norm)
     assert two_f % 2 == 0
     f = two_f // 2
     out = torch.empty((1, f), dtype=x.dtype, device=x.device)
     bn, bk, warps = config(f, k, "silu")
-    _gemv_silu_mul_kernel[(triton.cdiv(f, bn),)](x, w_gate_up, out, f, k, w_gate_up.stride(0), BLOCK_N=bn,
-                                                BLOCK_K=bk, num_warps=warps)
+    _gemv_silu_mul_kernel[(triton.cdiv(f, bn),)](x, w_gate_up, out, F=f, K=k, w_row=w_gate_up.stride(0),
+                                                BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **_norm_args(norm, x, k))
     return out

@@ -206,6 +206,8 @@ class Transformer:
         self._fused_norm = self.device.type == "cuda"
         self._dense_kernels = dense_kernels.enabled(self.device)  # norm and silu * mul: one short kernel each at T = 1
         self._gemv = gemv_kernels.enabled(self.device) and not self.prepacked  # one-row weight products (gemv_kernels.py)
+        # ... with the norm before them (and RoPE after q/k/v) inside the same kernel: see gemv_kernels.fuse_enabled
+        self._gemv_fused = self._gemv and gemv_kernels.fuse_enabled() and cfg.rope_dim == cfg.head_dim
         self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, cuda_graphs) else None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -218,6 +220,13 @@ class Transformer:
     def _one_row(self, x: torch.Tensor) -> bool:
         """Whether x [T, K] goes through gemv_kernels: a single contiguous row (batch-1 decode) on CUDA."""
         return self._gemv and x.shape[0] == 1 and x.is_contiguous()
+
+    def _fused_row(self, x: torch.Tensor) -> bool:
+        """Whether the norm of x [T, d] (and RoPE) go inside the one-row kernels (gemv_kernels.Norm / Rope)."""
+        return self._gemv_fused and self._one_row(x)
+
+    def _rope_rows(self, cos: torch.Tensor, sin: torch.Tensor, rows: int) -> gemv_kernels.Rope:
+        return gemv_kernels.Rope(cos, sin, rows, self.cfg.head_dim, self.rope.style == "neox")
 
     def _inputs(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None
@@ -302,6 +311,11 @@ class Transformer:
         cfg = self.cfg
         hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         n_tok = x.shape[0]
+        if self._fused_row(x):  # norm, q/k/v (+ bias) and RoPE of q and k: one kernel
+            qkv = gemv_kernels.gemv(x, lw.wqkv, lw.bqkv, norm=gemv_kernels.Norm(lw.attn_norm, cfg.rms_eps),
+                                    rope=self._rope_rows(cos, sin, (hq + hkv) * d))  # [1, (Hq + 2 Hkv) D]
+            q, k, v = qkv.view(1, hq + 2 * hkv, d).split((hq, hkv, hkv), dim=1)
+            return q, k, v
         h = self._norm(x, lw.attn_norm)
         if self._one_row(h):
             qkv = gemv_kernels.gemv(h, lw.wqkv, lw.bqkv)  # [1, (Hq + 2 Hkv) D]
@@ -321,6 +335,10 @@ class Transformer:
         n_q = cfg.n_heads * cfg.head_dim
         assert not lw.wqkv.is_mkldnn, "a packed qkv weight has no q rows to slice"
         bias = lw.bqkv[:n_q] if lw.bqkv is not None else None
+        if self._fused_row(x):  # norm, q rows and RoPE: one kernel
+            q = gemv_kernels.gemv(x, lw.wqkv[:n_q], bias, norm=gemv_kernels.Norm(lw.attn_norm, cfg.rms_eps),
+                                  rope=self._rope_rows(cos, sin, n_q))
+            return q.view(1, cfg.n_heads, cfg.head_dim)
         h = self._norm(x, lw.attn_norm)
         q = gemv_kernels.gemv(h, lw.wqkv[:n_q], bias) if self._one_row(h) else linear(h, lw.wqkv[:n_q], bias)
         q = q.view(x.shape[0], cfg.n_heads, cfg.head_dim)
@@ -342,6 +360,10 @@ class Transformer:
             x = torch.ops.mkldnn._linear_pointwise.binary(o, x, lw.wo_packed, None, "add")  # x + o @ wo^T
         if after_attention is not None:
             after_attention(x)
+        if one_row and self._gemv_fused:  # norm, gate/up and silu * up: one kernel
+            act = gemv_kernels.gemv_silu_mul(x, lw.w_gate_up, norm=gemv_kernels.Norm(lw.ffn_norm, self.cfg.rms_eps))
+            gemv_kernels.gemv_add_(x, act, lw.w_down)  # x += act @ w_down^T
+            return x
         h = self._norm(x, lw.ffn_norm)
         if one_row:
             act = gemv_kernels.gemv_silu_mul(h, lw.w_gate_up)  # [1, F]: gate, up and silu * mul in one kernel
@@ -363,6 +385,9 @@ class Transformer:
         """x [T, d] -> fp32 logits [R, V] for the rows asked for (None: every row)."""
         if rows is not None:
             x = x[rows]  # [R, d]: the vocabulary matmul only for the rows asked for
+        if self._fused_row(x):  # final norm and the vocabulary in one kernel, stored as fp32
+            return gemv_kernels.gemv(x, self.output_mm, norm=gemv_kernels.Norm(self.output_norm, self.cfg.rms_eps),
+                                     out_dtype=torch.float32)  # [1, V]
         h = self._norm(x, self.output_norm)
         if self._one_row(h):
             return gemv_kernels.gemv(h, self.output_mm).float()  # [1, V]

@@ -67,6 +67,91 @@ def test_gemv_silu_mul_matches_float64(dtype: torch.dtype, f: int, k: int) -> No
     _close(got, want, dtype)
 
 
+def _rms_norm64(x: torch.Tensor, g: torch.Tensor, eps: float) -> torch.Tensor:
+    x = x.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * g.double()
+
+
+def _rope64(y: torch.Tensor, rows: int, d: int, neox: bool, pos: float) -> torch.Tensor:
+    """float64 RoPE of the first `rows` entries of y [1, N] (heads of d), theta 10000 at position pos."""
+    out = y.clone()
+    heads = out[0, :rows].view(rows // d, d)  # a view: rotated in place below
+    inv = 1.0 / 10000.0 ** (torch.arange(d // 2, dtype=torch.float64) * 2 / d)
+    c, s = torch.cos(pos * inv), torch.sin(pos * inv)
+    if neox:
+        a, b = heads[:, : d // 2].clone(), heads[:, d // 2:].clone()
+        heads[:, : d // 2], heads[:, d // 2:] = a * c - b * s, b * c + a * s
+    else:
+        a, b = heads[:, 0::2].clone(), heads[:, 1::2].clone()
+        heads[:, 0::2], heads[:, 1::2] = a * c - b * s, b * c + a * s
+    return out
+
+
+def _rope_rows(d: int, neox: bool, pos: float, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin_signed [1, 1, d] as model.RotaryEmbedding's table stores them."""
+    inv = 1.0 / 10000.0 ** (torch.arange(d // 2, dtype=torch.float64) * 2 / d)
+    c, s = torch.cos(pos * inv), torch.sin(pos * inv)
+    if neox:
+        cos, sin = torch.cat((c, c)), torch.cat((-s, s))
+    else:
+        cos, sin = c.repeat_interleave(2), torch.stack((-s, s), -1).flatten()
+    return cos.to(dtype).view(1, 1, d), sin.to(dtype).view(1, 1, d)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemv_with_norm_matches_float64(dtype: torch.dtype, n: int, k: int) -> None:
+    """gemv / gemv_silu_mul with the RMS norm of x inside equal the norm then the product in float64."""
+    w, x = _weights(n, k, dtype, n * 5 + k)
+    gen = torch.Generator().manual_seed(n + k)
+    g = (torch.rand(k, generator=gen) + 0.5).to(dtype)
+    x = x + 3.0  # a mean far from zero: the norm's scale matters
+    h = _rms_norm64(x, g, 1e-5)
+    norm = gemv_kernels.Norm(g.to(DEV), 1e-5)
+    got = gemv_kernels.gemv(x.to(DEV), w.to(DEV), norm=norm)
+    _close(got, h @ w.double().T, dtype)
+    if n % 2 == 0:
+        f = n // 2
+        w2 = w / k**0.5
+        gu = (h @ w2.double().T).to(dtype).double()
+        want = gu[:, :f] / (1.0 + torch.exp(-gu[:, :f])) * gu[:, f:]
+        _close(gemv_kernels.gemv_silu_mul(x.to(DEV), w2.to(DEV), norm=norm), want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("neox", [True, False])
+@pytest.mark.parametrize("heads,d,extra,k,bn", [(3, 64, 64, 96, 2), (2, 16, 24, 200, 8), (5, 32, 0, 130, 4),
+                                                (1, 8, 40, 64, 16)])
+def test_gemv_with_norm_bias_and_rope_matches_float64(dtype: torch.dtype, neox: bool, heads: int, d: int,
+                                                       extra: int, k: int, bn: int,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """q/k/v in one kernel: norm, product, bias, then RoPE on the first heads * d rows (both pair layouts); the rows
+    after them (v) are not rotated. Several tilings, a pair count per program larger and smaller than a head's."""
+    n = heads * d + extra
+    w, x = _weights(n, k, dtype, n + k + d)
+    gen = torch.Generator().manual_seed(d)
+    g = (torch.rand(k, generator=gen) + 0.5).to(dtype)
+    bias = torch.randn(n, generator=gen).to(dtype)
+    pos = 37.0
+    y = _rms_norm64(x, g, 1e-6) @ w.double().T + bias.double()
+    want = _rope64(y, heads * d, d, neox, pos)
+    cos, sin = _rope_rows(d, neox, pos, dtype)
+    monkeypatch.setenv("FLUXION_GEMV_CONFIG", f"{bn},64,4")
+    got = gemv_kernels.gemv(x.to(DEV), w.to(DEV), bias.to(DEV), norm=gemv_kernels.Norm(g.to(DEV), 1e-6),
+                            rope=gemv_kernels.Rope(cos.to(DEV), sin.to(DEV), heads * d, d, neox))
+    _close(got, want, dtype)
+
+
+def test_fp32_output_is_the_rounded_value_widened() -> None:
+    """out_dtype=float32 on a bf16 product (the logits) stores the bf16-rounded values, as `.float()` of the
+    unfused bf16 output would."""
+    w, x = _weights(130, 896, torch.bfloat16, 9)
+    plain = gemv_kernels.gemv(x.to(DEV), w.to(DEV))
+    wide = gemv_kernels.gemv(x.to(DEV), w.to(DEV), out_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    assert torch.equal(wide.cpu(), plain.float().cpu())
+
+
 def test_forced_config_tiles_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """FLUXION_GEMV_CONFIG (bench/gemv.py's sweep) changes only the tiling, not the result beyond fp32 order."""
     w, x = _weights(130, 1000, torch.float32, 5)
@@ -85,10 +170,12 @@ def test_bad_shapes_are_refused() -> None:
         gemv_kernels.gemv(x.to(DEV), w.t().contiguous().t().to(DEV))  # column-major weight
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # with and without the q/k/v bias
-def test_one_row_forward_with_the_kernels_equals_float64(arch: str) -> None:
+@pytest.mark.parametrize("fused", [False, True])  # norms and RoPE as kernels of their own, or inside the products
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])  # with and without the q/k/v bias; neox / interleaved RoPE
+def test_one_row_forward_with_the_kernels_equals_float64(arch: str, fused: bool) -> None:
     """A model whose batch-1 decode steps take the kernels (forced on, as on CUDA) still gives the unfused float64
-    forward's logits: q/k/v with bias, the o- and down-projections' residual adds, gate/up/silu and the vocabulary."""
+    forward's logits: q/k/v with bias, the o- and down-projections' residual adds, gate/up/silu and the vocabulary,
+    with the norms and RoPE fused into them or not."""
     from pathlib import Path
 
     from fluxion_lite.attention import DenseAttention, SeqChunk
@@ -100,6 +187,7 @@ def test_one_row_forward_with_the_kernels_equals_float64(arch: str) -> None:
     w = random_weights(cfg, seed=3)
     model = Transformer(GGUFModel(Path(arch), cfg, {}, w), DEV, torch.float32, prepack=False)
     model._gemv = True  # on a CPU the kernels run in Triton's interpreter
+    model._gemv_fused = fused
     tokens = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
     want = unfused_logits(cfg, w, tokens)  # [24, V] float64
     attn = DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.float32, DEV)
@@ -123,3 +211,32 @@ def test_tuned_table_is_read_and_unknown_shapes_fall_back() -> None:
         assert all(v > 0 and v & (v - 1) == 0 for v in (bn, bk, warps)), key
         assert gemv_kernels.config(n, k, kind) == (bn, bk, warps)
     assert gemv_kernels.config(3, 5) == gemv_kernels.DEFAULT_CONFIG
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_fused_query_ahead_and_pre_attention_match_the_unfused_kernels(arch: str) -> None:
+    """The early query (Transformer.query_ahead) and q/k/v with the norm and RoPE inside one kernel equal the
+    separate norm, product and RoPE kernels on the same bf16 stream (up to fp32 summation order and the norm's
+    rounding)."""
+    from pathlib import Path
+
+    from fluxion_lite.gguf_loader import GGUFModel
+    from fluxion_lite.model import Transformer
+    from test_decode_fastpath import make_cfg, random_weights
+
+    cfg = make_cfg(arch)
+    model = Transformer(GGUFModel(Path(arch), cfg, {}, random_weights(cfg, seed=4)), DEV, torch.bfloat16,
+                        prepack=False)
+    model._gemv = True
+    x = (torch.randn(1, cfg.d_model, generator=torch.Generator().manual_seed(2)) * 3).to(torch.bfloat16).to(DEV)
+    _, cos, sin = model.embed_tokens(torch.tensor([5]).to(DEV), torch.tensor([301]).to(DEV))
+    lw = model.layers[1]
+    outs = {}
+    for fused in (False, True):
+        model._gemv_fused = fused
+        q, k, v = model.pre_attention(lw, x, cos, sin)
+        outs[fused] = (q.clone(), k.clone(), v.clone(), model.query_ahead(lw, x, cos, sin))
+    for unfused, fused in zip(outs[False], outs[True]):
+        assert unfused.shape == fused.shape
+        _close(fused, unfused.double().cpu(), torch.bfloat16)
+    assert torch.equal(outs[True][0], outs[True][3])  # the early query is the layer's own q for the same stream
