@@ -33,45 +33,42 @@ from pathlib import Path
 import torch
 
 from . import dense_kernels
-from .device_kernels import pow2, triton
+from .device_kernels import triton
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _inverse_rms(x_ptr, K, eps, KP: tl.constexpr):
-        """fp32 1 / sqrt(mean(x^2) + eps) of x [K], read in one [KP] load (KP = K rounded up to a power of two)."""
-        cols = tl.arange(0, KP)
-        x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-        return 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / K + eps)
-
-    @triton.jit
-    def _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, inv_rms,
+    def _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps,
                   NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """fp32 [BLOCK_N]: the dot products of h [K] with the weight rows `rows`, where h = x, or with NORM the RMS
-        norm of x rounded as dense_kernels.rms_norm rounds it (x * inv_rms to the model dtype, times g, rounded)."""
+        norm x / sqrt(mean(x^2) + eps) * g. The norm's scale is one number, so it multiplies the dot products at
+        the end, and the sum of squares builds up from the same loads of x: no pass over x before the weight reads
+        start (such a pass in every program cost more than the separate norm kernel saved). h is not rounded to
+        the model dtype on the way, as the separate norm's output is: one rounding fewer."""
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         cols = tl.arange(0, BLOCK_K)
         for k0 in range(0, K, BLOCK_K):
             kk = k0 + cols
             k_ok = kk < K
-            x = tl.load(x_ptr + kk, mask=k_ok, other=0.0)  # [BLOCK_K]
+            x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
             if NORM:
-                g = tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
-                x = ((x.to(tl.float32) * inv_rms).to(x_ptr.dtype.element_ty).to(tl.float32) * g).to(x_ptr.dtype.element_ty)
+                squares += x * x
+                x = x * tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + rows[:, None] * w_row + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0)  # [BLOCK_N, BLOCK_K]
-            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
-        return tl.sum(acc, axis=1)
+            acc += w.to(tl.float32) * x[None, :]
+        dots = tl.sum(acc, axis=1)
+        if NORM:
+            dots = dots / tl.sqrt(tl.sum(squares, axis=0) / K + eps)
+        return dots
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, g_ptr, cos_ptr, sin_ptr, N, K, w_row, eps, n_rot,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                     NEOX: tl.constexpr, HEAD_DIM: tl.constexpr, KP: tl.constexpr,
+                     NEOX: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        inv_rms = 1.0
-        if NORM:
-            inv_rms = _inverse_rms(x_ptr, K, eps, KP)
         pid = tl.program_id(0)
         lane = tl.arange(0, BLOCK_N)
         rows = pid * BLOCK_N + lane
@@ -94,7 +91,7 @@ if triton is not None:
         row_ok = rows < N
         if ROPE:
             row_ok = rows < tl.where(rotate, n_rot, N)  # a rotating program's last pairs may pass n_rot
-        y = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, inv_rms, NORM, BLOCK_N, BLOCK_K)  # [BLOCK_N]
+        y = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM, BLOCK_N, BLOCK_K)  # [BLOCK_N]
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if HAS_RES:  # res and out may be one tensor: each program reads its own rows before it writes them
@@ -113,14 +110,11 @@ if triton is not None:
 
     @triton.jit
     def _gemv_silu_mul_kernel(x_ptr, w_ptr, out_ptr, g_ptr, F, K, w_row, eps,
-                              NORM: tl.constexpr, KP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        inv_rms = 1.0
-        if NORM:
-            inv_rms = _inverse_rms(x_ptr, K, eps, KP)
+                              NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < F
-        gate = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, inv_rms, NORM, BLOCK_N, BLOCK_K)
-        up = _row_dots(x_ptr, w_ptr, rows + F, row_ok, K, w_row, g_ptr, inv_rms, NORM, BLOCK_N, BLOCK_K)
+        gate = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM, BLOCK_N, BLOCK_K)
+        up = _row_dots(x_ptr, w_ptr, rows + F, row_ok, K, w_row, g_ptr, eps, NORM, BLOCK_N, BLOCK_K)
         gate = gate.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded as the [1, 2F] matmul output would be
         up = up.to(w_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + rows, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -161,7 +155,8 @@ def config(n: int, k: int, kind: str = "plain") -> tuple[int, int, int]:
 
 @dataclass(frozen=True)
 class Norm:
-    """An RMS norm applied to x inside the kernel: h = rms_norm(x) * weight, rounded as dense_kernels.rms_norm."""
+    """An RMS norm applied to x inside the kernel: h = x / sqrt(mean(x^2) + eps) * weight, in fp32 (not rounded to
+    the model dtype as dense_kernels.rms_norm's output is)."""
 
     weight: torch.Tensor  # [K], contiguous
     eps: float
@@ -187,10 +182,10 @@ def _check(x: torch.Tensor, w: torch.Tensor, norm: Norm | None = None) -> tuple[
     return n, k
 
 
-def _norm_args(norm: Norm | None, x: torch.Tensor, k: int) -> dict:
-    """The kernel arguments of an optional fused norm (weight pointer, eps, NORM, KP)."""
+def _norm_args(norm: Norm | None, x: torch.Tensor) -> dict:
+    """The kernel arguments of an optional fused norm (weight pointer, eps, NORM)."""
     return dict(g_ptr=norm.weight if norm is not None else x, eps=norm.eps if norm is not None else 0.0,
-                NORM=norm is not None, KP=pow2(k) if norm is not None else 1)
+                NORM=norm is not None)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, norm: Norm | None = None,
@@ -211,7 +206,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, nor
     programs = triton.cdiv(n, bn) if rope is None else triton.cdiv(rope.rows, bn) + triton.cdiv(n - rope.rows, bn)
     _gemv_kernel[(programs,)](x, w, bias if bias is not None else w, out, out, N=n, K=k, w_row=w.stride(0),
                               HAS_BIAS=bias is not None, HAS_RES=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                              **_norm_args(norm, x, k), **rope_args)
+                              **_norm_args(norm, x), **rope_args)
     return out
 
 
@@ -222,7 +217,7 @@ def gemv_add_(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tens
     bn, bk, warps = config(n, k)
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, res, res, N=n, K=k, w_row=w.stride(0), HAS_BIAS=False,
                                        HAS_RES=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                       **_norm_args(None, x, k), cos_ptr=x, sin_ptr=x, n_rot=0, ROPE=False,
+                                       **_norm_args(None, x), cos_ptr=x, sin_ptr=x, n_rot=0, ROPE=False,
                                        NEOX=False, HEAD_DIM=2)
     return res
 
@@ -236,5 +231,5 @@ def gemv_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, norm: Norm | None = 
     out = torch.empty((1, f), dtype=x.dtype, device=x.device)
     bn, bk, warps = config(f, k, "silu")
     _gemv_silu_mul_kernel[(triton.cdiv(f, bn),)](x, w_gate_up, out, F=f, K=k, w_row=w_gate_up.stride(0),
-                                                BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **_norm_args(norm, x, k))
+                                                BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **_norm_args(norm, x))
     return out
