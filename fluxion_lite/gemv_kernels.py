@@ -40,12 +40,13 @@ if triton is not None:
 
     @triton.jit
     def _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps,
-                  NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  NORM: tl.constexpr, EVICT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """fp32 [BLOCK_N]: the dot products of h [K] with the weight rows `rows`, where h = x, or with NORM the RMS
         norm x / sqrt(mean(x^2) + eps) * g. The norm's scale is one number, so it multiplies the dot products at
         the end, and the sum of squares builds up from the same loads of x: no pass over x before the weight reads
         start (such a pass in every program cost more than the separate norm kernel saved). h is not rounded to
-        the model dtype on the way, as the separate norm's output is: one rounding fewer."""
+        the model dtype on the way, as the separate norm's output is: one rounding fewer. EVICT: the L2 eviction
+        policy of the weight loads ("" default, "evict_first", "evict_last"; see l2_hints_enabled)."""
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         cols = tl.arange(0, BLOCK_K)
@@ -57,7 +58,7 @@ if triton is not None:
                 squares += x * x
                 x = x * tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + rows[:, None] * w_row + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
-                        other=0.0)  # [BLOCK_N, BLOCK_K]
+                        other=0.0, eviction_policy=EVICT)  # [BLOCK_N, BLOCK_K]
             acc += w.to(tl.float32) * x[None, :]
         dots = tl.sum(acc, axis=1)
         if NORM:
@@ -67,7 +68,7 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, g_ptr, cos_ptr, sin_ptr, N, K, w_row, eps, n_rot,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                     NEOX: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     NEOX: tl.constexpr, HEAD_DIM: tl.constexpr, EVICT: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         pid = tl.program_id(0)
         lane = tl.arange(0, BLOCK_N)
@@ -91,7 +92,7 @@ if triton is not None:
         row_ok = rows < N
         if ROPE:
             row_ok = rows < tl.where(rotate, n_rot, N)  # a rotating program's last pairs may pass n_rot
-        y = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM, BLOCK_N, BLOCK_K)  # [BLOCK_N]
+        y = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM, EVICT, BLOCK_N, BLOCK_K)  # [BLOCK_N]
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if HAS_RES:  # res and out may be one tensor: each program reads its own rows before it writes them
@@ -110,11 +111,11 @@ if triton is not None:
 
     @triton.jit
     def _gemv_silu_mul_kernel(x_ptr, w_ptr, out_ptr, g_ptr, F, K, w_row, eps,
-                              NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              NORM: tl.constexpr, EVICT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < F
-        gate = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM, BLOCK_N, BLOCK_K)
-        up = _row_dots(x_ptr, w_ptr, rows + F, row_ok, K, w_row, g_ptr, eps, NORM, BLOCK_N, BLOCK_K)
+        gate = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM, EVICT, BLOCK_N, BLOCK_K)
+        up = _row_dots(x_ptr, w_ptr, rows + F, row_ok, K, w_row, g_ptr, eps, NORM, EVICT, BLOCK_N, BLOCK_K)
         gate = gate.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded as the [1, 2F] matmul output would be
         up = up.to(w_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + rows, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -125,10 +126,35 @@ def enabled(device: torch.device) -> bool:
     return dense_kernels.enabled(device) and os.environ.get("FLUXION_GEMV", "1") != "0"
 
 
-def fuse_enabled() -> bool:
-    """Whether model.py also moves the RMS norm before each product (and RoPE after q/k/v) into these kernels
-    (FLUXION_GEMV_FUSE != 0): five fewer kernels per layer on the batch-1 chain."""
-    return os.environ.get("FLUXION_GEMV_FUSE", "1") != "0"
+FUSE_MODES = ("none", "rope", "all")
+
+
+def fuse_mode() -> str:
+    """What model.py moves into these kernels besides the product (FLUXION_GEMV_FUSE): "rope" (default) RoPE after
+    q/k/v and the early query; "all" also the RMS norm before q/k/v, gate/up and the vocabulary; "none" neither.
+    Why not "all": on the 8B shape's large weights the norm's extra loads in the weight loop cost more than the norm
+    kernel they replace (docs/hybrid.md, twenty-fourth session)."""
+    mode = os.environ.get("FLUXION_GEMV_FUSE", "rope")
+    mode = {"0": "none", "1": "all"}.get(mode, mode)
+    if mode not in FUSE_MODES:
+        raise ValueError(f"FLUXION_GEMV_FUSE={mode!r}: expected one of {FUSE_MODES} (or 0 / 1)")
+    return mode
+
+
+EVICT_POLICIES = ("", "evict_first", "evict_last")
+
+
+def _evict(policy: str) -> str:
+    assert policy in EVICT_POLICIES, policy
+    return policy
+
+
+def l2_hints_enabled() -> bool:
+    """Whether model.py passes L2 eviction policies with the batch-1 weight reads (FLUXION_L2_HINTS != 0): the
+    early query (device_graph.py) reads layer l's q rows during layer l - 1's MLP, and layer l's q/k/v product reads
+    them again ~100 us later. With the early query's loads marked evict_last and every other weight read (read once
+    per step) evict_first, those rows can still be in L2 (50 MB on the H200; the 8B shape's q rows are 33.6 MB)."""
+    return os.environ.get("FLUXION_L2_HINTS", "1") != "0"
 
 
 TABLE = Path(__file__).with_name("gemv_configs.json")  # written by `bench/gemv.py --write-table` on the H200
@@ -189,10 +215,11 @@ def _norm_args(norm: Norm | None, x: torch.Tensor) -> dict:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, norm: Norm | None = None,
-         rope: Rope | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+         rope: Rope | None = None, out_dtype: torch.dtype | None = None, evict: str = "") -> torch.Tensor:
     """h @ w [N, K]^T (+ bias [N]) -> a new [1, N] tensor, where h = x [1, K] or its RMS norm (`norm`); `rope`
     rotates the first rope.rows outputs. The result is rounded to x's dtype and stored as out_dtype (default x's:
-    fp32 logits are the rounded values widened, as the unfused `.float()` gives)."""
+    fp32 logits are the rounded values widened, as the unfused `.float()` gives). evict: the weight loads' L2
+    eviction policy (EVICT_POLICIES)."""
     n, k = _check(x, w, norm)
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     bn, bk, warps = config(n, k)
@@ -206,30 +233,32 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, nor
     programs = triton.cdiv(n, bn) if rope is None else triton.cdiv(rope.rows, bn) + triton.cdiv(n - rope.rows, bn)
     _gemv_kernel[(programs,)](x, w, bias if bias is not None else w, out, out, N=n, K=k, w_row=w.stride(0),
                               HAS_BIAS=bias is not None, HAS_RES=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                              **_norm_args(norm, x), **rope_args)
+                              EVICT=_evict(evict), **_norm_args(norm, x), **rope_args)
     return out
 
 
-def gemv_add_(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """res [1, N] += x [1, K] @ w [N, K]^T, in place; returns res."""
+def gemv_add_(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor, evict: str = "") -> torch.Tensor:
+    """res [1, N] += x [1, K] @ w [N, K]^T, in place; returns res. evict: as gemv's."""
     n, k = _check(x, w)
     assert res.shape == (1, n) and res.is_contiguous() and res.dtype == x.dtype
     bn, bk, warps = config(n, k)
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, res, res, N=n, K=k, w_row=w.stride(0), HAS_BIAS=False,
-                                       HAS_RES=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
+                                       HAS_RES=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, EVICT=_evict(evict),
                                        **_norm_args(None, x), cos_ptr=x, sin_ptr=x, n_rot=0, ROPE=False,
                                        NEOX=False, HEAD_DIM=2)
     return res
 
 
-def gemv_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, norm: Norm | None = None) -> torch.Tensor:
+def gemv_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, norm: Norm | None = None,
+                  evict: str = "") -> torch.Tensor:
     """h [1, K] (x, or its RMS norm with `norm`), w_gate_up [2F, K] (gate rows, then up rows)
-    -> silu(h @ gate^T) * (h @ up^T) [1, F]."""
+    -> silu(h @ gate^T) * (h @ up^T) [1, F]. evict: as gemv's."""
     two_f, k = _check(x, w_gate_up, norm)
     assert two_f % 2 == 0
     f = two_f // 2
     out = torch.empty((1, f), dtype=x.dtype, device=x.device)
     bn, bk, warps = config(f, k, "silu")
     _gemv_silu_mul_kernel[(triton.cdiv(f, bn),)](x, w_gate_up, out, F=f, K=k, w_row=w_gate_up.stride(0),
-                                                BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, **_norm_args(norm, x))
+                                                BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, EVICT=_evict(evict),
+                                                **_norm_args(norm, x))
     return out

@@ -206,8 +206,12 @@ class Transformer:
         self._fused_norm = self.device.type == "cuda"
         self._dense_kernels = dense_kernels.enabled(self.device)  # norm and silu * mul: one short kernel each at T = 1
         self._gemv = gemv_kernels.enabled(self.device) and not self.prepacked  # one-row weight products (gemv_kernels.py)
-        # ... with the norm before them (and RoPE after q/k/v) inside the same kernel: see gemv_kernels.fuse_enabled
-        self._gemv_fused = self._gemv and gemv_kernels.fuse_enabled() and cfg.rope_dim == cfg.head_dim
+        # ... with RoPE after q/k/v (and with FLUXION_GEMV_FUSE=all the norm before) inside the same kernel, and with
+        # L2 eviction policies on the weight reads: see gemv_kernels.fuse_mode and l2_hints_enabled
+        fuse = gemv_kernels.fuse_mode() if self._gemv else "none"
+        self._gemv_rope = fuse in ("rope", "all") and cfg.rope_dim == cfg.head_dim
+        self._gemv_norm = fuse == "all"
+        self._l2_hints = self._gemv and gemv_kernels.l2_hints_enabled()
         self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, cuda_graphs) else None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -221,12 +225,20 @@ class Transformer:
         """Whether x [T, K] goes through gemv_kernels: a single contiguous row (batch-1 decode) on CUDA."""
         return self._gemv and x.shape[0] == 1 and x.is_contiguous()
 
-    def _fused_row(self, x: torch.Tensor) -> bool:
-        """Whether the norm of x [T, d] (and RoPE) go inside the one-row kernels (gemv_kernels.Norm / Rope)."""
-        return self._gemv_fused and self._one_row(x)
+    def _evict(self, policy: str) -> str:
+        """The L2 eviction policy for a one-row weight read ("" when the hints are off)."""
+        return policy if self._l2_hints else ""
 
-    def _rope_rows(self, cos: torch.Tensor, sin: torch.Tensor, rows: int) -> gemv_kernels.Rope:
-        return gemv_kernels.Rope(cos, sin, rows, self.cfg.head_dim, self.rope.style == "neox")
+    def _row_product(self, x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+                     cos: torch.Tensor, sin: torch.Tensor, rot_rows: int, evict: str) -> torch.Tensor:
+        """One row x [1, d]: its RMS norm (inside the kernel with _gemv_norm, else a kernel of its own), times
+        w [N, d]^T (+ bias) -> [1, N], the first rot_rows outputs rotated by RoPE inside the kernel when _gemv_rope
+        (else the caller rotates them)."""
+        norm = gemv_kernels.Norm(norm_weight, self.cfg.rms_eps) if self._gemv_norm else None
+        h = x if norm is not None else self._norm(x, norm_weight)
+        rope = (gemv_kernels.Rope(cos, sin, rot_rows, self.cfg.head_dim, self.rope.style == "neox")
+                if self._gemv_rope else None)
+        return gemv_kernels.gemv(h, w, bias, norm=norm, rope=rope, evict=self._evict(evict))
 
     def _inputs(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None
@@ -311,19 +323,16 @@ class Transformer:
         cfg = self.cfg
         hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         n_tok = x.shape[0]
-        if self._fused_row(x):  # norm, q/k/v (+ bias) and RoPE of q and k: one kernel
-            qkv = gemv_kernels.gemv(x, lw.wqkv, lw.bqkv, norm=gemv_kernels.Norm(lw.attn_norm, cfg.rms_eps),
-                                    rope=self._rope_rows(cos, sin, (hq + hkv) * d))  # [1, (Hq + 2 Hkv) D]
-            q, k, v = qkv.view(1, hq + 2 * hkv, d).split((hq, hkv, hkv), dim=1)
-            return q, k, v
-        h = self._norm(x, lw.attn_norm)
-        if self._one_row(h):
-            qkv = gemv_kernels.gemv(h, lw.wqkv, lw.bqkv)  # [1, (Hq + 2 Hkv) D]
+        rotated = False
+        if self._one_row(x):  # the q rows may still be in L2 from the early query: read last here
+            qkv = self._row_product(x, lw.attn_norm, lw.wqkv, lw.bqkv, cos, sin, (hq + hkv) * d, "evict_first")
+            rotated = self._gemv_rope  # [1, (Hq + 2 Hkv) D]
         else:
-            qkv = linear(h, lw.wqkv, lw.bqkv)  # [T, (Hq + 2 Hkv) D]
+            qkv = linear(self._norm(x, lw.attn_norm), lw.wqkv, lw.bqkv)  # [T, (Hq + 2 Hkv) D]
         qk, v = qkv.split(((hq + hkv) * d, hkv * d), dim=-1)  # views of qkv
         qk = qk.view(n_tok, hq + hkv, d)  # [T, Hq + Hkv, D]: q and k rotate together
-        self.rope.apply_(qk, cos, sin)
+        if not rotated:
+            self.rope.apply_(qk, cos, sin)
         q, k = qk.split((hq, hkv), dim=1)  # [T, Hq, D], [T, Hkv, D]
         return q, k, v.view(n_tok, hkv, d)
 
@@ -335,13 +344,13 @@ class Transformer:
         n_q = cfg.n_heads * cfg.head_dim
         assert not lw.wqkv.is_mkldnn, "a packed qkv weight has no q rows to slice"
         bias = lw.bqkv[:n_q] if lw.bqkv is not None else None
-        if self._fused_row(x):  # norm, q rows and RoPE: one kernel
-            q = gemv_kernels.gemv(x, lw.wqkv[:n_q], bias, norm=gemv_kernels.Norm(lw.attn_norm, cfg.rms_eps),
-                                  rope=self._rope_rows(cos, sin, n_q))
-            return q.view(1, cfg.n_heads, cfg.head_dim)
-        h = self._norm(x, lw.attn_norm)
-        q = gemv_kernels.gemv(h, lw.wqkv[:n_q], bias) if self._one_row(h) else linear(h, lw.wqkv[:n_q], bias)
-        q = q.view(x.shape[0], cfg.n_heads, cfg.head_dim)
+        if self._one_row(x):  # evict_last: the layer's q/k/v product reads these rows again after the MLP
+            q = self._row_product(x, lw.attn_norm, lw.wqkv[:n_q], bias, cos, sin, n_q, "evict_last")
+            q = q.view(1, cfg.n_heads, cfg.head_dim)
+            if not self._gemv_rope:
+                self.rope.apply_(q, cos, sin)
+            return q
+        q = linear(self._norm(x, lw.attn_norm), lw.wqkv[:n_q], bias).view(x.shape[0], cfg.n_heads, cfg.head_dim)
         self.rope.apply_(q, cos, sin)
         return q
 
@@ -353,22 +362,20 @@ class Transformer:
         o = o.reshape(x.shape[0], -1)  # [T, Hq D]
         one_row = self._one_row(o) and x.is_contiguous()
         if one_row:
-            gemv_kernels.gemv_add_(x, o, lw.wo)  # x += o @ wo^T, one kernel
+            gemv_kernels.gemv_add_(x, o, lw.wo, evict=self._evict("evict_first"))  # x += o @ wo^T, one kernel
         elif lw.wo_packed is None:
             x.addmm_(o, lw.wo_t)  # x += o @ wo^T in the matmul itself
         else:
             x = torch.ops.mkldnn._linear_pointwise.binary(o, x, lw.wo_packed, None, "add")  # x + o @ wo^T
         if after_attention is not None:
             after_attention(x)
-        if one_row and self._gemv_fused:  # norm, gate/up and silu * up: one kernel
-            act = gemv_kernels.gemv_silu_mul(x, lw.w_gate_up, norm=gemv_kernels.Norm(lw.ffn_norm, self.cfg.rms_eps))
-            gemv_kernels.gemv_add_(x, act, lw.w_down)  # x += act @ w_down^T
+        if one_row:  # gate, up and silu * mul in one kernel (with _gemv_norm the norm too), then the down product
+            norm = gemv_kernels.Norm(lw.ffn_norm, self.cfg.rms_eps) if self._gemv_norm else None
+            h = x if norm is not None else self._norm(x, lw.ffn_norm)
+            act = gemv_kernels.gemv_silu_mul(h, lw.w_gate_up, norm=norm, evict=self._evict("evict_first"))  # [1, F]
+            gemv_kernels.gemv_add_(x, act, lw.w_down, evict=self._evict("evict_first"))  # x += act @ w_down^T
             return x
         h = self._norm(x, lw.ffn_norm)
-        if one_row:
-            act = gemv_kernels.gemv_silu_mul(h, lw.w_gate_up)  # [1, F]: gate, up and silu * mul in one kernel
-            gemv_kernels.gemv_add_(x, act, lw.w_down)  # x += act @ w_down^T
-            return x
         gate_up = linear(h, lw.w_gate_up)  # [T, 2F]
         if self._dense_kernels:  # one kernel instead of two (dense_kernels.py)
             act = dense_kernels.silu_mul(gate_up)  # [T, F]
@@ -385,10 +392,10 @@ class Transformer:
         """x [T, d] -> fp32 logits [R, V] for the rows asked for (None: every row)."""
         if rows is not None:
             x = x[rows]  # [R, d]: the vocabulary matmul only for the rows asked for
-        if self._fused_row(x):  # final norm and the vocabulary in one kernel, stored as fp32
-            return gemv_kernels.gemv(x, self.output_mm, norm=gemv_kernels.Norm(self.output_norm, self.cfg.rms_eps),
-                                     out_dtype=torch.float32)  # [1, V]
+        if self._one_row(x):  # the vocabulary stored as fp32 by the kernel (the bf16-rounded values widened)
+            norm = gemv_kernels.Norm(self.output_norm, self.cfg.rms_eps) if self._gemv_norm else None
+            h = x if norm is not None else self._norm(x, self.output_norm)
+            return gemv_kernels.gemv(h, self.output_mm, norm=norm, out_dtype=torch.float32,
+                                     evict=self._evict("evict_first"))  # [1, V]
         h = self._norm(x, self.output_norm)
-        if self._one_row(h):
-            return gemv_kernels.gemv(h, self.output_mm).float()  # [1, V]
         return linear(h, self.output_mm).float()  # [R, V]

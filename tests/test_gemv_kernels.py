@@ -170,9 +170,9 @@ def test_bad_shapes_are_refused() -> None:
         gemv_kernels.gemv(x.to(DEV), w.t().contiguous().t().to(DEV))  # column-major weight
 
 
-@pytest.mark.parametrize("fused", [False, True])  # norms and RoPE as kernels of their own, or inside the products
+@pytest.mark.parametrize("fused", ["none", "rope", "all"])  # gemv_kernels.fuse_mode
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])  # with and without the q/k/v bias; neox / interleaved RoPE
-def test_one_row_forward_with_the_kernels_equals_float64(arch: str, fused: bool) -> None:
+def test_one_row_forward_with_the_kernels_equals_float64(arch: str, fused: str) -> None:
     """A model whose batch-1 decode steps take the kernels (forced on, as on CUDA) still gives the unfused float64
     forward's logits: q/k/v with bias, the o- and down-projections' residual adds, gate/up/silu and the vocabulary,
     with the norms and RoPE fused into them or not."""
@@ -187,7 +187,8 @@ def test_one_row_forward_with_the_kernels_equals_float64(arch: str, fused: bool)
     w = random_weights(cfg, seed=3)
     model = Transformer(GGUFModel(Path(arch), cfg, {}, w), DEV, torch.float32, prepack=False)
     model._gemv = True  # on a CPU the kernels run in Triton's interpreter
-    model._gemv_fused = fused
+    model._gemv_rope, model._gemv_norm = fused in ("rope", "all"), fused == "all"
+    model._l2_hints = True  # the eviction policies change no value
     tokens = torch.randint(0, cfg.vocab_size, (24,), generator=torch.Generator().manual_seed(1))
     want = unfused_logits(cfg, w, tokens)  # [24, V] float64
     attn = DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, torch.float32, DEV)
@@ -232,11 +233,28 @@ def test_fused_query_ahead_and_pre_attention_match_the_unfused_kernels(arch: str
     _, cos, sin = model.embed_tokens(torch.tensor([5]).to(DEV), torch.tensor([301]).to(DEV))
     lw = model.layers[1]
     outs = {}
-    for fused in (False, True):
-        model._gemv_fused = fused
+    for fused in ("none", "rope", "all"):
+        model._gemv_rope, model._gemv_norm = fused in ("rope", "all"), fused == "all"
         q, k, v = model.pre_attention(lw, x, cos, sin)
         outs[fused] = (q.clone(), k.clone(), v.clone(), model.query_ahead(lw, x, cos, sin))
-    for unfused, fused in zip(outs[False], outs[True]):
-        assert unfused.shape == fused.shape
-        _close(fused, unfused.double().cpu(), torch.bfloat16)
-    assert torch.equal(outs[True][0], outs[True][3])  # the early query is the layer's own q for the same stream
+    for fused in ("rope", "all"):
+        for unfused, got in zip(outs["none"], outs[fused]):
+            assert unfused.shape == got.shape
+            _close(got, unfused.double().cpu(), torch.bfloat16)
+        assert torch.equal(outs[fused][0], outs[fused][3])  # the early query is the layer's own q for one stream
+
+
+def test_fuse_mode_and_eviction_policy_are_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLUXION_GEMV_FUSE takes none / rope / all (0 / 1 as none / all) and names a bad value; an unknown eviction
+    policy is refused before any launch."""
+    for value, mode in (("rope", "rope"), ("0", "none"), ("1", "all"), ("all", "all")):
+        monkeypatch.setenv("FLUXION_GEMV_FUSE", value)
+        assert gemv_kernels.fuse_mode() == mode
+    monkeypatch.setenv("FLUXION_GEMV_FUSE", "norm")
+    with pytest.raises(ValueError, match="FLUXION_GEMV_FUSE"):
+        gemv_kernels.fuse_mode()
+    w, x = _weights(8, 64, torch.float32, 1)
+    with pytest.raises(AssertionError):
+        gemv_kernels.gemv(x.to(DEV), w.to(DEV), evict="keep")
+    same = gemv_kernels.gemv(x.to(DEV), w.to(DEV), evict="evict_last")  # a hint only: the same values
+    assert torch.equal(same, gemv_kernels.gemv(x.to(DEV), w.to(DEV)))
