@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Callable, Hashable, Protocol
 
 import torch
 
-from . import gemv_kernels
 from .attention import AttentionBackend, SeqChunk
 
 if TYPE_CHECKING:
@@ -72,15 +71,6 @@ def _whole_step(hooks: DecodeHooks | None) -> bool:
     return bool(getattr(hooks, "whole_step", False))
 
 
-def _prefetch_mode(model: Transformer, batch: int, hooks: DecodeHooks | None, captured: bool) -> str:
-    """gemv_kernels.prefetch_mode for a captured whole-step batch-1 set whose products run as gemv kernels, else
-    "0". Why only there: the side stream forks after layer i's q/k/v and joins before its o-projection, which must
-    lie in one graph (piecewise sets end a graph at every attention)."""
-    if not captured or batch != 1 or not _whole_step(hooks) or not model._gemv:
-        return "0"
-    return gemv_kernels.prefetch_mode()
-
-
 class _GraphSet:
     """The graphs of one batch size (and, with hooks, one backend state) and their static input/output tensors.
 
@@ -97,10 +87,6 @@ class _GraphSet:
         self.logits = torch.empty(0)
         self.graphs: list[torch.cuda.CUDAGraph | _Eager] = []
         self.segments = [self._first] + [self._middle(i) for i in range(1, cfg.n_layers)] + [self._last]
-        # layer i's o-projection weight brought into L2 on a side stream while its attention runs (_prefetch_mode)
-        self.prefetch = _prefetch_mode(model, batch, hooks, pool is not None)
-        self.prefetch_stream = torch.cuda.Stream(dev) if self.prefetch != "0" else None
-        self.prefetch_sinks: list[torch.Tensor | None] = [None] * cfg.n_layers
 
     def _capture(self) -> None:
         if self.pool is None:
@@ -131,11 +117,6 @@ class _GraphSet:
     def _pre(self, i: int) -> None:
         m = self.model
         q, k, v = m.pre_attention(m.layers[i], self.x, self.cos, self.sin)
-        if self.prefetch_stream is not None:  # after q/k/v, so the two do not share HBM; joined in _post(i)
-            self.prefetch_stream.wait_stream(torch.cuda.current_stream(m.device))
-            with torch.cuda.stream(self.prefetch_stream):
-                self.prefetch_sinks[i] = gemv_kernels.l2_prefetch(m.layers[i].wo, self.prefetch,
-                                                                  self.prefetch_sinks[i])
         self.qkv = self.qkv[:i] + [(q, k, v)]
         if self.hooks is not None:
             self.hooks.prologue(i, q, k, v)
@@ -143,8 +124,6 @@ class _GraphSet:
     def _post(self, i: int) -> None:
         m = self.model
         o = self.o_in if self.hooks is None else self.hooks.epilogue(i)
-        if self.prefetch_stream is not None:
-            torch.cuda.current_stream(m.device).wait_stream(self.prefetch_stream)
         x = m.post_attention(m.layers[i], self.x, o, self._ahead(i + 1))
         assert x is self.x, "graphed layers must update the residual stream in place"
 

@@ -121,35 +121,6 @@ if triton is not None:
         tl.store(out_ptr + rows, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-    @triton.jit
-    def _prefetch_load_kernel(w_ptr, sink_ptr, N, K, w_row, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Reads ROWS rows of w with the evict_last policy; the sum goes to sink so the loads are not dropped."""
-        pid = tl.program_id(0)
-        rows = pid * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, BLOCK_K)
-        acc = tl.zeros([ROWS, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + cols
-            acc += tl.load(w_ptr + rows[:, None] * w_row + kk[None, :], mask=(rows[:, None] < N) & (kk[None, :] < K),
-                           other=0.0, eviction_policy="evict_last").to(tl.float32)
-        tl.store(sink_ptr + pid, tl.sum(tl.sum(acc, axis=1), axis=0))
-
-    @triton.jit
-    def _prefetch_bulk_kernel(w_ptr, nbytes, CHUNK: tl.constexpr, LANES: tl.constexpr):
-        """Each lane asks the copy engine (sm_90 cp.async.bulk.prefetch.L2) to bring CHUNK bytes of w into L2 with
-        the evict_last policy and moves on: nothing is read into registers and nothing waits."""
-        offs = (tl.program_id(0) * LANES + tl.arange(0, LANES)).to(tl.int64) * CHUNK  # [LANES] byte offsets
-        size = tl.minimum(nbytes - offs, CHUNK)
-        live = size > 0
-        offs = tl.where(live, offs, 0)
-        size = tl.where(live, size, 16).to(tl.int32)  # a lane past the end repeats the first 16 bytes
-        ptrs = w_ptr.to(tl.pointer_type(tl.int8)) + offs
-        tl.inline_asm_elementwise(
-            "{ .reg .b64 pol; createpolicy.fractional.L2::evict_last.b64 pol, 1.0; "
-            "cp.async.bulk.prefetch.L2.global.L2::cache_hint [$1], $2, pol; mov.u32 $0, 0; }",
-            "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
 def enabled(device: torch.device) -> bool:
     """Whether model.py should run batch-1 weight products here (CUDA, Triton, dense kernels on, FLUXION_GEMV != 0)."""
     return dense_kernels.enabled(device) and os.environ.get("FLUXION_GEMV", "1") != "0"
@@ -168,45 +139,6 @@ def fuse_mode() -> str:
     if mode not in FUSE_MODES:
         raise ValueError(f"FLUXION_GEMV_FUSE={mode!r}: expected one of {FUSE_MODES} (or 0 / 1)")
     return mode
-
-
-PREFETCH_MODES = ("0", "load", "bulk")
-
-
-def prefetch_mode() -> str:
-    """How decode_graphs brings a layer's o-projection weight into L2 while the layer's attention runs (a batch-1
-    step captured whole): FLUXION_L2_PREFETCH = "load" (a kernel on a side stream reads it with evict_last),
-    "bulk" (the copy engine's L2 prefetch, sm_90), or "0" (off). The attention chain (~20 us per layer at 32K on
-    the 8B shape) leaves HBM nearly idle; the o-projection (33.6 MB there) comes right after it."""
-    mode = os.environ.get("FLUXION_L2_PREFETCH", "load")
-    if mode not in PREFETCH_MODES:
-        raise ValueError(f"FLUXION_L2_PREFETCH={mode!r}: expected one of {PREFETCH_MODES}")
-    return mode
-
-
-PREFETCH_ROWS, PREFETCH_BLOCK_K = 8, 512  # "load": 8 rows of 512 columns per round, w's rows / 8 programs
-BULK_CHUNK, BULK_LANES = 1 << 16, 32  # "bulk": 64 KB per lane, one warp of lanes per program
-
-
-def l2_prefetch(w: torch.Tensor, mode: str, sink: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Bring w [N, K] (unit last stride; "bulk": contiguous) into L2 on the current stream (see prefetch_mode).
-    "load" writes one float per program into sink (any values; made here if None) and returns it."""
-    n, k = w.shape
-    assert w.stride(1) == 1, "rows must be contiguous"
-    if mode == "bulk":
-        assert w.is_contiguous() and (w.numel() * w.element_size()) % 16 == 0
-        nbytes = w.numel() * w.element_size()
-        lanes = triton.cdiv(nbytes, BULK_CHUNK)
-        _prefetch_bulk_kernel[(triton.cdiv(lanes, BULK_LANES),)](w, nbytes, CHUNK=BULK_CHUNK, LANES=BULK_LANES,
-                                                                  num_warps=1)
-        return None
-    assert mode == "load", mode
-    programs = triton.cdiv(n, PREFETCH_ROWS)
-    if sink is None or sink.numel() < programs:
-        sink = torch.empty(programs, dtype=torch.float32, device=w.device)
-    _prefetch_load_kernel[(programs,)](w, sink, n, k, w.stride(0), ROWS=PREFETCH_ROWS, BLOCK_K=PREFETCH_BLOCK_K,
-                                       num_warps=4)
-    return sink
 
 
 EVICT_POLICIES = ("", "evict_first", "evict_last")

@@ -258,29 +258,3 @@ def test_fuse_mode_and_eviction_policy_are_checked(monkeypatch: pytest.MonkeyPat
         gemv_kernels.gemv(x.to(DEV), w.to(DEV), evict="keep")
     same = gemv_kernels.gemv(x.to(DEV), w.to(DEV), evict="evict_last")  # a hint only: the same values
     assert torch.equal(same, gemv_kernels.gemv(x.to(DEV), w.to(DEV)))
-
-
-def test_l2_prefetch_load_reads_every_row(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The "load" prefetch reads all of w (its per-program sums, which only keep the loads alive, equal float64 sums
-    of each program's rows, ragged tail included); the mode is checked."""
-    w, _ = _weights(37, 1000, torch.float32, 11)
-    sink = gemv_kernels.l2_prefetch(w.to(DEV), "load")
-    rows = gemv_kernels.PREFETCH_ROWS
-    want = torch.stack([w[i:i + rows].double().sum() for i in range(0, 37, rows)])
-    torch.testing.assert_close(sink.double().cpu(), want, rtol=1e-5, atol=1e-3)
-    assert gemv_kernels.l2_prefetch(w.to(DEV), "load", sink) is sink  # reused: a captured graph's static buffer
-    monkeypatch.setenv("FLUXION_L2_PREFETCH", "bulk")
-    assert gemv_kernels.prefetch_mode() == "bulk"
-    monkeypatch.setenv("FLUXION_L2_PREFETCH", "all")
-    with pytest.raises(ValueError, match="FLUXION_L2_PREFETCH"):
-        gemv_kernels.prefetch_mode()
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy engine's L2 prefetch is PTX for sm_90")
-def test_l2_prefetch_bulk_runs_and_changes_nothing() -> None:
-    w, x = _weights(4096, 1024, torch.bfloat16, 12)
-    w = w.contiguous().to(DEV)
-    before = gemv_kernels.gemv(x.to(DEV), w)
-    gemv_kernels.l2_prefetch(w, "bulk")
-    torch.cuda.synchronize()
-    assert torch.equal(gemv_kernels.gemv(x.to(DEV), w), before)
