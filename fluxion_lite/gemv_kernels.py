@@ -14,9 +14,13 @@ Three entry points, each one kernel:
   gemv          x [1, K] @ w[N, K]^T (+ bias [N]) -> [1, N]                      (q/k/v, vocabulary)
   gemv_add_     res [1, N] += x [1, K] @ w^T, in place                           (o-projection, down-projection)
   gemv_silu_mul x [1, K], w [2F, K] (gate rows then up rows) -> silu(gate) * up [1, F]  (the MLP's first half)
+gemv can also rotate its first rows by RoPE (`Rope`: q and k of a q/k/v product, a program owning whole pairs) and
+gemv / gemv_silu_mul can take the RMS norm of x inside (`Norm`); model.py uses what fuse_mode says (RoPE by
+default: the norm inside measured slower on large weights, docs/hybrid.md, twenty-fourth session). Each takes an L2
+eviction policy for its weight reads (l2_hints_enabled says why).
 
-Numerics follow the cuBLAS path they replace: products summed in fp32; gemv rounds the sum (+ bias) to the output
-dtype once; gemv_add_ adds the residual in fp32 and rounds once (as addmm_ with beta = 1 does); gemv_silu_mul rounds
+Numerics follow the cuBLAS path they replace: products summed in fp32; gemv rounds the sum (+ bias) to x's dtype
+once (then stores it widened if out_dtype asks; with RoPE the rotation is rounded once more, as dense_kernels.rope_); gemv_add_ adds the residual in fp32 and rounds once (as addmm_ with beta = 1 does); gemv_silu_mul rounds
 gate and up to the weight dtype first (as the [1, 2F] matmul output would be) and then silu(gate) * up once, as
 dense_kernels.silu_mul. Only the summation order differs from cuBLAS. Layouts: x contiguous [1, K]; w [N, K] with
 unit last stride, any row stride; bias, res contiguous. Used by model.py when `enabled` (CUDA, Triton, the dense
