@@ -29,7 +29,10 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, x_row, eps, BLOCK: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, N, x_row, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        if PDL:  # (device_kernels.pdl_enabled) the next kernel may start now; x is the previous kernel's output
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         inside = cols < N
@@ -85,7 +88,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty((T, d), dtype=x.dtype, device=x.device)
     if T:
         block = pow2(d)
-        _rms_norm_kernel[(T,)](x, weight, out, d, x.stride(0), eps, BLOCK=block, num_warps=8 if block >= 4096 else 4)
+        _rms_norm_kernel[(T,)](x, weight, out, d, x.stride(0), eps, BLOCK=block, num_warps=8 if block >= 4096 else 4,
+                               **device_kernels.launch_args(device_kernels.pdl_enabled(x.device)))
     return out
 
 

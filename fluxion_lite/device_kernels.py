@@ -32,6 +32,7 @@ TRITON_INTERPRET=1 runs the kernels on the CPU: that is how the tests check them
 """
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -79,6 +80,29 @@ def enabled(device: torch.device) -> bool:
                           "runs on torch ops (FLUXION_TRITON=0 silences this)", RuntimeWarning, stacklevel=2)
             _probed[key] = False
     return _probed[key]
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether gemv_kernels' one-row kernels and dense_kernels' RMS norm launch as programmatic dependent launches
+    (FLUXION_PDL=1; sm_90 and a Triton with gdc_wait): a kernel's programs may then be scheduled while the previous
+    kernel on the stream finishes, request their first weight tile, and wait (griddepcontrol.wait) before reading
+    what that kernel wrote; combine and the norm let the next kernel be scheduled from their start. Off by default
+    until measured (docs/hybrid.md)."""
+    return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" and os.environ.get("FLUXION_PDL", "0") == "1" else False
+
+
+@functools.cache
+def _pdl_supported(index: int) -> bool:
+    import triton.language.extra.cuda as cuda_extra
+
+    return (torch.cuda.get_device_capability(index) >= (9, 0) and hasattr(cuda_extra, "gdc_wait")
+            and hasattr(cuda_extra, "gdc_launch_dependents"))
+
+
+def launch_args(pdl: bool) -> dict:
+    """launch_pdl only when wanted, so that a Triton without the option is never passed it."""
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 def pow2(n: int, floor: int = 1) -> int:
@@ -319,7 +343,10 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(o_ptr, m_ptr, l_ptr, starts_ptr, caps_ptr, so_ptr, sm_ptr, sl_ptr, out_ptr, N, HKV, R, S,
-                        D: tl.constexpr, DC: tl.constexpr, TILE: tl.constexpr, S_PAD: tl.constexpr):
+                        D: tl.constexpr, DC: tl.constexpr, TILE: tl.constexpr, S_PAD: tl.constexpr,
+                        LAUNCH_NEXT: tl.constexpr):
+        if LAUNCH_NEXT:  # (pdl_enabled) the o-projection after it may be scheduled and start on its weights
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)  # = (b * HKV + h) * R + r
         r = pid % R
         bh = pid // R
@@ -488,5 +515,5 @@ def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, st
     tile = min(COMBINE_TILE_MAX, pow2(max(max_entries, 1), 16))
     _combine_kernel[(B * hkv * r, d // dc)](part_o, part_m, part_l, starts, caps, stream_o, stream_m, stream_l, out,
                                             part_m.shape[1], hkv, r, splits, D=d, DC=dc, TILE=tile,
-                                            S_PAD=pow2(splits, 2))
+                                            S_PAD=pow2(splits, 2), LAUNCH_NEXT=pdl_enabled(out.device))
     return out

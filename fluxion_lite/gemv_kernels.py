@@ -37,24 +37,37 @@ from pathlib import Path
 import torch
 
 from . import dense_kernels
-from .device_kernels import triton
+from .device_kernels import launch_args, pdl_enabled, triton
 
 if triton is not None:
     import triton.language as tl
 
     @triton.jit
-    def _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps,
-                  NORM: tl.constexpr, EVICT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM: tl.constexpr, EVICT: tl.constexpr,
+                  WAIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """fp32 [BLOCK_N]: the dot products of h [K] with the weight rows `rows`, where h = x, or with NORM the RMS
         norm x / sqrt(mean(x^2) + eps) * g. The norm's scale is one number, so it multiplies the dot products at
         the end, and the sum of squares builds up from the same loads of x: no pass over x before the weight reads
         start (such a pass in every program cost more than the separate norm kernel saved). h is not rounded to
         the model dtype on the way, as the separate norm's output is: one rounding fewer. EVICT: the L2 eviction
-        policy of the weight loads ("" default, "evict_first", "evict_last"; see l2_hints_enabled)."""
+        policy of the weight loads ("" default, "evict_first", "evict_last"; see l2_hints_enabled). WAIT (a
+        programmatic dependent launch, pdl_enabled): the first weight tile is requested before the wait for the
+        previous kernel, whose output x is, so the weight stream starts while that kernel finishes."""
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         squares = tl.zeros([BLOCK_K], dtype=tl.float32)
         cols = tl.arange(0, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
+        start = 0
+        if WAIT:
+            w = tl.load(w_ptr + rows[:, None] * w_row + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :],
+                        other=0.0, eviction_policy=EVICT)  # [BLOCK_N, BLOCK_K]: weights only, nothing x depends on
+            tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, a residual) are visible after this
+            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            if NORM:
+                squares += x * x
+                x = x * tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            acc += w.to(tl.float32) * x[None, :]
+            start = BLOCK_K
+        for k0 in range(start, K, BLOCK_K):
             kk = k0 + cols
             k_ok = kk < K
             x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
@@ -72,8 +85,10 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, res_ptr, out_ptr, g_ptr, cos_ptr, sin_ptr, N, K, w_row, eps, n_rot,
                      HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                     NEOX: tl.constexpr, HEAD_DIM: tl.constexpr, EVICT: tl.constexpr,
+                     NEOX: tl.constexpr, HEAD_DIM: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        if PDL:  # the next kernel may be scheduled as this one's programs finish (it waits for them before reading)
+            tl.extra.cuda.gdc_launch_dependents()
         pid = tl.program_id(0)
         lane = tl.arange(0, BLOCK_N)
         rows = pid * BLOCK_N + lane
@@ -96,7 +111,7 @@ if triton is not None:
         row_ok = rows < N
         if ROPE:
             row_ok = rows < tl.where(rotate, n_rot, N)  # a rotating program's last pairs may pass n_rot
-        y = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM, EVICT, BLOCK_N, BLOCK_K)  # [BLOCK_N]
+        y = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM, EVICT, PDL, BLOCK_N, BLOCK_K)
         if HAS_BIAS:
             y += tl.load(b_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)
         if HAS_RES:  # res and out may be one tensor: each program reads its own rows before it writes them
@@ -115,11 +130,14 @@ if triton is not None:
 
     @triton.jit
     def _gemv_silu_mul_kernel(x_ptr, w_ptr, out_ptr, g_ptr, F, K, w_row, eps,
-                              NORM: tl.constexpr, EVICT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                              NORM: tl.constexpr, EVICT: tl.constexpr, PDL: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+        if PDL:
+            tl.extra.cuda.gdc_launch_dependents()
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < F
-        gate = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM, EVICT, BLOCK_N, BLOCK_K)
-        up = _row_dots(x_ptr, w_ptr, rows + F, row_ok, K, w_row, g_ptr, eps, NORM, EVICT, BLOCK_N, BLOCK_K)
+        gate = _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM, EVICT, PDL, BLOCK_N, BLOCK_K)
+        up = _row_dots(x_ptr, w_ptr, rows + F, row_ok, K, w_row, g_ptr, eps, NORM, EVICT, False, BLOCK_N, BLOCK_K)
         gate = gate.to(w_ptr.dtype.element_ty).to(tl.float32)  # rounded as the [1, 2F] matmul output would be
         up = up.to(w_ptr.dtype.element_ty).to(tl.float32)
         tl.store(out_ptr + rows, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=row_ok)
@@ -237,7 +255,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, nor
     programs = triton.cdiv(n, bn) if rope is None else triton.cdiv(rope.rows, bn) + triton.cdiv(n - rope.rows, bn)
     _gemv_kernel[(programs,)](x, w, bias if bias is not None else w, out, out, N=n, K=k, w_row=w.stride(0),
                               HAS_BIAS=bias is not None, HAS_RES=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                              EVICT=_evict(evict), **_norm_args(norm, x), **rope_args)
+                              EVICT=_evict(evict), **_norm_args(norm, x), **rope_args,
+                              **launch_args(pdl_enabled(x.device)))
     return out
 
 
@@ -248,6 +267,7 @@ def gemv_add_(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor, evict: str = 
     bn, bk, warps = config(n, k)
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, res, res, N=n, K=k, w_row=w.stride(0), HAS_BIAS=False,
                                        HAS_RES=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, EVICT=_evict(evict),
+                                       **launch_args(pdl_enabled(x.device)),
                                        **_norm_args(None, x), cos_ptr=x, sin_ptr=x, n_rot=0, ROPE=False,
                                        NEOX=False, HEAD_DIM=2)
     return res
@@ -264,5 +284,5 @@ def gemv_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, norm: Norm | None = 
     bn, bk, warps = config(f, k, "silu")
     _gemv_silu_mul_kernel[(triton.cdiv(f, bn),)](x, w_gate_up, out, F=f, K=k, w_row=w_gate_up.stride(0),
                                                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, EVICT=_evict(evict),
-                                                **_norm_args(norm, x))
+                                                **_norm_args(norm, x), **launch_args(pdl_enabled(x.device)))
     return out

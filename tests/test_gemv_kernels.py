@@ -258,3 +258,42 @@ def test_fuse_mode_and_eviction_policy_are_checked(monkeypatch: pytest.MonkeyPat
         gemv_kernels.gemv(x.to(DEV), w.to(DEV), evict="keep")
     same = gemv_kernels.gemv(x.to(DEV), w.to(DEV), evict="evict_last")  # a hint only: the same values
     assert torch.equal(same, gemv_kernels.gemv(x.to(DEV), w.to(DEV)))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="programmatic dependent launch needs CUDA (sm_90)")
+def test_programmatic_dependent_launch_changes_no_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FLUXION_PDL=1 (where supported): the chain norm -> gemv -> gemv_add_ -> gemv_silu_mul -> gemv_add_, eagerly
+    and replayed from a CUDA graph, gives the same values as without it (each kernel waits before reading what the
+    previous one wrote)."""
+    from fluxion_lite import dense_kernels, device_kernels
+
+    if not device_kernels.pdl_enabled(torch.device("cuda")) and not device_kernels._pdl_supported(0):
+        pytest.skip("no programmatic dependent launch on this GPU / Triton")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    d, f = 1024, 1536
+    w_qkv, w_o = (torch.randn(n, d, device="cuda", generator=gen, dtype=torch.bfloat16) / 32 for n in (1536, d))
+    w_gu = torch.randn(2 * f, d, device="cuda", generator=gen, dtype=torch.bfloat16) / 32
+    w_down = torch.randn(d, f, device="cuda", generator=gen, dtype=torch.bfloat16) / 40
+    g = torch.rand(d, device="cuda", generator=gen, dtype=torch.bfloat16) + 0.5
+    x0 = torch.randn(1, d, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    def chain(x: torch.Tensor) -> torch.Tensor:
+        h = dense_kernels.rms_norm(x, g, 1e-5)
+        qkv = gemv_kernels.gemv(h, w_qkv)
+        gemv_kernels.gemv_add_(x, qkv[:, :d], w_o)
+        act = gemv_kernels.gemv_silu_mul(dense_kernels.rms_norm(x, g, 1e-5), w_gu)
+        return gemv_kernels.gemv_add_(x, act, w_down)
+
+    monkeypatch.setenv("FLUXION_PDL", "0")
+    want = chain(x0.clone())
+    monkeypatch.setenv("FLUXION_PDL", "1")
+    assert torch.equal(chain(x0.clone()), want)
+    x = x0.clone()
+    chain(x.clone())  # compiled before the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(x)
+    x.copy_(x0)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
