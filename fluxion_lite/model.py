@@ -229,13 +229,17 @@ class Transformer:
         """The L2 eviction policy for a one-row weight read ("" when the hints are off)."""
         return policy if self._l2_hints else ""
 
+    def _row_norm(self, x: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, gemv_kernels.Norm | None]:
+        """A one-row product's input and norm: (x, the norm for the kernel) with _gemv_norm, else (norm(x), None)."""
+        if self._gemv_norm:
+            return x, gemv_kernels.Norm(weight, self.cfg.rms_eps)
+        return self._norm(x, weight), None
+
     def _row_product(self, x: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
                      cos: torch.Tensor, sin: torch.Tensor, rot_rows: int, evict: str) -> torch.Tensor:
-        """One row x [1, d]: its RMS norm (inside the kernel with _gemv_norm, else a kernel of its own), times
-        w [N, d]^T (+ bias) -> [1, N], the first rot_rows outputs rotated by RoPE inside the kernel when _gemv_rope
-        (else the caller rotates them)."""
-        norm = gemv_kernels.Norm(norm_weight, self.cfg.rms_eps) if self._gemv_norm else None
-        h = x if norm is not None else self._norm(x, norm_weight)
+        """One row x [1, d]: its RMS norm (_row_norm) times w [N, d]^T (+ bias) -> [1, N], the first rot_rows
+        outputs rotated by RoPE inside the kernel when _gemv_rope (else the caller rotates them)."""
+        h, norm = self._row_norm(x, norm_weight)
         rope = (gemv_kernels.Rope(cos, sin, rot_rows, self.cfg.head_dim, self.rope.style == "neox")
                 if self._gemv_rope else None)
         return gemv_kernels.gemv(h, w, bias, norm=norm, rope=rope, evict=self._evict(evict))
@@ -370,8 +374,7 @@ class Transformer:
         if after_attention is not None:
             after_attention(x)
         if one_row:  # gate, up and silu * mul in one kernel (with _gemv_norm the norm too), then the down product
-            norm = gemv_kernels.Norm(lw.ffn_norm, self.cfg.rms_eps) if self._gemv_norm else None
-            h = x if norm is not None else self._norm(x, lw.ffn_norm)
+            h, norm = self._row_norm(x, lw.ffn_norm)
             act = gemv_kernels.gemv_silu_mul(h, lw.w_gate_up, norm=norm, evict=self._evict("evict_first"))  # [1, F]
             gemv_kernels.gemv_add_(x, act, lw.w_down, evict=self._evict("evict_first"))  # x += act @ w_down^T
             return x
@@ -393,8 +396,7 @@ class Transformer:
         if rows is not None:
             x = x[rows]  # [R, d]: the vocabulary matmul only for the rows asked for
         if self._one_row(x):  # the vocabulary stored as fp32 by the kernel (the bf16-rounded values widened)
-            norm = gemv_kernels.Norm(self.output_norm, self.cfg.rms_eps) if self._gemv_norm else None
-            h = x if norm is not None else self._norm(x, self.output_norm)
+            h, norm = self._row_norm(x, self.output_norm)
             return gemv_kernels.gemv(h, self.output_mm, norm=norm, out_dtype=torch.float32,
                                      evict=self._evict("evict_first"))  # [1, V]
         h = self._norm(x, self.output_norm)
