@@ -38,6 +38,7 @@ import torch
 
 from . import dense_kernels
 from .device_kernels import launch_args, pdl_enabled, triton
+from .errors import RequestError
 
 if triton is not None:
     import triton.language as tl
@@ -159,7 +160,7 @@ def fuse_mode() -> str:
     mode = os.environ.get("FLUXION_GEMV_FUSE", "rope")
     mode = {"0": "none", "1": "all"}.get(mode, mode)
     if mode not in FUSE_MODES:
-        raise ValueError(f"FLUXION_GEMV_FUSE={mode!r}: expected one of {FUSE_MODES} (or 0 / 1)")
+        raise RequestError(f"FLUXION_GEMV_FUSE={mode!r}: use none, rope or all (or 0 / 1)")
     return mode
 
 
