@@ -20,8 +20,9 @@ default: the norm inside measured slower on large weights, docs/hybrid.md, twent
 eviction policy for its weight reads (l2_hints_enabled says why).
 
 Numerics follow the cuBLAS path they replace: products summed in fp32; gemv rounds the sum (+ bias) to x's dtype
-once (then stores it widened if out_dtype asks; with RoPE the rotation is rounded once more, as dense_kernels.rope_); gemv_add_ adds the residual in fp32 and rounds once (as addmm_ with beta = 1 does); gemv_silu_mul rounds
-gate and up to the weight dtype first (as the [1, 2F] matmul output would be) and then silu(gate) * up once, as
+once (then stores it widened if out_dtype asks; with RoPE the rotation is rounded once more, as
+dense_kernels.rope_); gemv_add_ adds the residual in fp32 and rounds once (as addmm_ with beta = 1 does);
+gemv_silu_mul rounds gate and up to the weight dtype first (as the [1, 2F] matmul output would be) and then silu(gate) * up once, as
 dense_kernels.silu_mul. Only the summation order differs from cuBLAS. Layouts: x contiguous [1, K]; w [N, K] with
 unit last stride, any row stride; bias, res contiguous. Used by model.py when `enabled` (CUDA, Triton, the dense
 kernels on, FLUXION_GEMV != 0) for rows == 1; tests/test_gemv_kernels.py checks all three against float64.
@@ -44,6 +45,15 @@ if triton is not None:
     import triton.language as tl
 
     @triton.jit
+    def _x_chunk(x_ptr, g_ptr, kk, k_ok, squares, NORM: tl.constexpr):
+        """fp32 x [BLOCK_K] at columns kk, times the norm weight with NORM (squares gains x^2): (h chunk, squares)."""
+        x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        if NORM:
+            squares += x * x
+            x = x * tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+        return x, squares
+
+    @triton.jit
     def _row_dots(x_ptr, w_ptr, rows, row_ok, K, w_row, g_ptr, eps, NORM: tl.constexpr, EVICT: tl.constexpr,
                   WAIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """fp32 [BLOCK_N]: the dot products of h [K] with the weight rows `rows`, where h = x, or with NORM the RMS
@@ -62,19 +72,13 @@ if triton is not None:
             w = tl.load(w_ptr + rows[:, None] * w_row + cols[None, :], mask=row_ok[:, None] & (cols < K)[None, :],
                         other=0.0, eviction_policy=EVICT)  # [BLOCK_N, BLOCK_K]: weights only, nothing x depends on
             tl.extra.cuda.gdc_wait()  # the previous kernel's writes (x, a residual) are visible after this
-            x = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
-            if NORM:
-                squares += x * x
-                x = x * tl.load(g_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+            x, squares = _x_chunk(x_ptr, g_ptr, cols, cols < K, squares, NORM)
             acc += w.to(tl.float32) * x[None, :]
             start = BLOCK_K
         for k0 in range(start, K, BLOCK_K):
             kk = k0 + cols
             k_ok = kk < K
-            x = tl.load(x_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)  # [BLOCK_K]
-            if NORM:
-                squares += x * x
-                x = x * tl.load(g_ptr + kk, mask=k_ok, other=0.0).to(tl.float32)
+            x, squares = _x_chunk(x_ptr, g_ptr, kk, k_ok, squares, NORM)  # [BLOCK_K]
             w = tl.load(w_ptr + rows[:, None] * w_row + kk[None, :], mask=row_ok[:, None] & k_ok[None, :],
                         other=0.0, eviction_policy=EVICT)  # [BLOCK_N, BLOCK_K]
             acc += w.to(tl.float32) * x[None, :]
@@ -237,6 +241,16 @@ def _norm_args(norm: Norm | None, x: torch.Tensor) -> dict:
                 NORM=norm is not None)
 
 
+def _rope_args(rope: Rope | None, x: torch.Tensor, n: int) -> dict:
+    """The kernel arguments of an optional RoPE of the first rope.rows outputs (any pointer when there is none)."""
+    if rope is None:
+        return dict(cos_ptr=x, sin_ptr=x, n_rot=0, ROPE=False, NEOX=False, HEAD_DIM=2)
+    d = rope.head_dim
+    assert rope.rows % d == 0 and rope.rows <= n and d % 2 == 0, (rope.rows, d, n)
+    assert rope.cos.shape[-1] == d and rope.cos.stride(-1) == 1 and rope.sin.stride(-1) == 1, "rope_dim != head_dim"
+    return dict(cos_ptr=rope.cos, sin_ptr=rope.sin, n_rot=rope.rows, ROPE=True, NEOX=rope.neox, HEAD_DIM=d)
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, norm: Norm | None = None,
          rope: Rope | None = None, out_dtype: torch.dtype | None = None, evict: str = "") -> torch.Tensor:
     """h @ w [N, K]^T (+ bias [N]) -> a new [1, N] tensor, where h = x [1, K] or its RMS norm (`norm`); `rope`
@@ -246,17 +260,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, nor
     n, k = _check(x, w, norm)
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
     bn, bk, warps = config(n, k)
-    rope_args = dict(cos_ptr=x, sin_ptr=x, n_rot=0, ROPE=False, NEOX=False, HEAD_DIM=2)
+    rot = 0 if rope is None else rope.rows
     if rope is not None:
-        d = rope.head_dim
-        assert rope.rows % d == 0 and rope.rows <= n and d % 2 == 0, (rope.rows, d, n)
-        assert rope.cos.shape[-1] == d and rope.cos.stride(-1) == 1 and rope.sin.stride(-1) == 1, "rope_dim != head_dim"
         bn = max(bn, 2)  # a program owns whole pairs
-        rope_args = dict(cos_ptr=rope.cos, sin_ptr=rope.sin, n_rot=rope.rows, ROPE=True, NEOX=rope.neox, HEAD_DIM=d)
-    programs = triton.cdiv(n, bn) if rope is None else triton.cdiv(rope.rows, bn) + triton.cdiv(n - rope.rows, bn)
+    programs = triton.cdiv(rot, bn) + triton.cdiv(n - rot, bn)  # the rotating rows' programs first
     _gemv_kernel[(programs,)](x, w, bias if bias is not None else w, out, out, N=n, K=k, w_row=w.stride(0),
                               HAS_BIAS=bias is not None, HAS_RES=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                              EVICT=_evict(evict), **_norm_args(norm, x), **rope_args,
+                              EVICT=_evict(evict), **_norm_args(norm, x), **_rope_args(rope, x, n),
                               **launch_args(pdl_enabled(x.device)))
     return out
 
@@ -268,9 +278,8 @@ def gemv_add_(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor, evict: str = 
     bn, bk, warps = config(n, k)
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, res, res, N=n, K=k, w_row=w.stride(0), HAS_BIAS=False,
                                        HAS_RES=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, EVICT=_evict(evict),
-                                       **launch_args(pdl_enabled(x.device)),
-                                       **_norm_args(None, x), cos_ptr=x, sin_ptr=x, n_rot=0, ROPE=False,
-                                       NEOX=False, HEAD_DIM=2)
+                                       **launch_args(pdl_enabled(x.device)), **_norm_args(None, x),
+                                       **_rope_args(None, x, n))
     return res
 
 
