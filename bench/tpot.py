@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from fluxion_lite import native, zero_copy
+from fluxion_lite.async_decode import queue_choice
 from fluxion_lite.attention import DenseAttention, SeqChunk
 from fluxion_lite.config import ModelConfig
 from fluxion_lite.decode_graphs import DecodeGraphs
@@ -235,8 +236,35 @@ def check_graphs(model: Transformer, mode: str, context: int, batch: int, plan: 
     return f"graphs vs eager, {mode} ctx {context} batch {batch}: max |diff|/max|logit| {worst:.2e}, top-1 {agree}/{total}"
 
 
+def chained_tpot(model: Transformer, attn: object, batch: int, token: int, pos: int, steps: int) -> list[float]:
+    """Seconds between successive steps of a run of `steps` decode steps chained as the engine's async decode
+    chains them (async_decode.py): each step's input tokens are the previous step's argmax on the device, the step
+    is queued (defer_sync) and then the previous step's tokens are read on the host."""
+    chunks = [SeqChunk(b, 0, 1) for b in range(batch)]
+    inflight = None
+    tokens = torch.full((batch,), token)
+    if model.device.type == "cuda":
+        torch.cuda.synchronize()
+    gaps, last = [], time.perf_counter()
+    for i in range(steps):
+        for b in range(batch):
+            chunks[b] = SeqChunk(b, pos + i, 1)
+        logits = model.forward(tokens if inflight is None else inflight.tokens, torch.full((batch,), pos + i),
+                               chunks, attn, defer_sync=True)  # type: ignore[arg-type]
+        nxt = queue_choice([], logits)
+        if inflight is not None:
+            inflight.read()  # the previous step's tokens on the host, as the engine reads them
+        inflight = nxt
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    assert inflight is not None
+    inflight.read()
+    return gaps
+
+
 def measure(model: Transformer, mode: str, context: int, batch: int, steps: int, plan: SparsePlan,
-            profile: Path | None = None, kernel_profile: Path | None = None) -> dict:
+            profile: Path | None = None, kernel_profile: Path | None = None, async_decode: bool = False) -> dict:
     cfg, dev = model.cfg, model.device
     t0 = time.perf_counter()
     attn = new_attention(model, mode, context, batch, plan)
@@ -256,6 +284,11 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
     host, gpu = attn.bytes_used()
     stats = attn.stats()
     next_pos = context + steps + 1  # the profiled steps continue the sequence
+    chained: dict[str, object] = {}
+    if async_decode:  # the same number of steps again, chained (the first two gaps: warm-up of the chain)
+        gaps = chained_tpot(model, attn, batch, tokens[0], next_pos, steps + 1)
+        next_pos += steps + 1
+        chained = {"tpot_async_ms": 1000 * statistics.median(gaps[2:]), "tpot_async_all_ms": [1000 * g for g in gaps]}
     if profile is not None:  # where the host time of a step goes (Python functions, cumulative)
         import cProfile
         import io
@@ -302,13 +335,14 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
     del attn
     gc.collect()  # its slabs back to torch's pinned cache before the next store allocates (no 2 x 72 GiB)
     return {"tpot_ms": 1000 * statistics.median(times[2:]), "tpot_all_ms": [1000 * t for t in times],
-            "fill_s": fill_s, "kv_host_bytes": host, "kv_device_bytes": gpu, **stats,
+            "fill_s": fill_s, "kv_host_bytes": host, "kv_device_bytes": gpu, **stats, **chained,
             "kv_read_fraction": stats.get("kv_read_fraction", 1.0)}
 
 
 def summary_lines(rows: list[dict]) -> list[str]:
     out = []
     by = {(r["mode"], r["context"], r["batch"]): r["tpot_ms"] for r in rows}
+    chained = {(r["mode"], r["context"], r["batch"]): r["tpot_async_ms"] for r in rows if "tpot_async_ms" in r}
     for (mode, ctx, batch), ms in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
         if not mode.startswith("fluxion"):
             continue
@@ -316,6 +350,11 @@ def summary_lines(rows: list[dict]) -> list[str]:
         for other in ("fixed", "full-host", "gpu-sparse", "full-gpu"):
             if (other, ctx, batch) in by:
                 parts.append(f"{by[(other, ctx, batch)] / ms:5.2f}x vs {other}")
+        if (mode, ctx, batch) in chained:  # --async-decode: each mode's chained TPOT against fixed's chained one
+            a = chained[(mode, ctx, batch)]
+            parts.append(f"async decode {a:.2f} ms"
+                         + (f" ({chained[('fixed', ctx, batch)] / a:.2f}x vs fixed async)"
+                            if ("fixed", ctx, batch) in chained else ""))
         if batch == 1 and ctx in PEER_KV_GPU_MS:
             parts.append(f"{ms / PEER_KV_GPU_MS[ctx]:5.2f}x llama.cpp KV-on-GPU time ({PEER_KV_GPU_MS[ctx]} ms)")
             parts.append(f"{PEER_KV_HOST_MS[ctx] / ms:5.1f}x faster than llama.cpp KV-in-host ({PEER_KV_HOST_MS[ctx]} ms)")
@@ -377,6 +416,10 @@ def main() -> None:
     ap.add_argument("--profile", default=None, help="append a cProfile of 3 extra steps per case to this file")
     ap.add_argument("--kernel-profile", default=None,
                     help="append a torch.profiler table of 3 extra steps per case (host ops, device busy time)")
+    ap.add_argument("--async-decode", action="store_true",
+                    help="per case, also the TPOT of --steps decode steps chained as the engine's async decode "
+                         "runs greedy requests (tpot_async_ms: each step queued before the previous step's tokens "
+                         "are read; the main TPOT waits for every step)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     start = time.perf_counter()
@@ -447,7 +490,7 @@ def main() -> None:
                 # positions below it; beyond, every step would run eagerly), so fill a little less
                 filled = min(context, cfg.context_length - args.steps - 8)
                 r = measure(model, mode, filled, batch, args.steps, plan, Path(args.profile) if args.profile else None,
-                            Path(args.kernel_profile) if args.kernel_profile else None)
+                            Path(args.kernel_profile) if args.kernel_profile else None, args.async_decode)
                 rows.append({"mode": mode, "context": context, "batch": batch, "filled_tokens": filled,
                              "cuda_graphs": model.graphs is not None, **r})
                 print(f"{mode:<19}{'y' if model.graphs is not None else '-':>2}{context:>7}{batch:>3}{r['tpot_ms']:>9.2f}{r['kv_read_fraction']:>8.3f}"
@@ -455,7 +498,8 @@ def main() -> None:
                       f"{r.get('gpu_compute_ms', 0):>7.2f}{r.get('cpu_topk_ms', 0):>6.1f}{r.get('cpu_attn_ms', 0):>7.1f}"
                       f"{r.get('gather_ms', 0):>7.1f}{r.get('pcie_mb', 0):>8.1f}{100 * r.get('gpu_byte_fraction', 0):>5.0f}"
                       f"{'y' if r.get('zero_copy') else '-':>3}{r.get('pcie_read_gbs', 0):>7.1f}"
-                      f"   (fill {r['fill_s']:.1f}s)", flush=True)
+                      f"   (fill {r['fill_s']:.1f}s)"
+                      + (f"  async {r['tpot_async_ms']:.2f} ms" if "tpot_async_ms" in r else ""), flush=True)
                 out.write_text(json.dumps({"model": name, "weights": weights, "note": note, "machine": machine,
                                            "commit": commit, "command": "python " + " ".join(sys.argv),
                                            "mode_names": "reuse",  # fluxion-gpu has the reuse cache (tpot_plot.py)

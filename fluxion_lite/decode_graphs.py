@@ -152,11 +152,18 @@ class _GraphSet:
         self.logits = self.model.logits(self.x, None)
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, chunks: list[SeqChunk],
-            attn: AttentionBackend) -> torch.Tensor:
-        host = torch.stack((tokens.to(torch.long), positions.to(torch.long)))  # [2, B]
-        if host.device.type == "cpu" and self.inputs.is_cuda:
-            host = host.pin_memory()  # a fresh pinned buffer per step: the async copy never races a later write
-        self.inputs.copy_(host, non_blocking=True)
+            attn: AttentionBackend, defer_sync: bool = False) -> torch.Tensor:
+        if tokens.device == self.inputs.device:  # the previous step's choice, still on the device (async decode)
+            self.inputs[0].copy_(tokens)
+            host = positions.to(torch.long)
+            if host.device.type == "cpu" and self.inputs.is_cuda:
+                host = host.pin_memory()
+            self.inputs[1].copy_(host, non_blocking=True)
+        else:
+            host = torch.stack((tokens.to(torch.long), positions.to(torch.long)))  # [2, B]
+            if host.device.type == "cpu" and self.inputs.is_cuda:
+                host = host.pin_memory()  # a fresh pinned buffer per step: the async copy never races a later write
+            self.inputs.copy_(host, non_blocking=True)
         if self.hooks is not None:
             self.hooks.begin(chunks)
         if not self.graphs:
@@ -165,7 +172,8 @@ class _GraphSet:
             for g in self.graphs:  # one graph (segments one by one where nothing is captured)
                 g.replay()
             self.hooks.after_replay()  # type: ignore[union-attr]
-            self.hooks.end()  # type: ignore[union-attr]
+            # defer_sync: end() waits for the previous step instead of this one (DeviceGraphedDecode.end)
+            self.hooks.end(defer_sync=defer_sync)  # type: ignore[call-arg, union-attr]
             return self.logits.clone()
         self.graphs[0].replay()
         for i in range(self.model.cfg.n_layers):
@@ -201,13 +209,22 @@ class DecodeGraphs:
         for key in [k for k, gs in self.sets.items() if gs.hooks is not None]:
             del self.sets[key]
 
+    def _drop(self, key: Hashable) -> None:
+        """Forget a graph set; after a deferred step (defer_sync) one of its graphs may still be running."""
+        if self.pool is not None:
+            torch.cuda.current_stream().synchronize()
+        del self.sets[key]
+
     def handles(self, chunks: list[SeqChunk]) -> bool:
         """A pure decode batch (every row's logits wanted) of a size worth graphing."""
         return (0 < len(chunks) <= MAX_GRAPH_BATCH and all(c.length == 1 for c in chunks)
                 and max(c.start for c in chunks) < self.model.cfg.context_length)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, chunks: list[SeqChunk],
-                attn: AttentionBackend) -> torch.Tensor:
+                attn: AttentionBackend, defer_sync: bool = False) -> torch.Tensor:
+        """Logits [B, V] of one decode token per chunk. tokens may be on the device (an earlier step's choice);
+        defer_sync: return before this step's device work is done where the hooks allow it (a whole-step graph
+        with no host work inside), so that the caller can launch the next step first (Engine's async decode)."""
         rope = self.model.rope
         rope.ensure(self.model.cfg.context_length)  # once: every position of the model's context is in the table
         if rope.table.data_ptr() != self.table_ptr:  # graphs read the table by address: recapture if it moved
@@ -219,16 +236,16 @@ class DecodeGraphs:
         if hooks is not None:  # one backend's graphs at a time: an old backend's sets would pin its buffers
             owner = hooks.owner_id()
             for stale in [k for k, gs in self.sets.items() if gs.hooks is not None and gs.hooks.owner_id() != owner]:
-                del self.sets[stale]
+                self._drop(stale)
         graph_set = self.sets.get(key)
         t0 = None
         if graph_set is None:
             if len(self.sets) >= MAX_GRAPH_SETS:
-                self.sets.popitem(last=False)
+                self._drop(next(iter(self.sets)))
             t0 = time.perf_counter()
             graph_set = self.sets[key] = _GraphSet(self.model, b, self.pool, hooks)
         self.sets.move_to_end(key)
-        logits = graph_set.run(tokens, positions, chunks, attn)  # a new set captures first (warm-up, capture)
+        logits = graph_set.run(tokens, positions, chunks, attn, defer_sync)  # a new set captures first (warm-up, capture)
         if t0 is not None:
             self.captures += 1
             self.capture_s += time.perf_counter() - t0

@@ -122,7 +122,9 @@ class DeviceGraphedDecode:
         # step's K/V and plans the likely next step (the same rows, one token on) while the device runs; the host
         # store then lags the device by one more token, which top-k never reads (the newest tokens are in the window).
         self.overlap = os.environ.get("FLUXION_STEP_OVERLAP", "1") != "0"
-        self._queued: tuple[DeviceStep, int] | None = None  # (step structure, row set) appended at the next end()
+        # (step structure, row set, the step's end event on CUDA) appended at the next end()
+        self._queued: tuple[DeviceStep, int, torch.cuda.Event | None] | None = None
+        self._last_end = 0.0  # perf_counter at the last deferred end() (0: the last end() synchronised)
         # the next step as end() planned it: ((DecodeStep key, DeviceStep serial), its inputs), its host pages reserved
         self._ahead: tuple[tuple[object, int], StepInputs] | None = None
         self.planned_ahead = 0  # steps that found their plan made by the previous end()
@@ -307,8 +309,12 @@ class DeviceGraphedDecode:
         """The queued step's K/V into the host store (SparseAttention._flush calls it before anything reads the
         store: a free, an eager step, an import)."""
         if self._queued is not None:
-            ds, buf = self._queued
+            ds, buf, done = self._queued
             self._queued = None
+            if done is not None:
+                done.synchronize()  # its D2H into ds.kv_host[buf] has landed
+                if self._reuse_now is not None:  # and its reuse hits' snapshot: a deferred step's are counted here
+                    self._count_pcie(-self._reuse_now.take_hits())
             for layer, appender in enumerate(ds.appenders[buf]):
                 appender.run(self.a.store.view(layer))
 
@@ -337,26 +343,41 @@ class DeviceGraphedDecode:
             self._count_pcie(self.pool.blocks_copied - copied)
             ds.pin_index_key = self.pool.index(ds.pin_slot, st.slots, ds.pin_index_key)
 
-    def end(self) -> None:
+    def end(self, defer_sync: bool = False) -> None:
+        """After the step's replay and D2H were queued. defer_sync (CUDA, with overlap): wait for the previous step
+        instead of this one, so the caller can queue the next step (its input token chosen on the device) before
+        this one finishes; the host then trails the device by a step (Engine's async decode, bench/tpot.py
+        --async-decode). The previous step's reuse hits are counted then; flush_appends waits for its own step."""
         a, ds = self.a, self.ds
         assert ds is not None
         if not self.whole_step:  # per-layer graphs: after_replay() was not called
             self.after_replay()
+        cuda = a.device.type == "cuda"
+        deferred = defer_sync and cuda and self.overlap
+        done = None
+        if cuda:  # this step's end on the device (its logits, its D2H of the new K/V and of the reuse hits)
+            if self._reuse_now is not None:  # the hit counter as it stands after this step, read once it is done
+                self._reuse_now.snapshot_hits()
+            done = torch.cuda.Event()
+            done.record(torch.cuda.current_stream(a.device))
         if self.overlap:  # host work while the device runs the step (see __init__)
-            self.flush_appends()  # the previous step's K/V: its D2H finished before that step's end
+            self.flush_appends()  # the previous step's K/V (waits for that step: deferred, it may still run)
             self._plan_next()
-        if a.device.type == "cuda":
-            torch.cuda.current_stream(a.device).synchronize()  # the step's end (the logits are read next)
+        if cuda and not deferred:
+            done.synchronize()  # type: ignore[union-attr]  # the step's end (the logits are read next)
         if self._reuse_now is not None:  # blocks read from the reuse cache did not cross PCIe
-            self._count_pcie(-self._reuse_now.take_hits())
-        self._queued = (ds, ds.buf)
+            self._count_pcie(-self._reuse_now.take_hits())  # up to the last step that is done
+        self._queued = (ds, ds.buf, done)
         ds.buf ^= 1  # the next step's D2H goes to the other rows
         if not self.overlap:
             self.flush_appends()
         for c in self.chunks:
             a._len[c.seq_id] = c.start + c.length
         a._st.steps += 1
-        step = time.perf_counter() - self._t0
+        now = time.perf_counter()
+        # deferred: the time since the previous end, the step's share of a run of steps (its own span ends later)
+        step = now - (self._last_end if deferred and self._last_end > 0 else self._t0)
+        self._last_end = now if deferred else 0.0
         a._st.step_s += step
         a._st.gpu_compute_s += step  # nothing inside the step waits for the host
 

@@ -24,6 +24,7 @@ from .config import ModelConfig
 from .errors import CapacityError, RequestError
 from .gguf_loader import load_gguf
 from .model import Transformer
+from .async_decode import InFlight, chainable, queue_choice, starts_chain
 from .sampling import SamplingParams, sample_token
 from .sparse_attention import SparseAttention
 from .request_plan import load_planner
@@ -137,6 +138,11 @@ class Engine:
         self._slots = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.step_counters = StepCounters()
+        # Async decode (async_decode.py): on CUDA a pure decode batch of greedy requests chains its steps on the
+        # device, the host reading each step's tokens while the next one runs. FLUXION_ASYNC_DECODE=0: off; on
+        # the CPU it is off by default (nothing to overlap; tests turn it on to check the bookkeeping).
+        self.async_decode = os.environ.get("FLUXION_ASYNC_DECODE", "1" if self.device.type == "cuda" else "0") != "0"
+        self._inflight: InFlight | None = None
 
     def _make_backend(self, mode: str, plan: SparsePlan | None = None) -> AttentionBackend:
         attn = make_attention(mode, self.config, self.dtype, self.device, max_seqs=self.max_batch + 4,
@@ -156,6 +162,7 @@ class Engine:
             raise RequestError(f"attention={mode!r}: supported modes are {', '.join(ATTENTION_MODES)}")
         if self.running or self.waiting:
             raise RequestError("set_attention: requests are still running")
+        self._sync_inflight(drop=True)
         self._prefix_cache.clear()
         if self.model.graphs is not None:  # captured steps hold the old backend's buffers (its host store too)
             self.model.graphs.release_backends()
@@ -224,6 +231,8 @@ class Engine:
             self.waiting.remove(seq)
         if seq in self.running:
             self.running.remove(seq)
+        if self._inflight is not None and seq in self._inflight.seqs:  # its row is in a step still on the device
+            self._sync_inflight(drop=not any(s in self.running for s in self._inflight.seqs))
         if seq.slot >= 0:
             self.attn.free(seq.slot)  # an aborted request's KV is not worth keeping: free it at once
             seq.slot = -1
@@ -294,6 +303,10 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
+        if self._inflight is not None:
+            if chainable(self._inflight, self.running, self.waiting, self.max_batch, self.context_length):
+                return outputs + self._decode_async(self._inflight.seqs)
+            outputs += self._land(self._sync_inflight(drop=True))
         self._admit()
         chunks: list[SeqChunk] = []
         tokens: list[int] = []
@@ -315,6 +328,8 @@ class Engine:
                 sampled.append(seq)
         if not chunks:
             return outputs
+        if self.async_decode and starts_chain(sampled, chunks):
+            return outputs + self._decode_async(sampled)
         positions = torch.cat([torch.arange(c.start, c.start + c.length) for c in chunks])
         self.step_counters.start()
         logits = self.model.forward(
@@ -325,15 +340,59 @@ class Engine:
         for seq in self.running:
             seq.num_cached += by_slot.get(seq.slot, 0)
         for row, seq in enumerate(sampled):
-            outputs.append(self._advance(seq, logits[row]))
+            token = sample_token(logits[row].clone(), seq.params, seq.all_ids, seq.output_ids, seq.rng)
+            outputs.append(self._advance(seq, token))
         for seq in [s for s in sampled if s.finish_reason is not None]:
             self._retire(seq)
         return outputs
 
-    def _advance(self, seq: Sequence, logits: torch.Tensor) -> RequestOutput:
-        """Sample the next token of `seq`, update its text, and decide whether it is finished."""
+    # ---- async decode (async_decode.py) ----------------------------------------------------------------------------
+    def _decode_async(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Queue a decode step for `seqs` whose input tokens are the in-flight step's choices (else their last
+        ids), then read the in-flight step's tokens while it runs on the device."""
+        prev = self._inflight
+        tokens = prev.tokens if prev is not None else torch.tensor([s.all_ids[s.num_cached] for s in seqs])
+        chunks = [SeqChunk(s.slot, s.num_cached, 1) for s in seqs]
+        self.step_counters.start()
+        logits = self.model.forward(tokens, torch.tensor([c.start for c in chunks]), chunks, self.attn,
+                                    defer_sync=True)  # [B, V] on the device, the step possibly still running
+        for seq in seqs:
+            seq.num_cached += 1
+        self._inflight = queue_choice(seqs, logits)
+        if prev is None:
+            return []  # the first step of a chain: its tokens are read by the next step() (or a drain)
+        outputs = self._land(prev)
+        self.step_counters.stop(mixed=False)  # a step's share of the chain: launch to the previous step landed
+        return outputs
+
+    def _sync_inflight(self, drop: bool) -> InFlight | None:
+        """Wait for the in-flight step; drop: forget it (the caller lands it or it has no live row)."""
+        inflight = self._inflight
+        if inflight is not None:
+            inflight.wait()
+            if drop:
+                self._inflight = None
+        return inflight
+
+    def _land(self, inflight: InFlight | None) -> list[RequestOutput]:
+        """The tokens of a queued step for its rows that are still running; finished ones are retired, after the
+        step queued behind it (which still reads their KV) is done."""
+        if inflight is None:
+            return []
+        outputs = []
+        for seq, token in zip(inflight.seqs, inflight.read()):
+            if seq.finish_reason is None and seq in self.running:
+                outputs.append(self._advance(seq, token))
+        finished = [s for s in inflight.seqs if s.finish_reason is not None and s in self.running]
+        if finished:
+            self._sync_inflight(drop=not any(s.finish_reason is None for s in self.running))
+            for seq in finished:
+                self._retire(seq)
+        return outputs
+
+    def _advance(self, seq: Sequence, token: int) -> RequestOutput:
+        """Append the sampled token to `seq`, update its text, and decide whether it is finished."""
         p = seq.params
-        token = sample_token(logits.clone(), p, seq.all_ids, seq.output_ids, seq.rng)
         seq.output_ids.append(token)
         seq.all_ids.append(token)
         reason: str | None = None

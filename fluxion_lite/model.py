@@ -294,13 +294,16 @@ class Transformer:
         chunks: list[SeqChunk],
         attn: AttentionBackend,
         logit_rows: torch.Tensor | None = None,
+        defer_sync: bool = False,
     ) -> torch.Tensor:
-        """tokens, positions: [T] packed over `chunks` (positions inside each chunk's [start, start + length)).
-        Returns logits [R, V] (fp32) for the rows in logit_rows (default: the last token of every chunk)."""
+        """tokens, positions: [T] packed over `chunks` (positions inside each chunk's [start, start + length));
+        tokens may be on the device. Returns logits [R, V] (fp32) for the rows in logit_rows (default: the last
+        token of every chunk). defer_sync: the step may still run on the device when this returns (graphed decode
+        steps of a backend that allows it: DecodeGraphs.forward); otherwise ignored."""
         n_tok = tokens.shape[0]
         rows = self._rows(logit_rows, chunks, n_tok)
         if rows is None and self.graphs is not None and self.graphs.handles(chunks):
-            return self.graphs.forward(tokens, positions, chunks, attn)
+            return self.graphs.forward(tokens, positions, chunks, attn, defer_sync)
         tokens, positions, rows = self._inputs(tokens, positions, rows)
         # The table size comes from the chunks (host ints), never from reading positions back from the device.
         self.rope.ensure(max(c.start + c.length for c in chunks))

@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from collections import deque
 
 import torch
 
@@ -73,6 +74,8 @@ class DeviceReuseCache:
         self.enabled = True
         self.rows_key: tuple[object, ...] = ()
         self.hits_read = 0  # hits already counted by take_hits()
+        # snapshot_hits' copies of the counter (host tensor, its event on CUDA), oldest first
+        self._snapshots: deque[tuple[torch.Tensor, torch.cuda.Event | None]] = deque()
         # "held", "cursor", "scratch", "entry", "hit", "hits", and per layer ("owner", l), ("kv", l): see _layout
         self._tensors: dict[object, torch.Tensor] = {}
 
@@ -102,6 +105,7 @@ class DeviceReuseCache:
         self.serial += 1
         self.rows_key = ()
         self.hits_read = 0
+        self._snapshots.clear()  # totals of the old counter (a step's hits go uncounted)
         return True
 
     def _layout(self, shape: tuple[int, int, tuple[int, ...]]
@@ -152,11 +156,33 @@ class DeviceReuseCache:
     def kv(self, layer: int) -> torch.Tensor:
         return self._tensors[("kv", layer)]
 
+    def snapshot_hits(self) -> None:
+        """Queue a copy of the hit counter as the queued steps leave it (CUDA: into pinned memory, with an event), so
+        take_hits reads it without waiting for the device."""
+        if not self._tensors:
+            return
+        hits = self._tensors["hits"]
+        if self.device.type != "cuda":
+            self._snapshots.append((hits.clone(), None))
+            return
+        host = torch.empty(1, dtype=torch.int64, pin_memory=True)
+        host.copy_(hits, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        self._snapshots.append((host, done))
+
     def take_hits(self) -> int:
-        """Blocks read from the cache since the last call (reads the device counter: call after a synchronise)."""
+        """Blocks read from the cache since the last call, as of the newest snapshot whose copy has landed (never
+        waits); without snapshots, the device counter itself (which waits for the queued steps)."""
         if not self._tensors:
             return 0
-        total = int(self._tensors["hits"].item())
+        total = -1
+        if not self._snapshots:
+            total = int(self._tensors["hits"].item())
+        while self._snapshots and (self._snapshots[0][1] is None or self._snapshots[0][1].query()):
+            total = int(self._snapshots.popleft()[0].item())
+        if total < 0:
+            return 0
         new, self.hits_read = total - self.hits_read, total
         return new
 

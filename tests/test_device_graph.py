@@ -484,3 +484,59 @@ def test_released_graph_sets_let_a_retired_backend_go(monkeypatch: pytest.Monkey
     runner.graphs.release_backends()
     gc.collect()
     assert slabs() is None and not any(gs.hooks is not None for gs in runner.graphs.sets.values())
+
+
+def test_deferred_steps_match_synchronised_ones(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Engine-style chained decode (async_decode.py): each step's input tokens are the previous step's argmax, still
+    on the device, and the step returns before it is done (defer_sync). Same logits as waiting for every step, the
+    host store complete after a flush, and the reuse hits (read from snapshots a step late) all counted. On CUDA
+    with the compiled kernels in real graphs; without CUDA the host path of the same calls."""
+    device = CPU
+    fused = torch.cuda.is_available()
+    if fused:
+        pytest.importorskip("triton")
+        device = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setenv("FLUXION_TRITON", "1" if fused else "0")
+    monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)
+    for name, value in (("FLUXION_DEVICE_GRAPHS", "step"), ("FLUXION_PIN_CACHE", "1"), ("FLUXION_REUSE_CACHE", "1"),
+                        ("FLUXION_STEP_OVERLAP", "1"), ("FLUXION_EARLY_SELECT", "0")):
+        monkeypatch.setenv(name, value)
+    eager, runner = _models(seed=11, device=device)
+    cfg = eager.cfg
+    groups = [[GroupPlan(False, 16, 0.1), GroupPlan(False, 16, 0.3), GroupPlan(True)],
+              [GroupPlan(False, 16, 0.05), GroupPlan(False, 16, 0.2), GroupPlan(False, 16, 0.5)]]
+    plan = SparsePlan(sink=20, window=33, groups=groups, source="test", pin_fraction=0.5, obs_window=8, pin_span=2)
+    eager.graphs = DecodeGraphs(eager, capture=device.type == "cuda")  # both hooked: one waits, one defers
+    backends = _backends(plan, cfg, device)
+    g = torch.Generator().manual_seed(5)
+    lengths = [300, 520]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    prefill((eager, runner), backends, prompts)
+    def chunks_at(step: int) -> list[SeqChunk]:
+        return [SeqChunk(s, lengths[s] + step, 1) for s in range(2)]
+
+    toks = torch.randint(0, cfg.vocab_size, (2,), generator=g).to(device)
+    inputs, outs = [], []
+    for step in range(10):  # the chain first, nothing read back on the way (the other runner would wait for it)
+        inputs.append(toks)
+        outs.append(runner.forward(toks, torch.tensor([c.start for c in chunks_at(step)]), chunks_at(step),
+                                   backends[1], defer_sync=True))
+        toks = outs[-1].argmax(-1)  # stays on the device
+    for step in range(10):
+        want = eager.forward(inputs[step].cpu(), torch.tensor([c.start for c in chunks_at(step)]), chunks_at(step),
+                             backends[0])
+        torch.testing.assert_close(outs[step], want, rtol=2e-4, atol=2e-4)
+    hooked = [a._device_graphed for a in backends]
+    assert all(isinstance(h, DeviceGraphedDecode) for h in hooked)
+    for a in backends:
+        a.flush()  # the last step's K/V (flush_appends waits for its step)
+    for layer in range(cfg.n_layers):
+        for slot in range(2):
+            assert backends[1].store.n_tokens(layer, slot) == lengths[slot] + 10
+            torch.testing.assert_close(backends[1].store.read(layer, slot)[0], backends[0].store.read(layer, slot)[0])
+    if fused:  # the deferred steps' hits are counted from snapshots (the last by the flush): as many as waiting
+        assert hooked[1].reuse is not None and hooked[0].reuse is not None
+        assert hooked[1].reuse.hits_read == hooked[0].reuse.hits_read > 0
+        assert backends[1].stats()["pcie_mb"] == pytest.approx(backends[0].stats()["pcie_mb"])
+    for a in backends:
+        a.executor.close()
