@@ -2,8 +2,9 @@
 
 bench/tpot.py times model steps on synthetic context; this loads a real GGUF into the Engine, prefills real
 prompts (random token ids: speed does not depend on the text) and decodes greedily with EOS ignored, timing the gap
-between successive tokens of each request as a caller of Engine.step sees it (prefill excluded, the first two
-gaps of each request dropped). Each case runs with FLUXION_ASYNC_DECODE's switch (Engine.async_decode) off and on,
+between successive tokens of each request as a caller of Engine.step sees it (only once every request of the case
+has its first token, so no prompt chunk shares the steps; the first two gaps of each request dropped). After an
+untimed warm-up run, each case runs with FLUXION_ASYNC_DECODE's switch (Engine.async_decode) off and on,
 alternated, `--repeats` times; the tokens of both must be the same (greedy). Attention modes are switched on one
 loaded model (Engine.set_attention).
 
@@ -46,7 +47,10 @@ def run_case(engine: Engine, prompts: list[list[int]], decode: int, async_on: bo
                 stamps[out.request_id].append(now)
         if first is None and all(stamps[i] for i in ids):
             first = now
-    gaps = [b - a for i in ids for a, b in zip(stamps[i][2:], stamps[i][3:])]
+    # pure decode only: gaps after every request has its first token (until then, other rows' prompt chunks
+    # share the steps), the first two of each request dropped
+    gaps = [b - a for i in ids for k, (a, b) in enumerate(zip(stamps[i], stamps[i][1:]))
+            if k >= 2 and first is not None and a >= first]
     return gaps, [tokens[i] for i in ids], (first or t0) - t0
 
 
@@ -81,12 +85,17 @@ def main() -> None:
                 n = context - args.decode - 8
                 prompts = [torch.randint(100, engine.config.vocab_size - 100, (n,), generator=gen).tolist()
                            for _ in range(batch)]
+                run_case(engine, prompts, 8, True)  # warm-up: captures, kernel builds, caches (not timed)
+                first_tokens = None
                 for rep in range(args.repeats):
                     res = {on: run_case(engine, prompts, args.decode, on) for on in (False, True)}
                     sync_ms, async_ms = (1000 * statistics.median(res[on][0]) for on in (False, True))
                     same = res[False][1] == res[True][1]
+                    first_tokens = first_tokens or res[False][1]
                     rows.append({"mode": mode, "context": context, "batch": batch, "repeat": rep,
                                  "tpot_sync_ms": sync_ms, "tpot_async_ms": async_ms, "same_tokens": same,
+                                 "same_as_first_sync": [res[on][1] == first_tokens for on in (False, True)],
+                                 "tokens": [res[False][1], res[True][1]],
                                  "prefill_s": [res[False][2], res[True][2]],
                                  "gaps_sync_ms": [1000 * g for g in res[False][0]],
                                  "gaps_async_ms": [1000 * g for g in res[True][0]]})
