@@ -1,11 +1,12 @@
 """TPOT through the engine itself (Engine.step, what the server and the library drive), async decode off vs on.
 
 bench/tpot.py times model steps on synthetic context; this loads a real GGUF into the Engine, prefills real
-prompts (random token ids: speed does not depend on the text) and decodes greedily with EOS ignored, timing the gap
+prompts (random token ids: speed does not depend on the text) and decodes greedily (or with seeded sampling,
+--temperature) with EOS ignored, timing the gap
 between successive tokens of each request as a caller of Engine.step sees it (only once every request of the case
 has its first token, so no prompt chunk shares the steps; the first two gaps of each request dropped). After an
 untimed warm-up run, each case runs with FLUXION_ASYNC_DECODE's switch (Engine.async_decode) off and on,
-alternated, `--repeats` times; the tokens of both must be the same (greedy). Attention modes are switched on one
+alternated, `--repeats` times; the tokens of both must be the same. Attention modes are switched on one
 loaded model (Engine.set_attention).
 
     python bench/engine_tpot.py --gguf qwen2.5-coder-0.5b --contexts 32768 --batches 1 4 --modes fluxion fixed \
@@ -29,11 +30,13 @@ from fluxion_lite.engine import Engine  # noqa: E402
 from fluxion_lite.sampling import SamplingParams  # noqa: E402
 
 
-def run_case(engine: Engine, prompts: list[list[int]], decode: int, async_on: bool) -> tuple[list[float], list[list[int]], float]:
-    """-> (inter-token gaps in seconds over all requests, each request's tokens, prefill seconds)."""
+def run_case(engine: Engine, prompts: list[list[int]], decode: int, async_on: bool, temperature: float = 0.0,
+             top_p: float = 1.0) -> tuple[list[float], list[list[int]], float]:
+    """-> (inter-token gaps in seconds over all requests, each request's tokens, prefill seconds). A temperature
+    above 0 samples, each request with its own seed (the same in every run, so runs must draw the same tokens)."""
     engine.async_decode = async_on
-    params = SamplingParams(temperature=0.0, max_tokens=decode, ignore_eos=True)
-    ids = [engine.add_request(p, params) for p in prompts]
+    ids = [engine.add_request(p, SamplingParams(temperature=temperature, top_p=top_p, seed=1000 + r, max_tokens=decode,
+                                                ignore_eos=True)) for r, p in enumerate(prompts)]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     stamps: dict[str, list[float]] = {i: [] for i in ids}
     t0 = time.perf_counter()
@@ -64,6 +67,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2, help="off/on pairs per case")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded sampling on the device")
+    ap.add_argument("--top-p", type=float, default=1.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
@@ -85,10 +90,11 @@ def main() -> None:
                 n = context - args.decode - 8
                 prompts = [torch.randint(100, engine.config.vocab_size - 100, (n,), generator=gen).tolist()
                            for _ in range(batch)]
-                run_case(engine, prompts, 8, True)  # warm-up: captures, kernel builds, caches (not timed)
+                run_case(engine, prompts, 8, True, args.temperature, args.top_p)  # warm-up: captures, kernel builds, caches (not timed)
                 first_tokens = None
                 for rep in range(args.repeats):
-                    res = {on: run_case(engine, prompts, args.decode, on) for on in (False, True)}
+                    res = {on: run_case(engine, prompts, args.decode, on, args.temperature, args.top_p)
+                           for on in (False, True)}
                     sync_ms, async_ms = (1000 * statistics.median(res[on][0]) for on in (False, True))
                     same = res[False][1] == res[True][1]
                     first_tokens = first_tokens or res[False][1]

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from fluxion_lite import native, zero_copy
-from fluxion_lite.async_decode import queue_choice
+from fluxion_lite.async_decode import queue_tokens
 from fluxion_lite.attention import DenseAttention, SeqChunk
 from fluxion_lite.config import ModelConfig
 from fluxion_lite.decode_graphs import DecodeGraphs
@@ -251,7 +251,7 @@ def chained_tpot(model: Transformer, attn: object, batch: int, token: int, pos: 
             chunks[b] = SeqChunk(b, pos + i, 1)
         logits = model.forward(tokens if inflight is None else inflight.tokens, torch.full((batch,), pos + i),
                                chunks, attn, defer_sync=True)  # type: ignore[arg-type]
-        nxt = queue_choice([], logits)
+        nxt = queue_tokens([], logits.argmax(-1))  # greedy: the engine's sample_rows for such rows
         if inflight is not None:
             inflight.read()  # the previous step's tokens on the host, as the engine reads them
         inflight = nxt

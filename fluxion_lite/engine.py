@@ -24,8 +24,8 @@ from .config import ModelConfig
 from .errors import CapacityError, RequestError
 from .gguf_loader import load_gguf
 from .model import Transformer
-from .async_decode import InFlight, chainable, queue_choice, starts_chain
-from .sampling import SamplingParams, sample_token
+from .async_decode import InFlight, chainable, queue_tokens, starts_chain
+from .sampling import SamplingParams, sample_rows
 from .sparse_attention import SparseAttention
 from .request_plan import load_planner
 from .sparse_plan import SparsePlan
@@ -208,8 +208,8 @@ class Engine:
         if rid in self._by_id:
             raise RequestError(f"request id {rid!r} is already in use")
         rng = None
-        if not params.greedy:
-            rng = torch.Generator()
+        if not params.greedy:  # on the model's device, where sampling runs (sampling.sample_rows)
+            rng = torch.Generator(device=self.device)
             rng.manual_seed(params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1)
         seq = Sequence(
             request_id=rid,
@@ -310,7 +310,7 @@ class Engine:
         self._admit()
         chunks: list[SeqChunk] = []
         tokens: list[int] = []
-        sample_rows: list[int] = []
+        logit_rows: list[int] = []
         sampled: list[Sequence] = []
         budget = self.prefill_chunk
         for seq in self.running:
@@ -324,7 +324,7 @@ class Engine:
             chunks.append(SeqChunk(seq.slot, seq.num_cached, n))
             tokens.extend(ids[seq.num_cached : seq.num_cached + n])
             if seq.num_cached + n == len(ids):
-                sample_rows.append(len(tokens) - 1)
+                logit_rows.append(len(tokens) - 1)
                 sampled.append(seq)
         if not chunks:
             return outputs
@@ -333,14 +333,16 @@ class Engine:
         positions = torch.cat([torch.arange(c.start, c.start + c.length) for c in chunks])
         self.step_counters.start()
         logits = self.model.forward(
-            torch.tensor(tokens), positions, chunks, self.attn, logit_rows=torch.tensor(sample_rows, dtype=torch.long)
-        ).cpu()  # [R, V]
-        self.step_counters.stop(mixed=len(tokens) != len(chunks) or len(sample_rows) != len(chunks))
+            torch.tensor(tokens), positions, chunks, self.attn, logit_rows=torch.tensor(logit_rows, dtype=torch.long)
+        )  # [R, V] on the device: the tokens are chosen there (sampling.sample_rows) and only they are read back
+        chosen = sample_rows(logits, [_row(s) for s in sampled]).tolist() if sampled else []
+        if not sampled and self.device.type == "cuda":  # the step counters time the step's device work too
+            torch.cuda.current_stream(self.device).synchronize()
+        self.step_counters.stop(mixed=len(tokens) != len(chunks) or len(logit_rows) != len(chunks))
         by_slot = {c.seq_id: c.length for c in chunks}
         for seq in self.running:
             seq.num_cached += by_slot.get(seq.slot, 0)
-        for row, seq in enumerate(sampled):
-            token = sample_token(logits[row].clone(), seq.params, seq.all_ids, seq.output_ids, seq.rng)
+        for seq, token in zip(sampled, chosen):
             outputs.append(self._advance(seq, token))
         for seq in [s for s in sampled if s.finish_reason is not None]:
             self._retire(seq)
@@ -358,7 +360,7 @@ class Engine:
                                     defer_sync=True)  # [B, V] on the device, the step possibly still running
         for seq in seqs:
             seq.num_cached += 1
-        self._inflight = queue_choice(seqs, logits)
+        self._inflight = queue_tokens(seqs, sample_rows(logits, [_row(s) for s in seqs]))
         if prev is None:
             return []  # the first step of a chain: its tokens are read by the next step() (or a drain)
         outputs = self._land(prev)
@@ -426,6 +428,11 @@ class Engine:
             completion_tokens=len(seq.output_ids),
             cached_tokens=seq.cached_tokens,
         )
+
+
+def _row(seq: Sequence) -> tuple[SamplingParams, list[int], list[int], torch.Generator | None]:
+    """What sampling.sample_rows needs of a sequence."""
+    return seq.params, seq.all_ids, seq.output_ids, seq.rng
 
 
 def make_attention(

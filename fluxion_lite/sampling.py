@@ -59,37 +59,63 @@ class SamplingParams:
 
 
 def apply_penalties(logits: torch.Tensor, params: SamplingParams, context: list[int], generated: list[int]) -> None:
-    """In place on logits: [V]."""
+    """In place on logits: [V] (on any device)."""
+    dev = logits.device
     if params.repetition_penalty != 1.0 and context:
-        recent = torch.tensor(sorted(set(context[-REPETITION_WINDOW:])), dtype=torch.long)
+        recent = torch.tensor(sorted(set(context[-REPETITION_WINDOW:])), dtype=torch.long, device=dev)
         vals = logits[recent]
         logits[recent] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
     if (params.presence_penalty or params.frequency_penalty) and generated:
-        ids, counts = torch.tensor(generated, dtype=torch.long).unique(return_counts=True)
+        ids, counts = torch.tensor(generated, dtype=torch.long, device=dev).unique(return_counts=True)
         logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
 
 
-def sample_token(
+def sample(
     logits: torch.Tensor, params: SamplingParams, context: list[int], generated: list[int], rng: torch.Generator | None
-) -> int:
-    """logits: [V] fp32 (a private copy: modified in place). Returns the chosen token id."""
+) -> torch.Tensor:
+    """logits: [V] fp32 (a private copy: modified in place) -> the chosen token id, a 0-d long tensor on the logits'
+    device (rng on that device too): on CUDA nothing here waits for the device, so a caller may keep the choice
+    there (async_decode.py) or read many rows' choices in one copy."""
     apply_penalties(logits, params, context, generated)
     if params.greedy:
-        return int(torch.argmax(logits))
+        return torch.argmax(logits)
     if params.top_k > 0 and params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
-        logits[logits < kth] = -math.inf
+        logits = torch.where(logits < kth, -math.inf, logits)
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the token that crosses the threshold stays)
         drop_sorted = (sorted_probs.cumsum(0) - sorted_probs) >= params.top_p
-        probs[order[drop_sorted]] = 0.0
+        probs = probs.scatter(0, order, torch.where(drop_sorted, 0.0, sorted_probs))
     if params.min_p > 0.0:
-        probs[probs < params.min_p * probs.max()] = 0.0
+        probs = torch.where(probs < params.min_p * probs.max(), 0.0, probs)
     # temperature after truncation: truncation decided on the model's own distribution (as llama.cpp's default chain)
     if params.temperature != 1.0:
         probs = torch.softmax(torch.log(probs) / params.temperature, dim=-1)
     else:
         probs = probs / probs.sum()
-    return int(torch.multinomial(probs, 1, generator=rng))
+    return torch.multinomial(probs, 1, generator=rng)[0]
+
+
+def sample_token(
+    logits: torch.Tensor, params: SamplingParams, context: list[int], generated: list[int], rng: torch.Generator | None
+) -> int:
+    """sample() read back as an int."""
+    return int(sample(logits, params, context, generated, rng))
+
+
+def sample_rows(logits: torch.Tensor, rows: list[tuple[SamplingParams, list[int], list[int], torch.Generator | None]]
+                ) -> torch.Tensor:
+    """logits [R, V] fp32 (left unchanged), rows[r] = (params, context, generated, rng) -> chosen ids [R] long on the
+    logits' device, computed there: one read of R ints instead of R rows of logits to the host (on CUDA at a
+    152K vocabulary that read and the host's sort took ~2.5 ms of a batch-4 step, bench/results/session25_h200.log)."""
+    if all(p.greedy and not penalised(p) for p, _, _, _ in rows):
+        return torch.argmax(logits, dim=-1)  # one kernel for the common case
+    return torch.stack([sample(logits[r].clone(), *row) for r, row in enumerate(rows)])
+
+
+def penalised(params: SamplingParams) -> bool:
+    """Whether the newest tokens change the next choice (repetition / presence / frequency penalties)."""
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from fluxion_lite.async_decode import chainable, device_choosable
+from fluxion_lite.async_decode import chain_allowed, chainable
 from fluxion_lite.engine import Engine
 from fluxion_lite.sampling import SamplingParams
 
@@ -121,11 +121,25 @@ def test_abort_and_arrival_in_the_middle_of_a_chain(engine: Engine) -> None:
     assert solo[0][2] == "length"
 
 
-def test_sampled_and_penalised_rows_keep_the_synchronous_path(engine: Engine) -> None:
-    assert device_choosable(greedy(4)) and not device_choosable(greedy(4, repetition_penalty=1.1))
-    assert not device_choosable(SamplingParams(temperature=0.8))
+def test_sampled_rows_chain_and_draw_what_the_synchronous_engine_draws(engine: Engine) -> None:
+    """Sampling runs on the model's device with each request's seeded generator, chained or not: the same draws."""
+    requests = [(chat(engine, "Name a fruit."), greedy(14, ignore_eos=True)),
+                (chat(engine, "Name a city."), SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=14,
+                                                               ignore_eos=True)),
+                (chat(engine, "Name a river."), SamplingParams(temperature=1.3, top_k=40, min_p=0.02, seed=9,
+                                                               max_tokens=14, ignore_eos=True))]
+    sync, _ = run(engine, requests, on=False)
+    chained, counted = run(engine, requests, on=True)
+    assert chained == sync and counted.deferred > 8
+
+
+def test_penalised_rows_keep_the_synchronous_path(engine: Engine) -> None:
+    assert chain_allowed(greedy(4)) and chain_allowed(SamplingParams(temperature=0.8))
+    assert not chain_allowed(greedy(4, repetition_penalty=1.1))
+    assert not chain_allowed(SamplingParams(frequency_penalty=0.5))
     requests = [(chat(engine, "Name a fruit."), greedy(10, ignore_eos=True)),
-                (chat(engine, "Name a city."), SamplingParams(temperature=0.9, seed=5, max_tokens=10))]
+                (chat(engine, "Name a city."), SamplingParams(temperature=0.9, seed=5, max_tokens=10,
+                                                               presence_penalty=0.6))]
     sync, _ = run(engine, requests, on=False)
     mixed, counted = run(engine, requests, on=True)
     assert mixed == sync and counted.deferred == 0
