@@ -361,10 +361,8 @@ class Engine:
         for seq in seqs:
             seq.num_cached += 1
         self._inflight = queue_tokens(seqs, sample_rows(logits, [_row(s) for s in seqs]))
-        if prev is None:
-            return []  # the first step of a chain: its tokens are read by the next step() (or a drain)
-        outputs = self._land(prev)
-        self.step_counters.stop(mixed=False)  # a step's share of the chain: launch to the previous step landed
+        outputs = self._land(prev)  # none for the first step of a chain: its tokens are read by the next step()
+        self.step_counters.stop(mixed=False)  # a step's share of the chain: its launch to the previous one landed
         return outputs
 
     def _sync_inflight(self, drop: bool) -> InFlight | None:

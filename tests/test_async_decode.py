@@ -162,3 +162,15 @@ def test_no_chain_past_a_length_limit() -> None:
     inflight.seqs = [near]
     assert not chainable(inflight, [near], [object()], 4, 1024)  # type: ignore[arg-type]  (one waits to start)
     assert chainable(inflight, [near], [object()], 1, 1024)  # type: ignore[arg-type]  (no room for it anyway)
+
+
+def test_chained_steps_are_counted_as_decode_steps(engine: Engine) -> None:
+    """Every queued step is one decode step in the engine's counters (the /metrics step split), chained or not."""
+    counts = []
+    for on in (False, True):
+        engine.step_counters.reset()
+        got, counted = run(engine, [(chat(engine, "Say something."), greedy(12, ignore_eos=True))], on=on)
+        steps = engine.stats().steps
+        counts.append((steps["mixed_steps"] + steps["decode_steps"], steps["decode_steps"]))
+        assert steps["mixed_steps"] + steps["decode_steps"] == counted.calls and got[0][2] == "length"
+    assert counts[0] == counts[1] and counts[0][1] == 11  # 12 tokens: the first from the prompt's last chunk
