@@ -167,10 +167,12 @@ def test_no_chain_past_a_length_limit() -> None:
 def test_chained_steps_are_counted_as_decode_steps(engine: Engine) -> None:
     """Every queued step is one decode step in the engine's counters (the /metrics step split), chained or not."""
     counts = []
+    prompt = chat(engine, "Say something.")
     for on in (False, True):
         engine.step_counters.reset()
-        got, counted = run(engine, [(chat(engine, "Say something."), greedy(12, ignore_eos=True))], on=on)
+        got, counted = run(engine, [(prompt, greedy(12, ignore_eos=True))], on=on)
         steps = engine.stats().steps
-        counts.append((steps["mixed_steps"] + steps["decode_steps"], steps["decode_steps"]))
+        counts.append((steps["mixed_steps"], steps["decode_steps"]))
         assert steps["mixed_steps"] + steps["decode_steps"] == counted.calls and got[0][2] == "length"
-    assert counts[0] == counts[1] and counts[0][1] == 11  # 12 tokens: the first from the prompt's last chunk
+    # 12 tokens: the first from the prompt's last chunk, then 11 decode steps
+    assert counts[0] == counts[1] and sum(counts[0]) == -(-len(prompt) // engine.prefill_chunk) + 11
