@@ -138,8 +138,8 @@ class Engine:
         self._slots = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.step_counters = StepCounters()
-        # Async decode (async_decode.py): on CUDA a pure decode batch of greedy requests chains its steps on the
-        # device, the host reading each step's tokens while the next one runs. FLUXION_ASYNC_DECODE=0: off; on
+        # Async decode (async_decode.py): on CUDA a pure decode batch of requests without penalties chains its steps
+        # on the device, the host reading each step's tokens while the next one runs. FLUXION_ASYNC_DECODE=0: off; on
         # the CPU it is off by default (nothing to overlap; tests turn it on to check the bookkeeping).
         self.async_decode = os.environ.get("FLUXION_ASYNC_DECODE", "1" if self.device.type == "cuda" else "0") != "0"
         self._inflight: InFlight | None = None
