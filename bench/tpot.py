@@ -488,7 +488,8 @@ def main() -> None:
                 model.graphs = graph_runner if graphed else None
                 # A real model's last positions: decode must stay inside its context (decode_graphs graphs only
                 # positions below it; beyond, every step would run eagerly), so fill a little less
-                filled = min(context, cfg.context_length - args.steps - 8)
+                # (--async-decode runs as many steps again after them)
+                filled = min(context, cfg.context_length - (2 if args.async_decode else 1) * (args.steps + 1) - 8)
                 r = measure(model, mode, filled, batch, args.steps, plan, Path(args.profile) if args.profile else None,
                             Path(args.kernel_profile) if args.kernel_profile else None, args.async_decode)
                 rows.append({"mode": mode, "context": context, "batch": batch, "filled_tokens": filled,
