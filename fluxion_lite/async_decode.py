@@ -3,18 +3,16 @@
 A synchronous engine step is: launch the step, wait for its logits, sample on the host, build the next step's
 inputs, launch it. The device idles for the host part (at batch 1 on the H200 host with the 8B shape: ~0.3 ms of a
 ~6 ms step, docs/hybrid.md). The choice of the next token runs on the device (sampling.sample_rows: argmax, or the
-sampling chain with each request's generator on the device), so for requests without penalties it can stay there:
-step t + 1 takes step t's choices as its input tokens and is queued right behind it, and the host reads step t's
-tokens (a small pinned copy) while t + 1 runs. The engine (Engine._decode_async) then
+sampling chain with each request's generator and penalty history on the device), so it can stay there: step t + 1
+takes step t's choices as its input tokens and is queued right behind it, and the host reads step t's tokens (a
+small pinned copy) while t + 1 runs. The engine (Engine._decode_async) then
 trails the device by one step:
 
     step() k:  queue step t (input: step t - 1's choices, on the device)   <- device busy with t - 1, then t
                read step t - 1's tokens (waits for t - 1 only): text, stop strings, EOS, lengths
 
 The price is one step computed past a request's end when it stops on EOS or a stop string (its token is dropped and
-its KV is freed with the sequence); a length limit is known ahead, so no step is queued past it (chainable). Rows
-with penalties (they depend on the newest token's id on the host) keep the synchronous path; a batch chains only
-when every row may.
+its KV is freed with the sequence); a length limit is known ahead, so no step is queued past it (chainable).
 
 The backend must not wait for the device inside the step for this to pay: the device-selection graph
 (device_graph.DeviceGraphedDecode.end with defer_sync) and dense graphed decode do not; the CPU-attention hybrids
@@ -28,16 +26,9 @@ from typing import TYPE_CHECKING, Sequence as Seq
 import torch
 
 from .attention import SeqChunk
-from .sampling import SamplingParams, penalised
 
 if TYPE_CHECKING:
     from .engine import Sequence
-
-
-def chain_allowed(params: SamplingParams) -> bool:
-    """The next token can be chosen on the device before the host has seen the newest one: no penalties (they
-    need the token ids so far on the host); greedy or sampled (sampling.sample runs on the device)."""
-    return not penalised(params)
 
 
 @dataclass
@@ -71,10 +62,8 @@ def queue_tokens(seqs: list[Sequence], tokens: torch.Tensor) -> InFlight:
 
 
 def starts_chain(sampled: Seq[Sequence], chunks: Seq[SeqChunk]) -> bool:
-    """A batch that may run as the first step of a chain: one decode token per row, every row sampled, every
-    row's choice made on the device."""
-    return (len(sampled) == len(chunks) and all(c.length == 1 for c in chunks)
-            and all(chain_allowed(s.params) for s in sampled))
+    """A batch that may run as the first step of a chain: one decode token per row, every row sampled."""
+    return len(sampled) == len(chunks) and all(c.length == 1 for c in chunks)
 
 
 def chainable(inflight: InFlight, running: Seq[Sequence], waiting: Seq[Sequence], max_batch: int,

@@ -25,7 +25,7 @@ from .errors import CapacityError, RequestError
 from .gguf_loader import load_gguf
 from .model import Transformer
 from .async_decode import InFlight, chainable, queue_tokens, starts_chain
-from .sampling import SamplingParams, sample_rows
+from .sampling import Penalties, SamplingParams, penalised, sample_rows
 from .sparse_attention import SparseAttention
 from .request_plan import load_planner
 from .sparse_plan import SparsePlan
@@ -78,6 +78,7 @@ class Sequence:
     emitted: int = 0  # characters of `text` already returned
     finish_reason: str | None = None
     all_ids: list[int] = field(default_factory=list)  # prompt + output, appended in place (no per-step concat)
+    penalties: Penalties | None = None  # a penalised request's history on the model's device (sampling.Penalties)
 
     def __post_init__(self) -> None:
         self.all_ids = self.prompt_ids + self.output_ids
@@ -138,8 +139,8 @@ class Engine:
         self._slots = itertools.count()
         self._pending_outputs: list[RequestOutput] = []
         self.step_counters = StepCounters()
-        # Async decode (async_decode.py): on CUDA a pure decode batch of requests without penalties chains its steps
-        # on the device, the host reading each step's tokens while the next one runs. FLUXION_ASYNC_DECODE=0: off; on
+        # Async decode (async_decode.py): on CUDA a pure decode batch chains its steps on the device, the host
+        # reading each step's tokens while the next one runs. FLUXION_ASYNC_DECODE=0: off; on
         # the CPU it is off by default (nothing to overlap; tests turn it on to check the bookkeeping).
         self.async_decode = os.environ.get("FLUXION_ASYNC_DECODE", "1" if self.device.type == "cuda" else "0") != "0"
         self._inflight: InFlight | None = None
@@ -335,7 +336,7 @@ class Engine:
         logits = self.model.forward(
             torch.tensor(tokens), positions, chunks, self.attn, logit_rows=torch.tensor(logit_rows, dtype=torch.long)
         )  # [R, V] on the device: the tokens are chosen there (sampling.sample_rows) and only they are read back
-        chosen = sample_rows(logits, [_row(s) for s in sampled]).tolist() if sampled else []
+        chosen = sample_rows(logits, self._sampling_rows(sampled, logits)).tolist() if sampled else []
         if not sampled and self.device.type == "cuda":  # the step counters time the step's device work too
             torch.cuda.current_stream(self.device).synchronize()
         self.step_counters.stop(mixed=len(tokens) != len(chunks) or len(logit_rows) != len(chunks))
@@ -347,6 +348,15 @@ class Engine:
         for seq in [s for s in sampled if s.finish_reason is not None]:
             self._retire(seq)
         return outputs
+
+    def _sampling_rows(self, seqs: list[Sequence], logits: torch.Tensor
+                       ) -> list[tuple[SamplingParams, Penalties | None, torch.Generator | None]]:
+        """What sampling.sample_rows needs of each sequence (logits [R, V]); a penalised one's history goes to the
+        device at its first choice (every id is on the host then: nothing is in flight before a first token)."""
+        for seq in seqs:
+            if seq.penalties is None and penalised(seq.params):
+                seq.penalties = Penalties(seq.all_ids, len(seq.prompt_ids), logits.shape[-1], logits.device)
+        return [(s.params, s.penalties, s.rng) for s in seqs]
 
     # ---- async decode (async_decode.py) ----------------------------------------------------------------------------
     def _decode_async(self, seqs: list[Sequence]) -> list[RequestOutput]:
@@ -360,7 +370,7 @@ class Engine:
                                     defer_sync=True)  # [B, V] on the device, the step possibly still running
         for seq in seqs:
             seq.num_cached += 1
-        self._inflight = queue_tokens(seqs, sample_rows(logits, [_row(s) for s in seqs]))
+        self._inflight = queue_tokens(seqs, sample_rows(logits, self._sampling_rows(seqs, logits)))
         outputs = self._land(prev)  # none for the first step of a chain: its tokens are read by the next step()
         self.step_counters.stop(mixed=False)  # a step's share of the chain: its launch to the previous one landed
         return outputs
@@ -426,11 +436,6 @@ class Engine:
             completion_tokens=len(seq.output_ids),
             cached_tokens=seq.cached_tokens,
         )
-
-
-def _row(seq: Sequence) -> tuple[SamplingParams, list[int], list[int], torch.Generator | None]:
-    """What sampling.sample_rows needs of a sequence."""
-    return seq.params, seq.all_ids, seq.output_ids, seq.rng
 
 
 def make_attention(

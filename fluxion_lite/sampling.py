@@ -58,25 +58,54 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, context: list[int], generated: list[int]) -> None:
-    """In place on logits: [V] (on any device)."""
-    dev = logits.device
-    if params.repetition_penalty != 1.0 and context:
-        recent = torch.tensor(sorted(set(context[-REPETITION_WINDOW:])), dtype=torch.long, device=dev)
-        vals = logits[recent]
-        logits[recent] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-    if (params.presence_penalty or params.frequency_penalty) and generated:
-        ids, counts = torch.tensor(generated, dtype=torch.long, device=dev).unique(return_counts=True)
-        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+class Penalties:
+    """A request's token history as its penalties read it, kept on the model's device so that choosing the next
+    token never needs the host's copy of the ids (async decode queues a step before the host has read the newest
+    one): the last REPETITION_WINDOW ids of prompt + output (repetition penalty) and how often each id was generated
+    (presence / frequency penalties). Filled from the ids at the request's first choice, then fed each chosen id."""
+
+    def __init__(self, ids: list[int], n_prompt: int, vocab: int, device: torch.device):
+        tail = ids[-REPETITION_WINDOW:]
+        self.ring = torch.zeros(REPETITION_WINDOW, dtype=torch.long, device=device)  # [W] recent ids, any order
+        self.ring[: len(tail)] = torch.tensor(tail, dtype=torch.long)
+        self.valid, self.write = len(tail), len(tail) % REPETITION_WINDOW
+        self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)  # [V] times each id was generated
+        generated = ids[n_prompt:]
+        if generated:
+            self.counts.index_add_(0, torch.tensor(generated, dtype=torch.long, device=device),
+                                   torch.ones(len(generated), device=device))
+        self.any_generated = bool(generated)
+
+    def push(self, token: torch.Tensor) -> None:
+        """token: a 0-d long tensor on the device (the chosen id, possibly still being computed)."""
+        self.ring[self.write] = token
+        self.write = (self.write + 1) % REPETITION_WINDOW
+        self.valid = min(self.valid + 1, REPETITION_WINDOW)
+        self.counts.index_add_(0, token.reshape(1), torch.ones(1, device=self.counts.device))
+        self.any_generated = True
+
+    def apply(self, logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+        """logits [V] -> penalised logits: llama.cpp's repetition penalty on each distinct recent id (positive
+        logits divided, negative multiplied), then OpenAI's presence and frequency penalties on generated ids."""
+        if params.repetition_penalty != 1.0 and self.valid:
+            recent = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
+            recent[self.ring[: self.valid]] = True
+            rp = params.repetition_penalty
+            logits = torch.where(recent, torch.where(logits > 0, logits / rp, logits * rp), logits)
+        if (params.presence_penalty or params.frequency_penalty) and self.any_generated:
+            seen = self.counts > 0
+            logits = logits - torch.where(seen, params.presence_penalty + params.frequency_penalty * self.counts, 0.0)
+        return logits
 
 
-def sample(
-    logits: torch.Tensor, params: SamplingParams, context: list[int], generated: list[int], rng: torch.Generator | None
-) -> torch.Tensor:
-    """logits: [V] fp32 (a private copy: modified in place) -> the chosen token id, a 0-d long tensor on the logits'
-    device (rng on that device too): on CUDA nothing here waits for the device, so a caller may keep the choice
-    there (async_decode.py) or read many rows' choices in one copy."""
-    apply_penalties(logits, params, context, generated)
+def sample(logits: torch.Tensor, params: SamplingParams, penalties: Penalties | None,
+           rng: torch.Generator | None) -> torch.Tensor:
+    """logits: [V] fp32 (left unchanged) -> the chosen token id, a 0-d long tensor on the logits' device (penalties
+    and rng there too): on CUDA nothing here waits for the device, so a caller may keep the choice there
+    (async_decode.py) or read many rows' choices in one copy. penalties: the request's history (needed when
+    penalised(params)); the chosen id is not pushed into it here."""
+    if penalties is not None:
+        logits = penalties.apply(logits, params)
     if params.greedy:
         return torch.argmax(logits)
     if params.top_k > 0 and params.top_k < logits.numel():
@@ -98,21 +127,19 @@ def sample(
     return torch.multinomial(probs, 1, generator=rng)[0]
 
 
-def sample_token(
-    logits: torch.Tensor, params: SamplingParams, context: list[int], generated: list[int], rng: torch.Generator | None
-) -> int:
-    """sample() read back as an int."""
-    return int(sample(logits, params, context, generated, rng))
-
-
-def sample_rows(logits: torch.Tensor, rows: list[tuple[SamplingParams, list[int], list[int], torch.Generator | None]]
+def sample_rows(logits: torch.Tensor, rows: list[tuple[SamplingParams, Penalties | None, torch.Generator | None]]
                 ) -> torch.Tensor:
-    """logits [R, V] fp32 (left unchanged), rows[r] = (params, context, generated, rng) -> chosen ids [R] long on the
+    """logits [R, V] fp32 (left unchanged), rows[r] = (params, penalties, rng) -> chosen ids [R] long on the
     logits' device, computed there: one read of R ints instead of R rows of logits to the host (on CUDA at a
-    152K vocabulary that read and the host's sort took ~2.5 ms of a batch-4 step, bench/results/session25_h200.log)."""
-    if all(p.greedy and not penalised(p) for p, _, _, _ in rows):
+    152K vocabulary that read and the host's sort took ~2.5 ms of a batch-4 step, bench/results/session25_h200.log).
+    Each row's chosen id goes into its penalties' history."""
+    if all(p.greedy and pen is None for p, pen, _ in rows):
         return torch.argmax(logits, dim=-1)  # one kernel for the common case
-    return torch.stack([sample(logits[r].clone(), *row) for r, row in enumerate(rows)])
+    chosen = torch.stack([sample(logits[r], *row) for r, row in enumerate(rows)])  # [R]
+    for r, (_, pen, _) in enumerate(rows):
+        if pen is not None:
+            pen.push(chosen[r])
+    return chosen
 
 
 def penalised(params: SamplingParams) -> bool:

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from fluxion_lite.async_decode import chain_allowed, chainable
+from fluxion_lite.async_decode import chainable
 from fluxion_lite.engine import Engine
 from fluxion_lite.sampling import SamplingParams
 
@@ -133,16 +133,17 @@ def test_sampled_rows_chain_and_draw_what_the_synchronous_engine_draws(engine: E
     assert chained == sync and counted.deferred > 8
 
 
-def test_penalised_rows_keep_the_synchronous_path(engine: Engine) -> None:
-    assert chain_allowed(greedy(4)) and chain_allowed(SamplingParams(temperature=0.8))
-    assert not chain_allowed(greedy(4, repetition_penalty=1.1))
-    assert not chain_allowed(SamplingParams(frequency_penalty=0.5))
-    requests = [(chat(engine, "Name a fruit."), greedy(10, ignore_eos=True)),
-                (chat(engine, "Name a city."), SamplingParams(temperature=0.9, seed=5, max_tokens=10,
-                                                               presence_penalty=0.6))]
+def test_penalised_rows_chain_with_their_history_on_the_device(engine: Engine) -> None:
+    """Penalties read the ids so far from sampling.Penalties on the model's device, so penalised rows chain too
+    and draw what the synchronous engine draws."""
+    requests = [(chat(engine, "Name a fruit."), greedy(16, ignore_eos=True, repetition_penalty=1.3)),
+                (chat(engine, "Name a city."), SamplingParams(temperature=0.9, seed=5, max_tokens=16, ignore_eos=True,
+                                                               presence_penalty=0.6, frequency_penalty=0.4))]
     sync, _ = run(engine, requests, on=False)
-    mixed, counted = run(engine, requests, on=True)
-    assert mixed == sync and counted.deferred == 0
+    chained, counted = run(engine, requests, on=True)
+    assert chained == sync and counted.deferred > 10
+    plain, _ = run(engine, [(requests[0][0], greedy(16, ignore_eos=True))], on=False)
+    assert plain[0][0] != sync[0][0]  # the penalty changed what greedy decoding picks (it is applied at all)
 
 
 def test_no_chain_past_a_length_limit() -> None:

@@ -1,12 +1,12 @@
-"""sampling.sample / sample_rows (tensor ops only, so they run on the model's device) against a numpy reference of
-the chain: penalties -> top-k -> top-p -> min-p -> temperature -> draw."""
+"""sampling.sample / sample_rows / Penalties (tensor ops only, so they run on the model's device) against a numpy
+reference of the chain: penalties -> top-k -> top-p -> min-p -> temperature -> draw."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 import torch
 
-from fluxion_lite.sampling import SamplingParams, penalised, sample, sample_rows
+from fluxion_lite.sampling import REPETITION_WINDOW, Penalties, SamplingParams, penalised, sample, sample_rows
 
 
 def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
@@ -41,10 +41,40 @@ def test_draws_follow_the_reference_distribution(params: SamplingParams) -> None
     want = reference_probs(logits.numpy(), params)
     rng = torch.Generator().manual_seed(2)
     n = 6000
-    draws = np.array([int(sample(logits.clone(), params, [], [], rng)) for _ in range(n)])
+    draws = np.array([int(sample(logits, params, None, rng)) for _ in range(n)])
     assert set(draws.tolist()) <= set(np.flatnonzero(want > 0).tolist())  # nothing outside the kept set
     freq = np.bincount(draws, minlength=want.size) / n
     assert np.abs(freq - want).max() < 4 * np.sqrt(want.max() / n) + 1e-3  # within sampling noise
+
+
+def reference_penalised(logits: np.ndarray, p: SamplingParams, ids: list[int], n_prompt: int) -> np.ndarray:
+    """float64: llama.cpp's repetition penalty on the distinct ids of the last REPETITION_WINDOW, then OpenAI's
+    presence / frequency penalties on the generated ids (ids = prompt + generated so far)."""
+    x = logits.astype(np.float64).copy()
+    for t in set(ids[-REPETITION_WINDOW:]):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    gen, counts = np.unique(np.array(ids[n_prompt:], dtype=np.int64), return_counts=True)
+    if gen.size:
+        x[gen] -= p.presence_penalty + p.frequency_penalty * counts
+    return x
+
+
+@pytest.mark.parametrize("n_prompt,n_gen", [(10, 0), (100, 3), (30, 90), (5, 200)])
+def test_penalties_follow_the_reference_as_tokens_arrive(n_prompt: int, n_gen: int) -> None:
+    """The device history filled from the ids at a first choice and fed chosen ids afterwards gives the penalised
+    logits of the host rule over the ids so far (the window wraps past REPETITION_WINDOW)."""
+    gen = torch.Generator().manual_seed(n_prompt + n_gen)
+    vocab = 80
+    ids = torch.randint(0, vocab, (n_prompt + n_gen,), generator=gen).tolist()  # repeats: the sets matter
+    p = SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.25)
+    split = n_prompt + n_gen // 2  # the history starts here, the rest arrives one id at a time
+    pen = Penalties(ids[:split], n_prompt, vocab, torch.device("cpu"))
+    for k in range(split, len(ids) + 1):
+        logits = torch.randn(vocab, generator=gen)
+        want = reference_penalised(logits.numpy(), p, ids[:k], n_prompt)
+        np.testing.assert_allclose(pen.apply(logits, p).numpy(), want, rtol=1e-6, atol=1e-6)
+        if k < len(ids):
+            pen.push(torch.tensor(ids[k]))
 
 
 def test_rows_greedy_penalised_and_sampled() -> None:
@@ -52,12 +82,14 @@ def test_rows_greedy_penalised_and_sampled() -> None:
     logits = torch.randn(3, 50, generator=gen)  # [R, V]
     kept = logits.clone()
     greedy = SamplingParams(temperature=0.0)
-    assert torch.equal(sample_rows(logits, [(greedy, [], [], None)] * 3), logits.argmax(-1))
+    assert torch.equal(sample_rows(logits, [(greedy, None, None)] * 3), logits.argmax(-1))
     rep = SamplingParams(temperature=0.0, repetition_penalty=10.0)
     top = int(logits[1].argmax())
-    rows = [(greedy, [], [], None), (rep, [top], [], None),
-            (SamplingParams(temperature=0.5, seed=1), [], [], torch.Generator().manual_seed(4))]
+    pen = Penalties([top], 1, 50, torch.device("cpu"))
+    rows = [(greedy, None, None), (rep, pen, None),
+            (SamplingParams(temperature=0.5, seed=1), None, torch.Generator().manual_seed(4))]
     got = sample_rows(logits, rows)
     assert torch.equal(logits, kept)  # the caller's logits are left as they were
     assert int(got[0]) == int(logits[0].argmax()) and int(got[1]) != top  # the penalty moved row 1 off its top
     assert penalised(rep) and not penalised(greedy) and got.dtype == torch.long and got.shape == (3,)
+    assert pen.valid == 2 and int(pen.ring[1]) == int(got[1]) and float(pen.counts[int(got[1])]) == 1.0  # pushed
