@@ -24,11 +24,18 @@ MODEL = "smollm2-135m"
 USER = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def engine() -> Any:
+# Every test runs with the engine waiting for each step and with async decode (async_decode.py: the next decode step
+# queued before the current tokens are read, the CUDA default), whose bookkeeping must not show through the server.
+DECODE = ["sync", "async"]
+
+
+@pytest.fixture(scope="module", params=DECODE)
+def engine(request: pytest.FixtureRequest) -> Any:
     from fluxion_lite.engine import Engine
 
-    return Engine(MODEL, max_batch=4, prefill_chunk=128)
+    e = Engine(MODEL, max_batch=4, prefill_chunk=128)
+    e.async_decode = request.param == "async"
+    return e
 
 
 def make_app(engine: Any, *, max_batch: int = 4, max_queue: int = 8, loader: Any = None,
@@ -330,13 +337,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def live_engine() -> Any:
+@pytest.fixture(scope="module", params=DECODE)
+def live_engine(request: pytest.FixtureRequest) -> Any:
     """A second Engine for the uvicorn servers: the module's TestClient keeps its own engine thread running on
     `engine` for the whole module, and an Engine must only ever be stepped by one thread."""
     from fluxion_lite.engine import Engine
 
-    return Engine(MODEL, max_batch=4, prefill_chunk=128)
+    e = Engine(MODEL, max_batch=4, prefill_chunk=128)
+    e.async_decode = request.param == "async"
+    return e
 
 
 @pytest.fixture()
