@@ -377,7 +377,12 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
         for mode in MODES:
             pts = sorted((r["context"], r["tpot_ms"]) for r in rows if r["mode"] == mode and r["batch"] == batch)
             if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+                line, = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=mode)
+                chained = sorted((r["context"], r["tpot_async_ms"]) for r in rows
+                                 if r["mode"] == mode and r["batch"] == batch and "tpot_async_ms" in r)
+                if chained:  # --async-decode: the same mode's chained steps, in its colour
+                    ax.plot([p[0] for p in chained], [p[1] for p in chained], marker="s", linestyle=":",
+                            color=line.get_color(), label=f"{mode}, async decode")
         if batch == 1:
             for peer, lab in ((PEER_KV_GPU_MS, "llama.cpp KV on GPU"), (PEER_KV_HOST_MS, "llama.cpp KV in host")):
                 ax.plot(list(peer), list(peer.values()), linestyle="--", marker="x", label=lab)
