@@ -339,7 +339,8 @@ def measure(model: Transformer, mode: str, context: int, batch: int, steps: int,
             "kv_read_fraction": stats.get("kv_read_fraction", 1.0)}
 
 
-def summary_lines(rows: list[dict]) -> list[str]:
+def summary_lines(rows: list[dict], peers: bool = True) -> list[str]:
+    """One line per fluxion case with its ratios; peers: also against the llama.cpp rows (Llama-3.1-8B shape)."""
     out = []
     by = {(r["mode"], r["context"], r["batch"]): r["tpot_ms"] for r in rows}
     chained = {(r["mode"], r["context"], r["batch"]): r["tpot_async_ms"] for r in rows if "tpot_async_ms" in r}
@@ -355,14 +356,15 @@ def summary_lines(rows: list[dict]) -> list[str]:
             parts.append(f"async decode {a:.2f} ms"
                          + (f" ({chained[('fixed', ctx, batch)] / a:.2f}x vs fixed async)"
                             if ("fixed", ctx, batch) in chained else ""))
-        if batch == 1 and ctx in PEER_KV_GPU_MS:
+        if peers and batch == 1 and ctx in PEER_KV_GPU_MS:
             parts.append(f"{ms / PEER_KV_GPU_MS[ctx]:5.2f}x llama.cpp KV-on-GPU time ({PEER_KV_GPU_MS[ctx]} ms)")
             parts.append(f"{PEER_KV_HOST_MS[ctx] / ms:5.1f}x faster than llama.cpp KV-in-host ({PEER_KV_HOST_MS[ctx]} ms)")
         out.append(", ".join(parts))
     return out
 
 
-def plot(rows: list[dict], path: Path, title: str) -> None:
+def plot(rows: list[dict], path: Path, title: str, peers: bool = True) -> None:
+    """peers: draw the llama.cpp rows at batch 1 (measured for the Llama-3.1-8B shape only)."""
     try:
         import matplotlib
 
@@ -383,7 +385,7 @@ def plot(rows: list[dict], path: Path, title: str) -> None:
                 if chained:  # --async-decode: the same mode's chained steps, in its colour
                     ax.plot([p[0] for p in chained], [p[1] for p in chained], marker="s", linestyle=":",
                             color=line.get_color(), label=f"{mode}, async decode")
-        if batch == 1:
+        if batch == 1 and peers:
             for peer, lab in ((PEER_KV_GPU_MS, "llama.cpp KV on GPU"), (PEER_KV_HOST_MS, "llama.cpp KV in host")):
                 ax.plot(list(peer), list(peer.values()), linestyle="--", marker="x", label=lab)
         ax.set_xscale("log", base=2)
@@ -456,6 +458,8 @@ def main() -> None:
     if args.graphs == "uncaptured":  # also on the CPU, where it runs the same hooks as a GPU step
         graph_runner = DecodeGraphs(model, capture=False)
 
+    peers = name == "llama3.1-8b"  # the llama.cpp rows were measured for this shape only
+
     def shown(rows: list[dict]) -> list[dict]:
         """The rows the summary and the plot use: the graphed ones, unless graphs are off or unavailable."""
         graphed = graph_runner is not None and args.graphs != "off"
@@ -515,12 +519,12 @@ def main() -> None:
                                                                                for r in rows), default=0.0)},
                                            "peer_llamacpp_ms": {"kv_gpu": PEER_KV_GPU_MS, "kv_host": PEER_KV_HOST_MS},
                                            "rows": rows, "skipped": skipped,
-                                           "summary": summary_lines(shown(rows))}, indent=1))
-    print("\n".join(summary_lines(shown(rows))), flush=True)
+                                           "summary": summary_lines(shown(rows), peers)}, indent=1))
+    print("\n".join(summary_lines(shown(rows), peers)), flush=True)
     for s in skipped:
         print(f"skipped {s}", flush=True)
     print(f"wrote {out} ({time.perf_counter() - start:.0f} s)", flush=True)
-    plot(shown(rows), out.with_suffix(".png"), note)
+    plot(shown(rows), out.with_suffix(".png"), note, peers)
 
 
 if __name__ == "__main__":

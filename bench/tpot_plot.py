@@ -48,7 +48,7 @@ def main() -> None:
             merged[(mode, r["context"], r["batch"])] = r | {"mode": mode}
     title = args.title or (f"{data.get('model', '?')} on {data.get('machine', '?')}: commits {', '.join(commits)} "
                            f"(latest file per point; different leases)")
-    plot(list(merged.values()), Path(args.out), title)
+    plot(list(merged.values()), Path(args.out), title, peers=data.get("model") == "llama3.1-8b")
 
 
 if __name__ == "__main__":
