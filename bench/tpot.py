@@ -425,7 +425,7 @@ def main() -> None:
                     help="append a torch.profiler table of 3 extra steps per case (host ops, device busy time)")
     ap.add_argument("--async-decode", action="store_true",
                     help="per case, also the TPOT of --steps decode steps chained as the engine's async decode "
-                         "runs greedy requests (tpot_async_ms: each step queued before the previous step's tokens "
+                         "runs them, greedy (tpot_async_ms: each step queued before the previous step's tokens "
                          "are read; the main TPOT waits for every step)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()

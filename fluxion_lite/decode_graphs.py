@@ -153,17 +153,16 @@ class _GraphSet:
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, chunks: list[SeqChunk],
             attn: AttentionBackend, defer_sync: bool = False) -> torch.Tensor:
-        if tokens.device == self.inputs.device:  # the previous step's choice, still on the device (async decode)
+        # tokens already on the device (the previous step's choice: async decode) are copied there; the rest of the
+        # inputs travel from the host in one copy
+        on_device = tokens.device == self.inputs.device
+        host = (positions.to(torch.long)[None] if on_device
+                else torch.stack((tokens.to(torch.long), positions.to(torch.long))))  # [1 or 2, B]
+        if host.device.type == "cpu" and self.inputs.is_cuda:
+            host = host.pin_memory()  # a fresh pinned buffer per step: the async copy never races a later write
+        (self.inputs[1:] if on_device else self.inputs).copy_(host, non_blocking=True)
+        if on_device:
             self.inputs[0].copy_(tokens)
-            host = positions.to(torch.long)
-            if host.device.type == "cpu" and self.inputs.is_cuda:
-                host = host.pin_memory()
-            self.inputs[1].copy_(host, non_blocking=True)
-        else:
-            host = torch.stack((tokens.to(torch.long), positions.to(torch.long)))  # [2, B]
-            if host.device.type == "cpu" and self.inputs.is_cuda:
-                host = host.pin_memory()  # a fresh pinned buffer per step: the async copy never races a later write
-            self.inputs.copy_(host, non_blocking=True)
         if self.hooks is not None:
             self.hooks.begin(chunks)
         if not self.graphs:

@@ -354,10 +354,10 @@ class DeviceGraphedDecode:
             self.after_replay()
         cuda = a.device.type == "cuda"
         deferred = defer_sync and cuda and self.overlap
+        if self._reuse_now is not None:  # the hit counter as it stands after this step, read once it is done
+            self._reuse_now.snapshot_hits()
         done = None
         if cuda:  # this step's end on the device (its logits, its D2H of the new K/V and of the reuse hits)
-            if self._reuse_now is not None:  # the hit counter as it stands after this step, read once it is done
-                self._reuse_now.snapshot_hits()
             done = torch.cuda.Event()
             done.record(torch.cuda.current_stream(a.device))
         if self.overlap:  # host work while the device runs the step (see __init__)
