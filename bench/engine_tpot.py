@@ -2,7 +2,7 @@
 
 bench/tpot.py times model steps on synthetic context; this loads a real GGUF into the Engine, prefills real
 prompts (random token ids: speed does not depend on the text) and decodes greedily (or with seeded sampling,
---temperature) with EOS ignored, timing the gap
+--temperature; penalties with --repetition-penalty and the OpenAI pair) with EOS ignored, timing the gap
 between successive tokens of each request as a caller of Engine.step sees it (only once every request of the case
 has its first token, so no prompt chunk shares the steps; the first two gaps of each request dropped). After an
 untimed warm-up run, each case runs with FLUXION_ASYNC_DECODE's switch (Engine.async_decode) off and on,
@@ -15,6 +15,7 @@ loaded model (Engine.set_attention).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -30,13 +31,14 @@ from fluxion_lite.engine import Engine  # noqa: E402
 from fluxion_lite.sampling import SamplingParams  # noqa: E402
 
 
-def run_case(engine: Engine, prompts: list[list[int]], decode: int, async_on: bool, temperature: float = 0.0,
-             top_p: float = 1.0) -> tuple[list[float], list[list[int]], float]:
-    """-> (inter-token gaps in seconds over all requests, each request's tokens, prefill seconds). A temperature
-    above 0 samples, each request with its own seed (the same in every run, so runs must draw the same tokens)."""
+def run_case(engine: Engine, prompts: list[list[int]], decode: int, async_on: bool,
+             params: SamplingParams) -> tuple[list[float], list[list[int]], float]:
+    """-> (inter-token gaps in seconds over all requests, each request's tokens, prefill seconds). Every request
+    gets `params` with max_tokens = decode and its own seed (the same in every run, so a sampled run must draw the
+    same tokens as its twin; penalties keep each request's history on the device)."""
     engine.async_decode = async_on
-    ids = [engine.add_request(p, SamplingParams(temperature=temperature, top_p=top_p, seed=1000 + r, max_tokens=decode,
-                                                ignore_eos=True)) for r, p in enumerate(prompts)]
+    ids = [engine.add_request(p, dataclasses.replace(params, seed=1000 + r, max_tokens=decode, ignore_eos=True))
+           for r, p in enumerate(prompts)]
     tokens: dict[str, list[int]] = {i: [] for i in ids}
     stamps: dict[str, list[float]] = {i: [] for i in ids}
     t0 = time.perf_counter()
@@ -69,8 +71,15 @@ def main() -> None:
     ap.add_argument("--prefill-chunk", type=int, default=2048)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else seeded sampling on the device")
     ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--repetition-penalty", type=float, default=1.0, help="llama.cpp-style, over the last 64 ids")
+    ap.add_argument("--presence-penalty", type=float, default=0.0)
+    ap.add_argument("--frequency-penalty", type=float, default=0.0)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p,
+                            repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty)
+    params.validate()
     dtype = "bfloat16" if args.device.startswith("cuda") else "float32"
     engine = Engine(args.gguf, device=args.device, dtype=dtype, attention=args.modes[0], max_batch=max(args.batches),
                     max_context=max(args.contexts) + args.decode + 16, prefill_chunk=args.prefill_chunk,
@@ -90,10 +99,10 @@ def main() -> None:
                 n = context - args.decode - 8
                 prompts = [torch.randint(100, engine.config.vocab_size - 100, (n,), generator=gen).tolist()
                            for _ in range(batch)]
-                run_case(engine, prompts, 8, True, args.temperature, args.top_p)  # warm-up: captures, kernel builds, caches (not timed)
+                run_case(engine, prompts, 8, True, params)  # warm-up: captures, kernel builds, caches (not timed)
                 first_tokens = None
                 for rep in range(args.repeats):
-                    res = {on: run_case(engine, prompts, args.decode, on, args.temperature, args.top_p)
+                    res = {on: run_case(engine, prompts, args.decode, on, params)
                            for on in (False, True)}
                     sync_ms, async_ms = (1000 * statistics.median(res[on][0]) for on in (False, True))
                     same = res[False][1] == res[True][1]
@@ -109,7 +118,7 @@ def main() -> None:
                           f"{sync_ms / async_ms:>7.2f}{'yes' if same else 'NO':>6}{res[True][2]:>10.1f}", flush=True)
                     if args.out:
                         Path(args.out).write_text(json.dumps({"note": note, "command": "python " + " ".join(sys.argv),
-                                                              "rows": rows}, indent=1))
+                                                              "params": dataclasses.asdict(params), "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

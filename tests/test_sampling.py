@@ -59,8 +59,12 @@ def reference_penalised(logits: np.ndarray, p: SamplingParams, ids: list[int], n
     return x
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n_prompt,n_gen", [(10, 0), (100, 3), (30, 90), (5, 200)])
-def test_penalties_follow_the_reference_as_tokens_arrive(n_prompt: int, n_gen: int) -> None:
+def test_penalties_follow_the_reference_as_tokens_arrive(n_prompt: int, n_gen: int, device: str) -> None:
     """The device history filled from the ids at a first choice and fed chosen ids afterwards gives the penalised
     logits of the host rule over the ids so far (the window wraps past REPETITION_WINDOW)."""
     gen = torch.Generator().manual_seed(n_prompt + n_gen)
@@ -68,26 +72,28 @@ def test_penalties_follow_the_reference_as_tokens_arrive(n_prompt: int, n_gen: i
     ids = torch.randint(0, vocab, (n_prompt + n_gen,), generator=gen).tolist()  # repeats: the sets matter
     p = SamplingParams(temperature=0.0, repetition_penalty=1.3, presence_penalty=0.4, frequency_penalty=0.25)
     split = n_prompt + n_gen // 2  # the history starts here, the rest arrives one id at a time
-    pen = Penalties(ids[:split], n_prompt, vocab, torch.device("cpu"))
+    pen = Penalties(ids[:split], n_prompt, vocab, torch.device(device))
     for k in range(split, len(ids) + 1):
         logits = torch.randn(vocab, generator=gen)
         want = reference_penalised(logits.numpy(), p, ids[:k], n_prompt)
-        np.testing.assert_allclose(pen.apply(logits, p).numpy(), want, rtol=1e-6, atol=1e-6)
+        got = pen.apply(logits.to(device), p).cpu().numpy()
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
         if k < len(ids):
-            pen.push(torch.tensor(ids[k]))
+            pen.push(torch.tensor(ids[k], device=device))
 
 
-def test_rows_greedy_penalised_and_sampled() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_rows_greedy_penalised_and_sampled(device: str) -> None:
     gen = torch.Generator().manual_seed(3)
-    logits = torch.randn(3, 50, generator=gen)  # [R, V]
+    logits = torch.randn(3, 50, generator=gen).to(device)  # [R, V]
     kept = logits.clone()
     greedy = SamplingParams(temperature=0.0)
     assert torch.equal(sample_rows(logits, [(greedy, None, None)] * 3), logits.argmax(-1))
     rep = SamplingParams(temperature=0.0, repetition_penalty=10.0)
     top = int(logits[1].argmax())
-    pen = Penalties([top], 1, 50, torch.device("cpu"))
+    pen = Penalties([top], 1, 50, torch.device(device))
     rows = [(greedy, None, None), (rep, pen, None),
-            (SamplingParams(temperature=0.5, seed=1), None, torch.Generator().manual_seed(4))]
+            (SamplingParams(temperature=0.5, seed=1), None, torch.Generator(device=device).manual_seed(4))]
     got = sample_rows(logits, rows)
     assert torch.equal(logits, kept)  # the caller's logits are left as they were
     assert int(got[0]) == int(logits[0].argmax()) and int(got[1]) != top  # the penalty moved row 1 off its top
