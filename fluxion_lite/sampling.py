@@ -88,8 +88,10 @@ class Penalties:
         """logits [V] -> penalised logits: llama.cpp's repetition penalty on each distinct recent id (positive
         logits divided, negative multiplied), then OpenAI's presence and frequency penalties on generated ids."""
         if params.repetition_penalty != 1.0 and self.valid:
+            # index_fill_ takes True as a kernel argument; `recent[ids] = True` copied it to the device from
+            # pageable memory, which waits for the stream (it cost the chained CUDA step its overlap)
             recent = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-            recent[self.ring[: self.valid]] = True
+            recent.index_fill_(0, self.ring[: self.valid], True)
             rp = params.repetition_penalty
             logits = torch.where(recent, torch.where(logits > 0, logits / rp, logits * rp), logits)
         if (params.presence_penalty or params.frequency_penalty) and self.any_generated:

@@ -99,3 +99,25 @@ def test_rows_greedy_penalised_and_sampled(device: str) -> None:
     assert int(got[0]) == int(logits[0].argmax()) and int(got[1]) != top  # the penalty moved row 1 off its top
     assert penalised(rep) and not penalised(greedy) and got.dtype == torch.long and got.shape == (3,)
     assert pen.valid == 2 and int(pen.ring[1]) == int(got[1]) and float(pen.counts[int(got[1])]) == 1.0  # pushed
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs exist only on CUDA")
+def test_choosing_on_cuda_never_waits_for_the_device() -> None:
+    """Async decode queues the next step with these choices still being computed: any host sync in the chain
+    (a read, a pageable copy to the device) would stall it. torch's sync debug mode turns each into an error."""
+    dev = torch.device("cuda")
+    logits = torch.randn(4, 1000, device=dev)  # [R, V]
+    pens = [Penalties([1, 2, 3, 2], 2, 1000, dev) for _ in range(2)]
+    rows = [(SamplingParams(temperature=0.0), None, None),
+            (SamplingParams(temperature=0.0, repetition_penalty=1.2, frequency_penalty=0.3), pens[0], None),
+            (SamplingParams(temperature=0.8, top_k=40, top_p=0.9, min_p=0.02, repetition_penalty=1.1,
+                            presence_penalty=0.2, seed=3), pens[1], torch.Generator(device=dev).manual_seed(3)),
+            (SamplingParams(temperature=0.7, top_p=0.95, seed=4), None, torch.Generator(device=dev).manual_seed(4))]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            chosen = sample_rows(logits, rows)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert chosen.shape == (4,) and chosen.device.type == "cuda"
