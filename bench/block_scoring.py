@@ -1,0 +1,167 @@
+"""Which per-step block scoring picks the blocks that matter? Teacher-forced fidelity of simulated top-k policies
+that differ only in how they rank blocks.
+
+At 32K every sparse plan tried loses the same RULER samples whatever its budget (docs/design-notes.md), while the
+pins, chosen once at prefill end from *exact* attention, are worth 12 points there: the per-step ranking (the Quest
+bound over each block's key extremes) is the weak part. This compares, at the same blocks read per step:
+
+- quest:  the bound sum_d max(q_d kmin_d, q_d kmax_d), summed over the group's query heads (the engine's ranking);
+- exact:  each block's true softmax mass, summed over the group's query heads (an oracle: it reads every key);
+- int4 / int2: the mass computed from keys quantised per token (symmetric, absmax scale; 4 bits = 1/8 of the K+V
+  bytes in bf16, the same bytes a g=16 min/max summary scans; 2 bits half that): a key sketch the device could hold;
+- lowrankR: the mass from q and keys projected on the top R principal directions of the prompt's keys (per layer
+  and KV group; R/D of the key bytes).
+
+Decode the last M tokens of essay text one at a time over a dense prefill (as bench/fidelity.py does); every KV
+group reads sink + window + the top `budget` of its g-token blocks under the ranking; report KL(full || policy),
+top-1 agreement and the fraction of the context read. A policy simulation in torch (fp32), not the engine's kernels.
+
+Usage: python bench/block_scoring.py --context 4096 --positions 32 --budget 0.02 --scorings quest exact int4 int2 \
+           lowrank8 --out bench/results/block_scoring_qwen2.5-coder-0.5b_4096_vm.json
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fidelity import compare, decode_logprobs  # noqa: E402
+from ruler_paired import write_out  # noqa: E402
+
+from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
+
+
+def quantise_rows(keys: torch.Tensor, bits: int) -> torch.Tensor:
+    """keys [N, D] -> the same keys after symmetric per-row quantisation to `bits` bits (levels at odd multiples of
+    half a step, so 2 bits keep four levels and no zero), back in fp32."""
+    levels = 2**bits
+    scale = keys.abs().amax(-1, keepdim=True).clamp(min=1e-12) / (levels / 2)  # [N, 1]
+    idx = torch.clamp(torch.floor(keys / scale), -levels // 2, levels // 2 - 1)
+    return (idx + 0.5) * scale
+
+
+def block_scores(scoring: str, q: torch.Tensor, keys: torch.Tensor, g: int, scale: float,
+                 basis: torch.Tensor | None) -> torch.Tensor:
+    """q [r, D] (one group's query heads), keys [N, D] -> a score per g-token block [ceil(N / g)], higher = read."""
+    n, d = keys.shape
+    n_blocks = -(-n // g)
+    if scoring == "quest":
+        padded = torch.nn.functional.pad(keys, (0, 0, 0, n_blocks * g - n)).view(n_blocks, g, d)
+        kmin, kmax = padded.amin(1), padded.amax(1)  # [nb, D] (padding rows are zeros: still a valid bound)
+        return torch.maximum(q[:, None, :] * kmin, q[:, None, :] * kmax).sum(-1).sum(0)
+    if scoring == "exact":
+        approx_q, approx_k = q, keys
+    elif scoring in ("int4", "int2"):
+        approx_q, approx_k = q, quantise_rows(keys, int(scoring[3:]))
+    elif scoring.startswith("lowrank"):
+        assert basis is not None
+        approx_q, approx_k = q @ basis, keys @ basis  # [r, R], [N, R]
+    else:
+        raise ValueError(f"unknown scoring {scoring!r}")
+    mass = torch.softmax((approx_q @ approx_k.T) * scale, dim=-1).sum(0)  # [N], over the group's heads
+    return torch.nn.functional.pad(mass, (0, n_blocks * g - n)).view(n_blocks, g).sum(1)
+
+
+class SimulatedScoring(DenseAttention):
+    """Dense prefill; each single-token decode step attends, per KV group, over sink + window + the top `budget` of
+    its g-token blocks (those wholly between them) ranked by `scoring`."""
+
+    def __init__(self, base: DenseAttention, scoring: str, g: int, budget: float, sink: int, window: int) -> None:
+        self.cache, self.scale = base.cache, base.scale  # share the loaded engine's (empty) cache
+        self.scoring, self.g, self.budget, self.sink, self.window = scoring, g, budget, sink, window
+        self.rank = int(scoring[7:]) if scoring.startswith("lowrank") else 0
+        self.bases: dict[tuple[int, int], torch.Tensor] = {}  # (layer, group) -> [D, R], from the prompt's keys
+        self.read: list[float] = []
+
+    def _basis(self, layer: int, h: int, keys: torch.Tensor) -> torch.Tensor | None:
+        if not self.rank:
+            return None
+        if (layer, h) not in self.bases:  # the prompt's keys at the first decode step: fixed for the decode
+            _, _, vt = torch.linalg.svd(keys, full_matrices=False)  # uncentred: q.k needs the mean direction too
+            self.bases[(layer, h)] = vt[: self.rank].T.contiguous()
+        return self.bases[(layer, h)]
+
+    def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                chunks: list[SeqChunk]) -> torch.Tensor:
+        b, hq, d = q.shape  # q: [1, Hq, D]
+        hkv = k.shape[1]
+        (c,) = chunks
+        ((keys4, values4),) = self.cache.append_decode(layer, [c.seq_id], [c.start], k, v)  # [1, Hkv, N, D] each
+        keys, values = keys4[0].float(), values4[0].float()  # [Hkv, N, D]
+        n, g = keys.shape[1], self.g
+        qg = q.float().view(hkv, hq // hkv, d)  # [Hkv, r, D]
+        pos = torch.arange(n)
+        sink_hi = min(-(-self.sink // g) * g, n)
+        win_lo = max((max(n - self.window, 0) // g) * g, sink_hi)
+        n_blocks = -(-n // g)
+        lo = torch.arange(n_blocks) * g
+        eligible = (lo >= sink_hi) & (lo + g <= win_lo)  # [nb]
+        k_blocks = min(int(-(-self.budget * n // g)), int(eligible.sum()))
+        outs = []
+        for h in range(hkv):
+            scores = block_scores(self.scoring, qg[h], keys[h], g, self.scale, self._basis(layer, h, keys[h]))
+            chosen = torch.zeros(n_blocks, dtype=torch.bool)
+            if k_blocks:
+                chosen[torch.topk(scores.masked_fill(~eligible, float("-inf")), k_blocks).indices] = True
+            allowed = (pos < sink_hi) | (pos >= win_lo) | chosen.repeat_interleave(g)[:n]  # [N]
+            self.read.append(float(allowed.float().mean()))
+            logits = (qg[h] @ keys[h].T) * self.scale  # [r, N]
+            probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
+            outs.append(probs @ values[h])  # [r, D]
+        return torch.stack(outs).reshape(b, hq, d).to(q.dtype)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--positions", type=int, default=32)
+    ap.add_argument("--text-offset", type=int, default=0)
+    ap.add_argument("--g", type=int, default=16)
+    ap.add_argument("--budget", type=float, default=0.02)
+    ap.add_argument("--scorings", nargs="+", default=["quest", "exact", "int4", "int2", "lowrank8"])
+    ap.add_argument("--sink", type=int, default=16)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    from fluxion_lite.engine import Engine
+    from fluxion_lite.eval_text import essay_tokens
+
+    engine = Engine(args.model, attention="full", dtype="float32", max_context=args.context + 1,
+                    prefix_cache_entries=0)
+    assert engine.tokenizer is not None
+    tokens = essay_tokens(engine.tokenizer, args.context, args.text_offset)
+    if len(tokens) < args.context:
+        sys.exit(f"error: only {len(tokens)} tokens of essay text from offset {args.text_offset}")
+    next_tokens = tokens[len(tokens) - args.positions + 1 :]
+    base = engine.attn
+    assert isinstance(base, DenseAttention)
+    with torch.no_grad():
+        ref = decode_logprobs(engine.model, base, tokens, args.positions, 512)
+        rows: dict[str, Any] = {}
+        for scoring in args.scorings:
+            sim = SimulatedScoring(base, scoring, args.g, args.budget, args.sink, args.window)
+            t0 = time.perf_counter()
+            got = decode_logprobs(engine.model, sim, tokens, args.positions, 512)
+            rows[scoring] = compare(ref, got, next_tokens) | {"read": sum(sim.read) / len(sim.read),
+                                                              "seconds": time.perf_counter() - t0}
+            print(f"[{scoring}] done in {rows[scoring]['seconds']:.0f} s", file=sys.stderr, flush=True)
+    print(f"\n{args.model}, {args.context} tokens of essay text from offset {args.text_offset}, last "
+          f"{args.positions} decoded one at a time (float32); g={args.g}, budget {args.budget:g}, sink {args.sink}, "
+          f"window {args.window}")
+    print(f"{'scoring':<10} {'KL mean':>8} {'KL p90':>8} {'KL max':>8} {'top-1':>7} {'read':>7}")
+    for name, r in rows.items():
+        print(f"{name:<10} {r['kl_mean']:8.4f} {r['kl_p90']:8.4f} {r['kl_max']:8.4f} {r['top1_agreement']:7.1%} "
+              f"{r['read']:7.1%}")
+    write_out(args.out, {"model": args.model, "context": args.context, "positions": args.positions,
+                         "text_offset": args.text_offset, "g": args.g, "budget": args.budget, "sink": args.sink,
+                         "window": args.window, "command": "python " + " ".join(sys.argv), "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
