@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -23,14 +22,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from background_mass import background_output  # noqa: E402  (bench scripts import each other from their folder)
-from fidelity import compare, decode_logprobs  # noqa: E402
+from policy_sim import SimulatedBackend, essay_case, print_policies, run_policy  # noqa: E402
 from ruler_paired import write_out  # noqa: E402
 
 from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
 from fluxion_lite.calibration import Config, group_outputs  # noqa: E402
 
 
-class SimulatedTopK(DenseAttention):
+class SimulatedTopK(SimulatedBackend):
     """Dense prefill; each single-token decode step attends, per KV group, over sink + window + the top `budget`
     blocks of g tokens (Quest bound), plus the unread-background term at summary size `summary_g` if given."""
 
@@ -79,36 +78,14 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from fluxion_lite.engine import Engine
-    from fluxion_lite.eval_text import essay_tokens
-
-    engine = Engine(args.model, attention="full", dtype="float32", max_context=args.context + 1,
-                    prefix_cache_entries=0)
-    assert engine.tokenizer is not None
-    tokens = essay_tokens(engine.tokenizer, args.context, args.text_offset)
-    if len(tokens) < args.context:
-        sys.exit(f"error: only {len(tokens)} tokens of essay text from offset {args.text_offset}")
-    next_tokens = tokens[len(tokens) - args.positions + 1 :]
-    base = engine.attn
-    assert isinstance(base, DenseAttention)
-    with torch.no_grad():
-        ref = decode_logprobs(engine.model, base, tokens, args.positions, 512)
-        rows: dict[str, Any] = {}
-        for budget in args.budgets:
-            for sg in [None, *args.summary_g]:
-                name = f"g{args.g} b{budget:g}" + ("" if sg is None else f" +bg{sg}")
-                sim = SimulatedTopK(base, args.g, budget, args.sink, args.window, sg)
-                t0 = time.perf_counter()
-                got = decode_logprobs(engine.model, sim, tokens, args.positions, 512)
-                rows[name] = compare(ref, got, next_tokens) | {"read": sum(sim.read) / len(sim.read),
-                                                               "seconds": time.perf_counter() - t0}
-                print(f"[{name}] done in {rows[name]['seconds']:.0f} s", file=sys.stderr, flush=True)
-    print(f"\n{args.model}, {args.context} tokens of essay text, last {args.positions} decoded one at a time "
-          f"(float32), simulated top-k vs full")
-    print(f"{'policy':<20} {'KL mean':>8} {'KL p90':>8} {'KL max':>8} {'top-1':>7} {'read':>7}")
-    for name, r in rows.items():
-        print(f"{name:<20} {r['kl_mean']:8.4f} {r['kl_p90']:8.4f} {r['kl_max']:8.4f} {r['top1_agreement']:7.1%} "
-              f"{r['read']:7.1%}")
+    case = essay_case(args.model, args.context, args.positions, args.text_offset)
+    rows: dict[str, Any] = {}
+    for budget in args.budgets:
+        for sg in [None, *args.summary_g]:
+            name = f"g{args.g} b{budget:g}" + ("" if sg is None else f" +bg{sg}")
+            rows[name] = run_policy(case, name, SimulatedTopK(case.base, args.g, budget, args.sink, args.window, sg))
+    print_policies(f"{args.model}, {args.context} tokens of essay text, last {args.positions} decoded one at a time "
+                   f"(float32), simulated top-k vs full", rows)
     write_out(args.out, {"model": args.model, "context": args.context, "positions": args.positions,
                          "text_offset": args.text_offset, "g": args.g, "sink": args.sink,
                          "window": args.window, "rows": rows})

@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fidelity import compare, decode_logprobs  # noqa: E402
+from policy_sim import SimulatedBackend, essay_case, print_policies, run_policy  # noqa: E402
 from ruler_paired import write_out  # noqa: E402
 
 from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
@@ -67,7 +65,7 @@ def block_scores(scoring: str, q: torch.Tensor, keys: torch.Tensor, g: int, scal
     return torch.nn.functional.pad(mass, (0, n_blocks * g - n)).view(n_blocks, g).sum(1)
 
 
-class SimulatedScoring(DenseAttention):
+class SimulatedScoring(SimulatedBackend):
     """Dense prefill; each single-token decode step attends, per KV group, over sink + window + the top `budget` of
     its g-token blocks (those wholly between them) ranked by `scoring`."""
 
@@ -129,35 +127,13 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    from fluxion_lite.engine import Engine
-    from fluxion_lite.eval_text import essay_tokens
-
-    engine = Engine(args.model, attention="full", dtype="float32", max_context=args.context + 1,
-                    prefix_cache_entries=0)
-    assert engine.tokenizer is not None
-    tokens = essay_tokens(engine.tokenizer, args.context, args.text_offset)
-    if len(tokens) < args.context:
-        sys.exit(f"error: only {len(tokens)} tokens of essay text from offset {args.text_offset}")
-    next_tokens = tokens[len(tokens) - args.positions + 1 :]
-    base = engine.attn
-    assert isinstance(base, DenseAttention)
-    with torch.no_grad():
-        ref = decode_logprobs(engine.model, base, tokens, args.positions, 512)
-        rows: dict[str, Any] = {}
-        for scoring in args.scorings:
-            sim = SimulatedScoring(base, scoring, args.g, args.budget, args.sink, args.window)
-            t0 = time.perf_counter()
-            got = decode_logprobs(engine.model, sim, tokens, args.positions, 512)
-            rows[scoring] = compare(ref, got, next_tokens) | {"read": sum(sim.read) / len(sim.read),
-                                                              "seconds": time.perf_counter() - t0}
-            print(f"[{scoring}] done in {rows[scoring]['seconds']:.0f} s", file=sys.stderr, flush=True)
-    print(f"\n{args.model}, {args.context} tokens of essay text from offset {args.text_offset}, last "
-          f"{args.positions} decoded one at a time (float32); g={args.g}, budget {args.budget:g}, sink {args.sink}, "
-          f"window {args.window}")
-    print(f"{'scoring':<10} {'KL mean':>8} {'KL p90':>8} {'KL max':>8} {'top-1':>7} {'read':>7}")
-    for name, r in rows.items():
-        print(f"{name:<10} {r['kl_mean']:8.4f} {r['kl_p90']:8.4f} {r['kl_max']:8.4f} {r['top1_agreement']:7.1%} "
-              f"{r['read']:7.1%}")
+    case = essay_case(args.model, args.context, args.positions, args.text_offset)
+    rows = {scoring: run_policy(case, scoring, SimulatedScoring(case.base, scoring, args.g, args.budget, args.sink,
+                                                                 args.window))
+            for scoring in args.scorings}
+    print_policies(f"{args.model}, {args.context} tokens of essay text from offset {args.text_offset}, last "
+                   f"{args.positions} decoded one at a time (float32); g={args.g}, budget {args.budget:g}, sink "
+                   f"{args.sink}, window {args.window}", rows, "scoring", 10)
     write_out(args.out, {"model": args.model, "context": args.context, "positions": args.positions,
                          "text_offset": args.text_offset, "g": args.g, "budget": args.budget, "sink": args.sink,
                          "window": args.window, "command": "python " + " ".join(sys.argv), "rows": rows})

@@ -1,0 +1,67 @@
+"""Shared by the policy simulations (bench/background_fidelity.py, bench/block_scoring.py): the full model's
+teacher-forced reference over essay text, one simulated backend scored against it, and the results table."""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fidelity import compare, decode_logprobs
+
+from fluxion_lite.attention import DenseAttention
+from fluxion_lite.engine import Engine
+from fluxion_lite.eval_text import essay_tokens
+
+
+class SimulatedBackend(DenseAttention):
+    """Dense prefill over the loaded engine's cache; a subclass's _decode simulates a policy and records in `read`
+    the fraction of the context each (step, KV group) read."""
+
+    read: list[float]
+
+
+@dataclass
+class EssayCase:
+    engine: Engine  # dense fp32, its attention backend `base` shared by the simulations
+    base: DenseAttention
+    tokens: list[int]
+    next_tokens: list[int]  # the true next token of each decoded position but the last
+    positions: int
+    ref: torch.Tensor  # log-probs [positions, V] of full attention
+
+
+def essay_case(model: str, context: int, positions: int, text_offset: int) -> EssayCase:
+    """Load `model` dense in fp32, take `context` tokens of essay text from `text_offset` and decode the last
+    `positions` one at a time with full attention (the reference); a clear exit if the text is too short."""
+    engine = Engine(model, attention="full", dtype="float32", max_context=context + 1, prefix_cache_entries=0)
+    assert engine.tokenizer is not None
+    tokens = essay_tokens(engine.tokenizer, context, text_offset)
+    if len(tokens) < context:
+        sys.exit(f"error: only {len(tokens)} tokens of essay text from offset {text_offset}")
+    base = engine.attn
+    assert isinstance(base, DenseAttention)
+    with torch.no_grad():
+        ref = decode_logprobs(engine.model, base, tokens, positions, 512)
+    return EssayCase(engine, base, tokens, tokens[len(tokens) - positions + 1 :], positions, ref)
+
+
+def run_policy(case: EssayCase, name: str, sim: SimulatedBackend) -> dict[str, Any]:
+    """Decode the case's positions through `sim` -> compare()'s row plus the mean fraction read and the seconds."""
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        got = decode_logprobs(case.engine.model, sim, case.tokens, case.positions, 512)
+    row = compare(case.ref, got, case.next_tokens) | {"read": sum(sim.read) / len(sim.read),
+                                                      "seconds": time.perf_counter() - t0}
+    print(f"[{name}] done in {row['seconds']:.0f} s", file=sys.stderr, flush=True)
+    return row
+
+
+def print_policies(title: str, rows: dict[str, dict[str, Any]], label: str = "policy", width: int = 20) -> None:
+    print(f"\n{title}")
+    print(f"{label:<{width}} {'KL mean':>8} {'KL p90':>8} {'KL max':>8} {'top-1':>7} {'read':>7}")
+    for name, r in rows.items():
+        print(f"{name:<{width}} {r['kl_mean']:8.4f} {r['kl_p90']:8.4f} {r['kl_max']:8.4f} "
+              f"{r['top1_agreement']:7.1%} {r['read']:7.1%}")
