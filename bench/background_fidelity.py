@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from background_mass import background_output  # noqa: E402  (bench scripts import each other from their folder)
-from policy_sim import SimulatedBackend, essay_case, print_policies, run_policy  # noqa: E402
+from policy_sim import SimulatedBackend, add_case_args, essay_case, print_policies, run_policy  # noqa: E402
 from ruler_paired import write_out  # noqa: E402
 
 from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
@@ -44,9 +44,7 @@ class SimulatedTopK(SimulatedBackend):
                 chunks: list[SeqChunk]) -> torch.Tensor:
         b, hq, d = q.shape  # q: [1, Hq, D]
         hkv = k.shape[1]
-        (c,) = chunks
-        ((keys4, values4),) = self.cache.append_decode(layer, [c.seq_id], [c.start], k, v)  # [1, Hkv, N, D] each
-        keys, values = keys4[0], values4[0]  # [Hkv, N, D]
+        keys, values = self.append_step(layer, k, v, chunks)  # [Hkv, N, D] each
         n = keys.shape[1]
         qg = q.float().view(hkv, 1, hq // hkv, d)  # [Hkv, M=1, r, D]
         pos = torch.tensor([n - 1])
@@ -67,16 +65,9 @@ class SimulatedTopK(SimulatedBackend):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--positions", type=int, default=64)
-    ap.add_argument("--text-offset", type=int, default=0)
-    ap.add_argument("--g", type=int, default=16)
+    add_case_args(ap, positions=64)
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.02, 0.05])
     ap.add_argument("--summary-g", type=int, nargs="+", default=[128])
-    ap.add_argument("--sink", type=int, default=16)
-    ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     case = essay_case(args.model, args.context, args.positions, args.text_offset)
     rows: dict[str, Any] = {}

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from policy_sim import SimulatedBackend, essay_case, print_policies, run_policy  # noqa: E402
+from policy_sim import SimulatedBackend, add_case_args, essay_case, print_policies, run_policy  # noqa: E402
 from ruler_paired import write_out  # noqa: E402
 
 from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
@@ -88,9 +88,7 @@ class SimulatedScoring(SimulatedBackend):
                 chunks: list[SeqChunk]) -> torch.Tensor:
         b, hq, d = q.shape  # q: [1, Hq, D]
         hkv = k.shape[1]
-        (c,) = chunks
-        ((keys4, values4),) = self.cache.append_decode(layer, [c.seq_id], [c.start], k, v)  # [1, Hkv, N, D] each
-        keys, values = keys4[0].float(), values4[0].float()  # [Hkv, N, D]
+        keys, values = (x.float() for x in self.append_step(layer, k, v, chunks))  # [Hkv, N, D] each
         n, g = keys.shape[1], self.g
         qg = q.float().view(hkv, hq // hkv, d)  # [Hkv, r, D]
         pos = torch.arange(n)
@@ -116,16 +114,9 @@ class SimulatedScoring(SimulatedBackend):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--positions", type=int, default=32)
-    ap.add_argument("--text-offset", type=int, default=0)
-    ap.add_argument("--g", type=int, default=16)
+    add_case_args(ap, positions=32)
     ap.add_argument("--budget", type=float, default=0.02)
     ap.add_argument("--scorings", nargs="+", default=["quest", "exact", "int4", "int2", "lowrank8"])
-    ap.add_argument("--sink", type=int, default=16)
-    ap.add_argument("--window", type=int, default=64)
-    ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     case = essay_case(args.model, args.context, args.positions, args.text_offset)
     rows = {scoring: run_policy(case, scoring, SimulatedScoring(case.base, scoring, args.g, args.budget, args.sink,

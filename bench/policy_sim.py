@@ -2,16 +2,18 @@
 teacher-forced reference over essay text, one simulated backend scored against it, and the results table."""
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from fidelity import compare, decode_logprobs
 
-from fluxion_lite.attention import DenseAttention
+from fluxion_lite.attention import DenseAttention, SeqChunk
 from fluxion_lite.engine import Engine
 from fluxion_lite.eval_text import essay_tokens
 
@@ -21,6 +23,25 @@ class SimulatedBackend(DenseAttention):
     the fraction of the context each (step, KV group) read."""
 
     read: list[float]
+
+    def append_step(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                    chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A decode step's k, v ([1, Hkv, D]) into the cache -> every key and value so far, [Hkv, N, D] each."""
+        (c,) = chunks
+        ((keys4, values4),) = self.cache.append_decode(layer, [c.seq_id], [c.start], k, v)  # [1, Hkv, N, D] each
+        return keys4[0], values4[0]
+
+
+def add_case_args(ap: argparse.ArgumentParser, positions: int) -> None:
+    """The flags every policy simulation takes: model, text, decoded positions, block size, sink, window, --out."""
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--positions", type=int, default=positions)
+    ap.add_argument("--text-offset", type=int, default=0)
+    ap.add_argument("--g", type=int, default=16)
+    ap.add_argument("--sink", type=int, default=16)
+    ap.add_argument("--window", type=int, default=64)
+    ap.add_argument("--out", type=Path)
 
 
 @dataclass
