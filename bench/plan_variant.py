@@ -35,18 +35,21 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
             pin_fraction: float | None = None, obs_window: int | None = None, pin_span: int | None = None,
             pin_decay: float | None = None, short_scale: float | None = None,
             short_tokens: int | None = None, sink: int | None = None, min_budget: float = 0.0,
-            window: int | None = None, streaming_budget: float | None = None, long_only: bool = False) -> SparsePlan:
+            window: int | None = None, streaming_budget: float | None = None, long_only: bool = False,
+            pin_span_tokens: int | None = None) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets raised to at least min_budget and
     then x budget_scale (capped at 1), the given block scoring, share of pinned blocks and pin span (with its
     decay), short-context budget scale (SparsePlan.budget_factor), sink and recent window; None keeps the base plan's
     value of any of these. streaming_budget: every streaming group becomes a retrieval group with this budget (before
     the scale) at the retrieval block size (g, else the base plan's most common one); long_only: a long-only one
-    (GroupPlan.long_only: streaming up to short_tokens, its budget from twice that on)."""
+    (GroupPlan.long_only: streaming up to short_tokens, its budget from twice that on). pin_span_tokens: pin spans
+    in tokens (SparsePlan.span_for; 0 = in blocks, pin_span)."""
     scoring = plan.scoring if scoring is None else scoring
     pin_fraction = plan.pin_fraction if pin_fraction is None else pin_fraction
     obs_window = plan.obs_window if obs_window is None else obs_window
     pin_span = plan.pin_span if pin_span is None else pin_span
     pin_decay = plan.pin_decay if pin_decay is None else pin_decay
+    span_tokens = plan.pin_span_tokens if pin_span_tokens is None else pin_span_tokens
     sink = plan.sink if sink is None else sink
     window = plan.window if window is None else window
     short_scale = plan.short_scale if short_scale is None else short_scale
@@ -64,7 +67,9 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
     rows = [[retrieval(gp) for gp in row] for row in plan.groups]
     floor = f"budgets >= {min_budget:g} then " if min_budget > 0 else "budgets "
     source = (f"{plan.source}; retrieval g={g or 'kept'}, {floor}x{budget_scale:g}, {scoring} scoring, "
-              f"{pin_fraction:g} pinned" + (f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else "")
+              f"{pin_fraction:g} pinned"
+              + (f" in spans of {span_tokens} tokens (x{pin_decay:g})" if span_tokens else
+                 f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else "")
               + (f", short contexts x{short_scale:g} up to {short_tokens}" if short_scale != 1.0 else "")
               + (f", sink {sink}" if sink != plan.sink else "")
               + (f", window {window}" if window != plan.window else "")
@@ -72,7 +77,7 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
               + (f" from {2 * short_tokens} tokens on (long-only)" if streaming_budget is not None and long_only
                  else ""))
     return SparsePlan(sink, window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
-                      short_scale, short_tokens)
+                      short_scale, short_tokens, span_tokens)
 
 
 def main() -> None:
@@ -96,6 +101,9 @@ def main() -> None:
     ap.add_argument("--pin-span", type=int, default=None,
                     help="each block pinned by mass brings its pin_span - 1 successors, within the same pin count "
                          "(default: the base plan's)")
+    ap.add_argument("--pin-span-tokens", type=int, default=None,
+                    help="pin spans in tokens: a group of block size g pins ceil(this / g) blocks per span (0: "
+                         "--pin-span blocks for every g; default: the base plan's)")
     ap.add_argument("--pin-decay", type=float, default=None,
                     help="a successor scores this x its predecessor's mass (1: before any lighter block; default: "
                          "the base plan's)")
@@ -135,6 +143,8 @@ def main() -> None:
         sys.exit("error: --obs-window must be >= 1")
     if args.pin_span is not None and not 1 <= args.pin_span <= MAX_PIN_SPAN:
         sys.exit(f"error: --pin-span must be in [1, {MAX_PIN_SPAN}]")
+    if args.pin_span_tokens is not None and not 0 <= args.pin_span_tokens <= MAX_PIN_SPAN * min(GRANULARITIES):
+        sys.exit(f"error: --pin-span-tokens must be in [0, {MAX_PIN_SPAN * min(GRANULARITIES)}]")
     if args.pin_decay is not None and not 0.0 < args.pin_decay <= 1.0:
         sys.exit("error: --pin-decay must be in (0, 1]")
     try:
@@ -149,7 +159,7 @@ def main() -> None:
         sys.exit(f"error: --base: {exc}")
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
                   args.pin_decay, args.short_scale, args.short_tokens, args.sink, args.min_budget,
-                  args.window, args.streaming_budget, args.long_only)
+                  args.window, args.streaming_budget, args.long_only, args.pin_span_tokens)
     out.save(Path(args.out))
     print(out.explain())
     for n in (4096, 8192, 16384, 32768):  # head_dim only scales both numerator and denominator

@@ -9,7 +9,8 @@ those positions) are kept for the whole decode: pinned. They take `pin_fraction`
 per-step top-k fills the rest with its best blocks that are not pinned, so a step reads as many blocks as without
 pins. That union is made by the native top-k itself (fluxion.h, PINNED BLOCKS), from the table() of a layer's tasks.
 With the plan's pin_span s > 1, a block also scores by its predecessors' mass (x pin_decay per block), so a heavy
-block's s - 1 successors are pinned too, within the same count (pick_pins).
+block's s - 1 successors are pinned too, within the same count (pick_pins); pin_span_tokens sets s per group from
+its block size instead (SparsePlan.span_for).
 
 Eligible blocks lie wholly between the sink and the recent window of the first decode step, block-aligned to the
 group's g, as the top-k's own exclusion ranges are: the window only moves forward, so a pinned block never overlaps
@@ -119,7 +120,7 @@ class PinnedBlocks:
         pins = []
         for h, gp in enumerate(plan.groups[layer]):
             count = int(plan.pin_fraction * plan.block_count(gp, n))  # 0 for a streaming group
-            pins.append(pick_pins(mass[h], gp.g, n, plan.sink, plan.window, count, plan.pin_span,
+            pins.append(pick_pins(mass[h], gp.g, n, plan.sink, plan.window, count, plan.span_for(gp.g),
                                   plan.pin_decay))
         self._store(layer, slot, pins)
 

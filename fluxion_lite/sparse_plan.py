@@ -71,6 +71,9 @@ class SparsePlan:
     # x short_scale up to short_tokens, x 1 from twice that on (1 = off); long-only groups stream up to short_tokens
     short_scale: float = 1.0
     short_tokens: int = DEFAULT_SHORT_TOKENS
+    # pin spans in tokens instead (0 = off, pin_span holds): a group of block size g pins ceil(pin_span_tokens / g)
+    # blocks per span, so a needle's value is covered as far at g = 16 as at g = 128 (span_for)
+    pin_span_tokens: int = 0
 
     def __post_init__(self) -> None:
         check_short(self.short_scale, self.short_tokens)
@@ -82,6 +85,10 @@ class SparsePlan:
     def long_factor(self, n: np.ndarray | int) -> np.ndarray:
         """What a long-only group's budget is multiplied by at context n (0 up to short_tokens: streaming there)."""
         return long_factor(n, self.short_tokens)
+
+    def span_for(self, g: int) -> int:
+        """Blocks per pin span for a group of block size g (pinned.pick_pins)."""
+        return -(-self.pin_span_tokens // g) if self.pin_span_tokens else self.pin_span
 
     @property
     def has_long_only(self) -> bool:
@@ -121,6 +128,9 @@ class SparsePlan:
                                  f"(got {self.pin_fraction}, {self.obs_window})")
         if not 1 <= self.pin_span <= MAX_PIN_SPAN:
             raise ModelFileError(f"sparse plan: pin_span must be in [1, {MAX_PIN_SPAN}] (got {self.pin_span})")
+        if not 0 <= self.pin_span_tokens <= MAX_PIN_SPAN * min(GRANULARITIES):
+            raise ModelFileError(f"sparse plan: pin_span_tokens must be in [0, {MAX_PIN_SPAN * min(GRANULARITIES)}] "
+                                 f"(got {self.pin_span_tokens})")
         if not 0.0 < self.pin_decay <= 1.0:
             raise ModelFileError(f"sparse plan: pin_decay must be in (0, 1] (got {self.pin_decay})")
         try:
@@ -137,6 +147,8 @@ class SparsePlan:
             data["scoring"] = self.scoring
         if self.pin_span != 1:
             data["pin_span"] = self.pin_span
+        if self.pin_span_tokens:
+            data["pin_span_tokens"] = self.pin_span_tokens
         if self.pin_decay != 1.0:
             data["pin_decay"] = self.pin_decay
         if self.short_scale != 1.0 or self.has_long_only:  # long-only groups ramp up at short_tokens too
@@ -149,15 +161,16 @@ class SparsePlan:
         try:
             data = json.loads(path.read_text())
             groups = [[_group_from(gp) for gp in row] for row in data["groups"]]
-            pin_span = data.get("pin_span", 1)
-            if type(pin_span) is not int:  # 2.5 or "2" would otherwise be truncated or parsed silently
-                raise ValueError(f"pin_span must be an integer (got {pin_span!r})")
+            pin_span, span_tokens = data.get("pin_span", 1), data.get("pin_span_tokens", 0)
+            for name, value in (("pin_span", pin_span), ("pin_span_tokens", span_tokens)):
+                if type(value) is not int:  # 2.5 or "2" would otherwise be truncated or parsed silently
+                    raise ValueError(f"{name} must be an integer (got {value!r})")
             # checked as stored (check_short in __post_init__): 8192.5 tokens or "2" must not be coerced silently
             short_scale, short_tokens = data.get("short_scale", 1.0), data.get("short_tokens", DEFAULT_SHORT_TOKENS)
             return cls(int(data["sink"]), int(data["window"]), groups, str(data.get("source", path.name)),
                        float(data.get("pin_fraction", 0.0)), int(data.get("obs_window", 32)),
                        str(data.get("scoring", "group")), pin_span,
-                       float(data.get("pin_decay", 1.0)), short_scale, short_tokens)
+                       float(data.get("pin_decay", 1.0)), short_scale, short_tokens, span_tokens)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
 
@@ -168,7 +181,9 @@ class SparsePlan:
         if self.pin_fraction:
             lines.append(f"  {self.pin_fraction:.0%} of each retrieval budget pinned at prefill end "
                          f"(attention of the last {self.obs_window} prompt tokens"
-                         + (f", spans of {self.pin_span} blocks, successors x{self.pin_decay:g})"
+                         + (f", spans of {self.pin_span_tokens} tokens, successors x{self.pin_decay:g})"
+                            if self.pin_span_tokens else
+                            f", spans of {self.pin_span} blocks, successors x{self.pin_decay:g})"
                             if self.pin_span != 1 else ")"))
         if self.short_scale != 1.0:
             lines.append(f"  short contexts: budgets x{self.short_scale:g} up to {self.short_tokens} tokens, x1 from "

@@ -444,3 +444,51 @@ def test_graphed_step_with_pins_matches_eager(monkeypatch: pytest.MonkeyPatch, o
     assert hooked.stats()["kv_read_fraction"] == pytest.approx(backends[0].stats()["kv_read_fraction"])
     for a in backends:
         a.executor.close()
+
+
+def test_pin_spans_in_tokens_cover_the_same_stretch_at_every_block_size(tmp_path: Path) -> None:
+    """pin_span_tokens 80: a group of block size g pins ceil(80 / g) blocks per span (5 at g = 16, 1 at g = 128), so
+    a 78-token needle after its heavy key is pinned whole at any g; the plan file keeps the field, older files load
+    with it off, and bad values are refused."""
+    groups = [[GroupPlan(False, 16, 0.1), GroupPlan(False, 32, 0.1), GroupPlan(False, 64, 0.2),
+               GroupPlan(False, 128, 0.2)]]
+    plan = SparsePlan(16, 64, groups, "t", pin_fraction=1.0, pin_span=3, pin_span_tokens=80)
+    plan.validate(1, 4)
+    assert [plan.span_for(g) for g in (16, 32, 64, 128)] == [5, 3, 2, 1]
+    assert SparsePlan(16, 64, groups, "t", pin_span=3).span_for(16) == 3  # off: pin_span blocks at every g
+    n = 4096
+    mass = np.full((4, n - 1), 1e-4)
+    mass[:, 1024 : 1024 + 4] = 5.0  # the key at the start of the needle; its value runs on for ~74 tokens
+    pins = PinnedBlocks(plan)
+    pins.pin_by_mass(0, 0, mass, n)
+    for h, g in enumerate((16, 32, 64, 128)):
+        ids = pins._ids[0, 0, h, : pins._counts[0, 0, h]].tolist()
+        span = plan.span_for(g)
+        key = 1024 // g
+        assert set(range(key, key + span)) <= set(ids) and key + span not in ids, (g, ids)  # key block + successors
+        assert (1024 // g + span) * g >= 1024 + 78  # the whole needle is inside the span
+    plan.save(tmp_path / "t.plan.json")
+    back = SparsePlan.load(tmp_path / "t.plan.json")
+    assert back.pin_span_tokens == 80 and "spans of 80 tokens" in back.explain()
+    plan.pin_span_tokens = 0
+    plan.save(tmp_path / "off.plan.json")
+    assert "pin_span_tokens" not in (tmp_path / "off.plan.json").read_text()
+    assert SparsePlan.load(tmp_path / "off.plan.json").pin_span_tokens == 0
+    for bad in (-16, 129):
+        with pytest.raises(ModelFileError, match="pin_span_tokens"):
+            SparsePlan(16, 64, groups, "t", pin_fraction=0.5, pin_span_tokens=bad).validate(1, 4)
+    (tmp_path / "f.plan.json").write_text((tmp_path / "t.plan.json").read_text().replace(
+        '"pin_span_tokens": 80', '"pin_span_tokens": "80"'))
+    with pytest.raises(ModelFileError, match="pin_span_tokens"):
+        SparsePlan.load(tmp_path / "f.plan.json")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(tmp_path / "t.plan.json"),
+           "--out", str(tmp_path / "v.plan.json")]
+    done = subprocess.run([*cmd, "--pin-span-tokens", "64"], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert SparsePlan.load(tmp_path / "v.plan.json").pin_span_tokens == 64
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)  # unset: the base's value
+    assert done.returncode == 0 and SparsePlan.load(tmp_path / "v.plan.json").pin_span_tokens == 80
+    refused = subprocess.run([*cmd, "--pin-span-tokens", "500"], capture_output=True, text=True, env=env, timeout=120)
+    assert refused.returncode != 0 and "--pin-span-tokens" in refused.stderr
