@@ -98,7 +98,7 @@ def borrowed_plan(cfg: ModelConfig, source: Path, seed: int = 0) -> SparsePlan:
     # reads at each context what the source reads there (runs before the twenty-second session drew no short scale)
     return SparsePlan(src.sink, src.window, groups, source=f"drawn from {source.name}", pin_fraction=src.pin_fraction,
                       obs_window=src.obs_window, scoring=src.scoring, pin_span=src.pin_span, pin_decay=src.pin_decay,
-                      short_scale=src.short_scale, short_tokens=src.short_tokens)
+                      short_scale=src.short_scale, short_tokens=src.short_tokens, pin_span_tokens=src.pin_span_tokens)
 
 
 def host_bytes_per_token(cfg: ModelConfig) -> float:
