@@ -191,6 +191,13 @@ class SparsePlan:
         if self.has_long_only:
             lines.append(f"  long-only groups (marked *): streaming up to {self.short_tokens} tokens, their budget from "
                          f"{2 * self.short_tokens} on (linear in log2 of the context between)")
+        from .policy import plan_bytes_fraction  # here: policy imports this module
+
+        lengths = (4096, 8192, 16384, 32768)
+        reads = [plan_bytes_fraction(self, n, head_dim=64) for n in lengths]  # both fractions are head_dim-free
+        lines.append("  predicted per decode step at " + " / ".join(f"{n // 1024}K" for n in lengths)
+                     + ": KV read (sink and window included) " + " / ".join(f"{kv:.1%}" for kv, _ in reads)
+                     + ", with the block summaries " + " / ".join(f"{t:.1%}" for _, t in reads))
         for i, row in enumerate(self.groups):
             ret = [gp for gp in row if not gp.streaming]
             desc = ", ".join(f"g={gp.g} b={gp.budget:.3f}" + ("*" if gp.long_only else "") for gp in ret) or "-"

@@ -333,7 +333,7 @@ def test_plan_variant_floor_and_window(tmp_path: Path) -> None:
             if not bp.streaming:
                 assert gp.budget == pytest.approx(max(bp.budget, 0.02) * 0.95)
     assert any(bp.budget < 0.02 for r in shipped.groups for bp in r if not bp.streaming)  # the floor did something
-    assert "budgets >= 0.02 then x0.95" in plan.source and "32768 tokens: predicted KV read" in done.stdout
+    assert "budgets >= 0.02 then x0.95" in plan.source and "predicted per decode step at 4K / 8K / 16K / 32K: KV read" in done.stdout
     # flags not given keep the base plan's pins, scoring, sink and short-context scale
     kept = ("pin_fraction", "obs_window", "pin_span", "pin_decay", "scoring", "sink", "window", "short_scale",
             "short_tokens")

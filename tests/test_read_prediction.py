@@ -51,3 +51,17 @@ def test_large_blocks_cost_their_aligned_sink_and_window() -> None:
     assert near_tokens(Config(False, 16, 0.01), 4096, 16, 64) == 16 + 64 + 7.5
     assert near_tokens(Config(True), 4096, 16, 64) == 80
     assert near_tokens(Config(False, 128, 0.01), 100, 16, 64) == 100  # never more than the context
+
+
+def test_explain_prints_the_predicted_reads() -> None:
+    """--explain (SparsePlan.explain) shows the plan's predicted KV read per step at 4K-32K, the cost model's figures
+    (issue 4: the plan is visible with its predicted bytes per step)."""
+    from fluxion_lite.policy import plan_bytes_fraction
+    from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+
+    plan = SparsePlan(16, 64, [[GroupPlan(False, 128, 0.01), GroupPlan(True)], [GroupPlan(False, 16, 0.05)] * 2], "t")
+    text = plan.explain()
+    kv = " / ".join(f"{plan_bytes_fraction(plan, n, 64)[0]:.1%}" for n in (4096, 8192, 16384, 32768))
+    assert f"KV read (sink and window included) {kv}," in text
+    assert plan_bytes_fraction(plan, 4096, 64)[0] == pytest.approx(
+        ((128 + 64 + 63.5 + 128) + 80 + 2 * (16 + 64 + 7.5 + 208)) / 4 / 4096)
