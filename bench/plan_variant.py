@@ -27,7 +27,8 @@ from pathlib import Path
 
 from fluxion_lite import native
 from fluxion_lite.errors import ModelFileError
-from fluxion_lite.sparse_plan import GRANULARITIES, MAX_PIN_SPAN, GroupPlan, SparsePlan, check_short
+from fluxion_lite.sparse_plan import (GRANULARITIES, MAX_PIN_SPAN, MAX_PIN_SPAN_TOKENS, GroupPlan, SparsePlan,
+                                      check_short)
 
 
 def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str | None = None,
@@ -142,8 +143,8 @@ def main() -> None:
         sys.exit("error: --obs-window must be >= 1")
     if args.pin_span is not None and not 1 <= args.pin_span <= MAX_PIN_SPAN:
         sys.exit(f"error: --pin-span must be in [1, {MAX_PIN_SPAN}]")
-    if args.pin_span_tokens is not None and not 0 <= args.pin_span_tokens <= MAX_PIN_SPAN * min(GRANULARITIES):
-        sys.exit(f"error: --pin-span-tokens must be in [0, {MAX_PIN_SPAN * min(GRANULARITIES)}]")
+    if args.pin_span_tokens is not None and not 0 <= args.pin_span_tokens <= MAX_PIN_SPAN_TOKENS:
+        sys.exit(f"error: --pin-span-tokens must be in [0, {MAX_PIN_SPAN_TOKENS}]")
     if args.pin_decay is not None and not 0.0 < args.pin_decay <= 1.0:
         sys.exit("error: --pin-decay must be in (0, 1]")
     try:

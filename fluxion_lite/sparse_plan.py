@@ -12,6 +12,7 @@ from .errors import ModelFileError
 
 GRANULARITIES = (16, 32, 64, 128)
 MAX_PIN_SPAN = 8  # a span of pinned blocks longer than this would be a dense region, not a needle's value
+MAX_PIN_SPAN_TOKENS = MAX_PIN_SPAN * min(GRANULARITIES)  # pin_span_tokens: at most MAX_PIN_SPAN blocks at any g
 DEFAULT_SHORT_TOKENS = 8192
 
 
@@ -128,8 +129,8 @@ class SparsePlan:
                                  f"(got {self.pin_fraction}, {self.obs_window})")
         if not 1 <= self.pin_span <= MAX_PIN_SPAN:
             raise ModelFileError(f"sparse plan: pin_span must be in [1, {MAX_PIN_SPAN}] (got {self.pin_span})")
-        if not 0 <= self.pin_span_tokens <= MAX_PIN_SPAN * min(GRANULARITIES):
-            raise ModelFileError(f"sparse plan: pin_span_tokens must be in [0, {MAX_PIN_SPAN * min(GRANULARITIES)}] "
+        if not 0 <= self.pin_span_tokens <= MAX_PIN_SPAN_TOKENS:
+            raise ModelFileError(f"sparse plan: pin_span_tokens must be in [0, {MAX_PIN_SPAN_TOKENS}] "
                                  f"(got {self.pin_span_tokens})")
         if not 0.0 < self.pin_decay <= 1.0:
             raise ModelFileError(f"sparse plan: pin_decay must be in (0, 1] (got {self.pin_decay})")

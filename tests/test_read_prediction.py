@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from fluxion_lite.calibration import Config, budget_tokens
-from fluxion_lite.policy import bytes_per_step, near_tokens
+from fluxion_lite.policy import bytes_per_step, near_tokens, plan_bytes_fraction
+from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
 from fluxion_lite.sparse_step import GVALS, build_step, retrieval_tasks
 
 CONFIGS = [Config(True), Config(False, 16, 0.05), Config(False, 32, 0.02), Config(False, 64, 0.009),
@@ -56,9 +57,6 @@ def test_large_blocks_cost_their_aligned_sink_and_window() -> None:
 def test_explain_prints_the_predicted_reads() -> None:
     """--explain (SparsePlan.explain) shows the plan's predicted KV read per step at 4K-32K, the cost model's figures
     (issue 4: the plan is visible with its predicted bytes per step)."""
-    from fluxion_lite.policy import plan_bytes_fraction
-    from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
-
     plan = SparsePlan(16, 64, [[GroupPlan(False, 128, 0.01), GroupPlan(True)], [GroupPlan(False, 16, 0.05)] * 2], "t")
     text = plan.explain()
     kv = " / ".join(f"{plan_bytes_fraction(plan, n, 64)[0]:.1%}" for n in (4096, 8192, 16384, 32768))
