@@ -4,8 +4,13 @@ Answers chosen exported samples (bench/ruler_split.py export) one at a time, gre
 group which blocks were pinned at prefill end and which blocks each decode step read (pins merged with the top-k).
 Then, per sample: the model's output against the expected answer (decoded with the GGUF's tokenizer), the prompt
 blocks that hold the answer's tokens, and per such block how many retrieval groups pinned it and the mean share of
-decode steps that read it. A value whose first block is pinned but whose later blocks are not shows as an output
-that is right up to the block boundary.
+decode steps that read it (with several block sizes in the plan: per answer token, each group's own block). A
+value whose first block is pinned but whose later blocks are not shows as an output that is right up to the block
+boundary. Where the output leaves the answer part-way, the step that produced the first wrong token is looked at:
+in what share of groups did it read the block holding the token it should have copied.
+
+`--oracle-pins` puts the answer's blocks into every group's pins in place of others (same count, same read): an
+upper bound for the pin choice, to tell a value that was not read from one that was read and still lost.
 
   python bench/pin_trace.py --plan models/qwen2.5-coder-0.5b.plan.json --length 4096 \
       --samples niah_single_3:1 niah_multikey_3:0 --out bench/results/pin_trace.json
@@ -44,11 +49,16 @@ class Recorder:
         self.steps: list[dict[tuple[int, int], set[int]]] = []  # per decode step: (layer, group) -> blocks read
         self._last_layer = -1  # layers come in order within a step: a layer not above the last one starts a step
         self._table: tuple[np.ndarray, np.ndarray] | None = None  # the last table() call: tasks, each row's layer
+        # --oracle-pins: (plan, answer span [lo, hi) in prompt positions); each group's pins then hold the answer's
+        # blocks first, as many as it pins anyway (an upper bound for the pin choice at the same read, not a method)
+        self.oracle: tuple[SparsePlan, tuple[int, int]] | None = None
         store, table = pinned.PinnedBlocks._store, pinned.PinnedBlocks.table
         group_topk = native.group_topk
         topk, select_attend = native.PreparedSelection.topk, native.PreparedSelection.select_attend
 
         def recording_store(blocks: pinned.PinnedBlocks, layer: int, slot: int, pins: list[np.ndarray]) -> None:
+            if self.oracle is not None:
+                pins = self._oracle_pins(layer, pins)
             self.pins[layer] = [set(p.tolist()) for p in pins]
             store(blocks, layer, slot, pins)
 
@@ -93,6 +103,19 @@ class Recorder:
         for i in range(len(tasks)):
             self.steps[-1][(layer, int(tasks[i, 2]))] = set(ids[i, : counts[i]].tolist())
 
+    def _oracle_pins(self, layer: int, pins: list[np.ndarray]) -> list[np.ndarray]:
+        """The group's pins with the answer's blocks (its own g) put in place of others: same count, ascending."""
+        assert self.oracle is not None
+        plan, (lo, hi) = self.oracle
+        out = []
+        for h, p in enumerate(pins):
+            g = plan.groups[layer][h].g
+            answer = [b for b in range(lo // g, (hi - 1) // g + 1)]
+            rest = [int(b) for b in p if int(b) not in answer]
+            keep = (answer + rest)[: len(p)]
+            out.append(np.asarray(sorted(keep), dtype=p.dtype))
+        return out
+
     def clear(self) -> None:
         self.pins.clear()
         self.steps.clear()
@@ -110,37 +133,81 @@ def token_span(tok: Tokenizer, ids: list[int], text: str) -> tuple[int, int] | N
     return int(np.searchsorted(starts, at, side="right") - 1), int(np.searchsorted(starts, at + len(text)))
 
 
+def coverage(rec: Recorder, groups: list[tuple[int, int, int]], position: int,
+             steps: list[dict[tuple[int, int], set[int]]] | None = None) -> tuple[int, float]:
+    """How many of the groups (layer, KV group, g) pinned the block holding prompt position `position` (each group
+    its own g), and the mean over groups of the share of `steps` (default: all decode steps) that read it."""
+    steps = rec.steps if steps is None else steps
+    pinned_in = sum(position // g in (rec.pins.get(layer) or [set()] * (h + 1))[h] for layer, h, g in groups)
+    read = [np.mean([position // g in step.get((layer, h), set()) for step in steps]) if steps else 0.0
+            for layer, h, g in groups]
+    return int(pinned_in), round(float(np.mean(read)), 3)
+
+
+def first_wrong(tok: Tokenizer, rec: Recorder, groups: list[tuple[int, int, int]], ids: list[int],
+                span: tuple[int, int], answer: str, kept: list[int]) -> dict[str, Any] | None:
+    """Where the output first leaves the answer: the output token that does, the prompt position of the answer
+    character it should have continued with, and the share of groups whose block holding that position the step
+    producing the token read. Output token j (j >= 1) comes from decode step j - 1, whose query is token j - 1;
+    token 0 comes from the prefill, which attends to everything. None when the output holds the whole answer; a
+    note when not even its first 4 characters appear (another needle's value, say)."""
+    text = "".join(tok.decode([t]) for t in kept)
+    if answer in text:
+        return None
+    at = text.find(answer[:4])  # where the value starts in the output, if its first characters are right
+    if at < 0:
+        return {"output_token": None, "note": "the value is wrong from its first characters"}
+    wrong = at + next((i for i, (a, b) in enumerate(zip(answer, text[at:])) if a != b), len(text) - at)
+    ends = np.cumsum([len(tok.decode([t])) for t in kept])
+    j = int(np.searchsorted(ends, wrong, side="right"))  # the output token holding character `wrong`
+    char = wrong - at  # the answer character it should have been
+    prompt_text = [tok.decode([t]) for t in ids[span[0]:span[1]]]
+    starts = np.cumsum([0] + [len(p) for p in prompt_text])
+    lead = "".join(prompt_text).find(answer)
+    position = span[0] + int(np.searchsorted(starts, lead + char, side="right") - 1)
+    row: dict[str, Any] = {"output_token": j, "output_text": tok.decode([kept[j]]) if j < len(kept) else "",
+                           "expected_at": position - span[0], "expected_text": tok.decode([ids[position]])}
+    if 1 <= j <= len(rec.steps):
+        pinned_in, read = coverage(rec, groups, position, [rec.steps[j - 1]])
+        row |= {"groups_pinned": pinned_in, "share_of_groups_read": read}
+    return row
+
+
 def trace(engine: Engine, tok: Tokenizer, rec: Recorder, plan: SparsePlan, sample: dict[str, Any], ids: list[int],
-          min_budget: float) -> dict[str, Any]:
+          min_budget: float, oracle: bool = False) -> dict[str, Any]:
     rec.clear()
+    answer = sample["answers"][0]
+    span = token_span(tok, ids, answer)
+    rec.oracle = (plan, span) if oracle and span is not None else None
     engine.add_request(ids, SamplingParams(temperature=0.0, max_tokens=sample["max_new_tokens"]))
     out: list[int] = []
     while engine.has_unfinished():
         for o in engine.step():
             out.extend(o.new_token_ids)
     kept = [t for t in out if t not in engine.eog_ids]
-    answer = sample["answers"][0]
     result: dict[str, Any] = {"task": sample["task"], "index": sample["index"], "answer": answer,
                               "output": tok.decode(kept), "output_tokens": [tok.decode([t]) for t in kept]}
-    span = token_span(tok, ids, answer)
     if span is None:
         return result
-    g = {gp.g for row in plan.groups for gp in row if not gp.streaming}
-    if len(g) != 1:
-        raise SystemExit("error: pin_trace needs one block size for every retrieval group")
-    block = g.pop()
-    groups = [(layer, h) for layer, row in enumerate(plan.groups) for h, gp in enumerate(row)
+    groups = [(layer, h, gp.g) for layer, row in enumerate(plan.groups) for h, gp in enumerate(row)
               if not gp.streaming and gp.budget >= min_budget]
-    blocks = list(range(span[0] // block, (span[1] - 1) // block + 1))
-    per_block = []
-    for b in blocks:
-        pinned_in = sum(b in rec.pins.get(layer, [set()] * (h + 1))[h] for layer, h in groups)
-        read = [np.mean([b in step.get(key, set()) for step in rec.steps]) if rec.steps else 0.0 for key in groups]
-        lo, hi = max(b * block, span[0]), min((b + 1) * block, span[1])
-        per_block.append({"block": b, "answer_tokens": [lo - span[0], hi - span[0]],
-                          "answer_text": tok.decode(ids[lo:hi]), "groups_pinned": int(pinned_in),
-                          "mean_share_of_steps_read": round(float(np.mean(read)), 3)})
-    result |= {"answer_positions": list(span), "groups": len(groups), "blocks": per_block}
+    sizes = {g for _, _, g in groups}
+    if len(sizes) == 1:  # one block size: the answer's blocks, as before
+        block = sizes.pop()
+        per_block = []
+        for b in range(span[0] // block, (span[1] - 1) // block + 1):
+            lo, hi = max(b * block, span[0]), min((b + 1) * block, span[1])
+            pinned_in, read = coverage(rec, groups, lo)
+            per_block.append({"block": b, "answer_tokens": [lo - span[0], hi - span[0]],
+                              "answer_text": tok.decode(ids[lo:hi]), "groups_pinned": pinned_in,
+                              "mean_share_of_steps_read": read})
+        result["blocks"] = per_block
+    else:  # several block sizes: per answer token, each group's own block holding it
+        result["tokens"] = [{"token": t - span[0], "text": tok.decode([ids[t]]),
+                             **dict(zip(("groups_pinned", "mean_share_of_steps_read"), coverage(rec, groups, t)))}
+                            for t in range(*span)]
+    result |= {"answer_positions": list(span), "groups": len(groups),
+               "first_wrong": first_wrong(tok, rec, groups, ids, span, answer, kept)}
     return result
 
 
@@ -153,6 +220,9 @@ def main() -> None:
     ap.add_argument("--samples", nargs="+", required=True, help="task:index, e.g. niah_single_3:1")
     ap.add_argument("--min-budget", type=float, default=0.03, help="count only retrieval groups with this budget")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--oracle-pins", action="store_true",
+                    help="each group pins the answer's blocks in place of others (same pin count and read): does "
+                         "pinning the value everywhere fix the answer?")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     tag = model_tag(args.gguf)
@@ -178,12 +248,21 @@ def main() -> None:
         engine.set_attention("fluxion", plan)
         rows = results["plans"][Path(plan_path).name] = []
         for k in picks:
-            r = trace(engine, tok, rec, plan, meta["samples"][k], prompts[k], args.min_budget)
+            r = trace(engine, tok, rec, plan, meta["samples"][k], prompts[k], args.min_budget, args.oracle_pins)
             rows.append(r)
             print(f"[{Path(plan_path).name}] {r['task']}:{r['index']} answer {r['answer']!r} output {r['output']!r}")
             for b in r.get("blocks", []):
                 print(f"   block {b['block']:>4} {b['answer_text']!r:<24} pinned in {b['groups_pinned']:>2}/{r['groups']} "
                       f"groups, read on {b['mean_share_of_steps_read']:.0%} of steps (mean)", flush=True)
+            for t in r.get("tokens", []):
+                print(f"   token {t['token']:>3} {t['text']!r:<8} pinned in {t['groups_pinned']:>2}/{r['groups']} "
+                      f"groups, read on {t['mean_share_of_steps_read']:.0%} of steps (mean)", flush=True)
+            if r.get("first_wrong") and r["first_wrong"]["output_token"] is not None:
+                w = r["first_wrong"]
+                print(f"   first wrong: output token {w['output_token']} {w['output_text']!r} for answer token "
+                      f"{w['expected_at']} {w['expected_text']!r}; its step read that token's block in "
+                      f"{w.get('share_of_groups_read', float('nan')):.0%} of groups "
+                      f"({w.get('groups_pinned', '-')} pinned)", flush=True)
         Path(args.out).write_text(json.dumps(results, indent=1))
     print(f"wrote {args.out}")
 
