@@ -14,7 +14,7 @@ from fluxion_lite.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
 
 
 class CharTokenizer:
-    """Token id t decodes to PIECES[t]; enough of Tokenizer for pin_trace's text mapping."""
+    """Token id t decodes to pieces[t]: as much of Tokenizer as pin_trace's text mapping uses."""
 
     def __init__(self, pieces: list[str]) -> None:
         self.pieces = pieces
