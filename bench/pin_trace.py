@@ -110,7 +110,7 @@ class Recorder:
         out = []
         for h, p in enumerate(pins):
             g = plan.groups[layer][h].g
-            answer = [b for b in range(lo // g, (hi - 1) // g + 1)]
+            answer = list(range(lo // g, (hi - 1) // g + 1))
             rest = [int(b) for b in p if int(b) not in answer]
             keep = (answer + rest)[: len(p)]
             out.append(np.asarray(sorted(keep), dtype=p.dtype))
@@ -145,27 +145,28 @@ def coverage(rec: Recorder, groups: list[tuple[int, int, int]], position: int,
 
 
 def first_wrong(tok: Tokenizer, rec: Recorder, groups: list[tuple[int, int, int]], ids: list[int],
-                span: tuple[int, int], answer: str, kept: list[int]) -> dict[str, Any] | None:
+                span: tuple[int, int], answer: str, pieces: list[str]) -> dict[str, Any] | None:
     """Where the output first leaves the answer: the output token that does, the prompt position of the answer
     character it should have continued with, and the share of groups whose block holding that position the step
     producing the token read. Output token j (j >= 1) comes from decode step j - 1, whose query is token j - 1;
     token 0 comes from the prefill, which attends to everything. None when the output holds the whole answer; a
-    note when not even its first 4 characters appear (another needle's value, say)."""
-    text = "".join(tok.decode([t]) for t in kept)
+    note when not even its first 4 characters appear (another needle's value, say). pieces: the output's tokens,
+    each decoded."""
+    text = "".join(pieces)
     if answer in text:
         return None
     at = text.find(answer[:4])  # where the value starts in the output, if its first characters are right
     if at < 0:
         return {"output_token": None, "note": "the value is wrong from its first characters"}
     wrong = at + next((i for i, (a, b) in enumerate(zip(answer, text[at:])) if a != b), len(text) - at)
-    ends = np.cumsum([len(tok.decode([t])) for t in kept])
+    ends = np.cumsum([len(p) for p in pieces])
     j = int(np.searchsorted(ends, wrong, side="right"))  # the output token holding character `wrong`
     char = wrong - at  # the answer character it should have been
     prompt_text = [tok.decode([t]) for t in ids[span[0]:span[1]]]
     starts = np.cumsum([0] + [len(p) for p in prompt_text])
     lead = "".join(prompt_text).find(answer)
     position = span[0] + int(np.searchsorted(starts, lead + char, side="right") - 1)
-    row: dict[str, Any] = {"output_token": j, "output_text": tok.decode([kept[j]]) if j < len(kept) else "",
+    row: dict[str, Any] = {"output_token": j, "output_text": pieces[j] if j < len(pieces) else "",
                            "expected_at": position - span[0], "expected_text": tok.decode([ids[position]])}
     if 1 <= j <= len(rec.steps):
         pinned_in, read = coverage(rec, groups, position, [rec.steps[j - 1]])
@@ -207,7 +208,7 @@ def trace(engine: Engine, tok: Tokenizer, rec: Recorder, plan: SparsePlan, sampl
                              **dict(zip(("groups_pinned", "mean_share_of_steps_read"), coverage(rec, groups, t)))}
                             for t in range(*span)]
     result |= {"answer_positions": list(span), "groups": len(groups),
-               "first_wrong": first_wrong(tok, rec, groups, ids, span, answer, kept)}
+               "first_wrong": first_wrong(tok, rec, groups, ids, span, answer, result["output_tokens"])}
     return result
 
 

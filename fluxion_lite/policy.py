@@ -76,17 +76,13 @@ def plan_bytes_fraction(plan: SparsePlan, n: int, head_dim: int) -> tuple[float,
     flat = [gp for row in plan.groups for gp in row]
     factor, long_factor = float(plan.budget_factor(n)), float(plan.long_factor(n))
     for gp in flat:
-        if gp.long_only and long_factor == 0.0:
-            # a long-only group streams while its factor is 0 (short contexts), but through its own g's block-aligned
-            # sink and window: the step keeps one mask row per group (SparseAttention._gidx), not a streaming one.
-            # No blocks, no summaries scanned.
-            near = near_tokens(Config(False, gp.g, 0.0), n, plan.sink, plan.window)
-            kv += near / n
-            touched += near / n
-            continue
+        # a long-only group streams while its factor is 0 (short contexts), but through its own g's block-aligned
+        # sink and window (the step keeps its mask row, SparseAttention._gidx): a retrieval configuration with no
+        # blocks, and no summaries scanned
+        scans = not gp.streaming and not (gp.long_only and long_factor == 0.0)
         c = Config(gp.streaming, gp.g, min(1.0, gp.budget * (long_factor if gp.long_only else factor)))
-        b = bytes_per_step(c, n, plan.sink, plan.window, head_dim)
-        meta = 0.0 if gp.streaming else summary_bytes(n, gp.g, head_dim)
+        b = bytes_per_step(c, n, plan.sink, plan.window, head_dim, summary_weight=float(scans))
+        meta = summary_bytes(n, gp.g, head_dim) if scans else 0.0
         kv += (b - meta) / full
         touched += b / full
     return kv / len(flat), touched / len(flat)

@@ -54,14 +54,14 @@ def test_first_wrong_maps_the_output_token_to_its_step_and_prompt_position() -> 
     rec.pins = {0: [{2}, set()]}
     rec.steps = [{(0, 0): set(), (0, 1): set()} for _ in range(3)] + [{(0, 0): {2}, (0, 1): {4}}]
     rec.steps += [{(0, 0): set(), (0, 1): set()}]
-    w = first_wrong(tok, rec, groups, prompt, span, answer, out)
+    w = first_wrong(tok, rec, groups, prompt, span, answer, [pieces[t] for t in out])
     assert w is not None
     assert (w["output_token"], w["output_text"]) == (4, "9")
     assert (w["expected_at"], w["expected_text"]) == (3, "34")
     # output token 4 comes from decode step 3: position 43 is block 2 at g=16 (read, pinned), block 5 at g=8 (not)
     assert w["groups_pinned"] == 1 and w["share_of_groups_read"] == 0.5
-    assert first_wrong(tok, rec, groups, prompt, span, answer, [6, 1, 2, 3, 4, 7]) is None
-    assert first_wrong(tok, rec, groups, prompt, span, answer, [6, 8, 9, 7])["output_token"] is None
+    assert first_wrong(tok, rec, groups, prompt, span, answer, [": ", "ab", "-", "12", "34", "."]) is None
+    assert first_wrong(tok, rec, groups, prompt, span, answer, [": ", "A", "B", "."])["output_token"] is None
 
 
 def test_oracle_pins_put_the_answer_blocks_first_and_keep_the_count() -> None:
