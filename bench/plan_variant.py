@@ -36,20 +36,22 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
             pin_decay: float | None = None, short_scale: float | None = None,
             short_tokens: int | None = None, sink: int | None = None, min_budget: float = 0.0,
             window: int | None = None, streaming_budget: float | None = None, long_only: bool = False,
-            pin_span_tokens: int | None = None) -> SparsePlan:
+            pin_span_tokens: int | None = None, long_exact_stream: bool | None = None) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets raised to at least min_budget and
     then x budget_scale (capped at 1), the given block scoring, share of pinned blocks and pin span (with its
     decay), short-context budget scale (SparsePlan.budget_factor), sink and recent window; None keeps the base plan's
     value of any of these. streaming_budget: every streaming group becomes a retrieval group with this budget (before
     the scale) at the retrieval block size (g, else the base plan's most common one); long_only: a long-only one
     (GroupPlan.long_only: streaming up to short_tokens, its budget from twice that on). pin_span_tokens: pin spans
-    in tokens (SparsePlan.span_for; 0 = in blocks, pin_span)."""
+    in tokens (SparsePlan.span_for; 0 = in blocks, pin_span). long_exact_stream: long-only groups stream through the
+    exact sink and window (SparsePlan.long_exact_stream)."""
     scoring = plan.scoring if scoring is None else scoring
     pin_fraction = plan.pin_fraction if pin_fraction is None else pin_fraction
     obs_window = plan.obs_window if obs_window is None else obs_window
     pin_span = plan.pin_span if pin_span is None else pin_span
     pin_decay = plan.pin_decay if pin_decay is None else pin_decay
     span_tokens = plan.pin_span_tokens if pin_span_tokens is None else pin_span_tokens
+    long_exact = plan.long_exact_stream if long_exact_stream is None else long_exact_stream
     sink = plan.sink if sink is None else sink
     window = plan.window if window is None else window
     short_scale = plan.short_scale if short_scale is None else short_scale
@@ -75,9 +77,10 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
               + (f", window {window}" if window != plan.window else "")
               + (f", streaming groups retrieve at {streaming_budget:g}" if streaming_budget is not None else "")
               + (f" from {2 * short_tokens} tokens on (long-only)" if streaming_budget is not None and long_only
-                 else ""))
+                 else "")
+              + (", long-only groups stream exactly" if long_exact and not plan.long_exact_stream else ""))
     return SparsePlan(sink, window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
-                      short_scale, short_tokens, span_tokens)
+                      short_scale, short_tokens, span_tokens, long_exact)
 
 
 def main() -> None:
@@ -122,6 +125,9 @@ def main() -> None:
     ap.add_argument("--long-only", action="store_true",
                     help="with --streaming-budget: the turned groups stay streaming up to the short-context tokens and "
                          "retrieve from twice that on (linear in log2 of the context between)")
+    ap.add_argument("--long-exact-stream", action="store_true", default=None,
+                    help="long-only groups stream through the exact sink and window up to the short-context tokens, "
+                         "not their block size's aligned ones (default: the base plan's choice)")
     ap.add_argument("--out", required=True, help="where to write the variant plan (.plan.json)")
     args = ap.parse_args()
     if args.sink is not None and args.sink < 1:
@@ -159,7 +165,7 @@ def main() -> None:
         sys.exit(f"error: --base: {exc}")
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
                   args.pin_decay, args.short_scale, args.short_tokens, args.sink, args.min_budget,
-                  args.window, args.streaming_budget, args.long_only, args.pin_span_tokens)
+                  args.window, args.streaming_budget, args.long_only, args.pin_span_tokens, args.long_exact_stream)
     out.save(Path(args.out))
     print(out.explain())  # with the predicted reads at 4K-32K
     print(f"wrote {args.out}")

@@ -76,11 +76,13 @@ def plan_bytes_fraction(plan: SparsePlan, n: int, head_dim: int) -> tuple[float,
     flat = [gp for row in plan.groups for gp in row]
     factor, long_factor = float(plan.budget_factor(n)), float(plan.long_factor(n))
     for gp in flat:
-        # a long-only group streams while its factor is 0 (short contexts), but through its own g's block-aligned
-        # sink and window (the step keeps its mask row, SparseAttention._gidx): a retrieval configuration with no
-        # blocks, and no summaries scanned
-        scans = not gp.streaming and not (gp.long_only and long_factor == 0.0)
-        c = Config(gp.streaming, gp.g, min(1.0, gp.budget * (long_factor if gp.long_only else factor)))
+        # a long-only group streams while its factor is 0 (short contexts): through its own g's block-aligned sink
+        # and window (its g's mask row, SparseAttention._gidx), a retrieval configuration with no blocks and no
+        # summaries scanned; with the plan's long_exact_stream, through the exact ones, as a streaming group
+        long_streams = gp.long_only and long_factor == 0.0
+        scans = not gp.streaming and not long_streams
+        streams_exactly = gp.streaming or (long_streams and plan.long_exact_stream)
+        c = Config(streams_exactly, gp.g, min(1.0, gp.budget * (long_factor if gp.long_only else factor)))
         b = bytes_per_step(c, n, plan.sink, plan.window, head_dim, summary_weight=float(scans))
         meta = summary_bytes(n, gp.g, head_dim) if scans else 0.0
         kv += (b - meta) / full

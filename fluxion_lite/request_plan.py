@@ -22,8 +22,7 @@ from .config import ModelConfig
 from .head_features import FEATURE_QUERIES, prompt_features
 from .predictor import Predictor, config_costs, select_groups
 from .sparse_plan import GroupPlan, SparsePlan
-
-GVALS = (1, 16, 32, 64, 128)  # must match sparse_step.GVALS (row index of the per-g step arrays)
+from .sparse_step import group_rows
 
 
 @dataclass
@@ -33,7 +32,7 @@ class RowPlan:
     retrieval: np.ndarray
     g: np.ndarray  # 1 for streaming groups
     budget: np.ndarray
-    gidx: np.ndarray  # index into GVALS
+    gidx: np.ndarray  # row of the step's per-g arrays (sparse_step.group_rows)
     gidx_dev: torch.Tensor
     long_only: np.ndarray | None = None  # the static plan's long-only flags where rows keep them; None: none
 
@@ -115,7 +114,8 @@ class RequestPlanner:
         if any(s in self._plans for s in seq_ids):
             per = [self._plans.get(s, self._static) for s in seq_ids]
             ret, g, bud, long_only = (np.stack([p[i] for p in per], axis=1) for i in range(4))
-            gidx = np.searchsorted(np.array(GVALS), g)
+            # the step has long-only rows when the static plan does (SparseAttention.long_exact)
+            gidx = group_rows(g, long_only, self.static.long_exact_stream and self.static.has_long_only)
             rp = RowPlan(ret, g, bud, gidx, torch.from_numpy(gidx).to(device), long_only if long_only.any() else None)
         self._cache = (step, self._version, rp)
         return rp

@@ -40,7 +40,7 @@ from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan
 from .device_graph import DeviceGraphedDecode
 from .sparse_graph import GraphedDecode
-from .sparse_step import GVALS, DecodeStep, active_retrieval, build_step, retrieval_tasks
+from .sparse_step import DecodeStep, active_retrieval, bias_rows, build_step, group_rows, retrieval_tasks
 from . import zero_copy as zc
 
 MAX_G = max(GRANULARITIES)
@@ -79,7 +79,10 @@ class SparseAttention(AttentionBackend):
         # plan as arrays [L, Hkv]
         self._retrieval, self._g, self._budget, long_only = plan.arrays()
         self._long = long_only if long_only.any() else None  # None: no long-only groups (the usual plan)
-        self._gidx = np.searchsorted(np.array(GVALS), self._g)  # [L, Hkv] row of DecodeStep's per-g arrays
+        # long-only groups stream through the exact sink and window (rows of their own) if the plan says so
+        self.long_exact = plan.long_exact_stream and self._long is not None
+        self.bias_rows = bias_rows(self.long_exact)  # rows of a step's mask (DecodeStep.bias)
+        self._gidx = group_rows(self._g, self._long, self.long_exact)  # [L, Hkv] row of DecodeStep's per-g arrays
         self._gidx_dev = torch.from_numpy(self._gidx).to(device)
         self._dsum: DeviceSummaries | None = None
         # per-request plans from the head-property predictor (request_plan.py); None: the static plan for all
@@ -408,7 +411,7 @@ class SparseAttention(AttentionBackend):
         if self._step is None or self._step.key != key:
             self._step = build_step(key, [self._slot[c.seq_id] for c in chunks], self.plan.sink, self.plan.window,
                                     self.sink_cap, self.ring_cap, self.device, self.plan.short_scale,
-                                    self.plan.short_tokens, self._long is not None)
+                                    self.plan.short_tokens, self._long is not None, self.long_exact)
         return self._step
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:

@@ -39,7 +39,7 @@ from . import native
 from .attention import SeqChunk
 from .hybrid import biased_attention
 from .scheduler import Placement, all_cpu_suffices, split_tasks, task_bytes
-from .sparse_step import GVALS, DecodeStep, active_retrieval, retrieval_tasks
+from .sparse_step import DecodeStep, active_retrieval, retrieval_tasks
 
 if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
@@ -116,7 +116,7 @@ def stream_layer(a: SparseAttention, layer: int, slots: torch.Tensor, ring: torc
                  q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The captured streaming part of a graphed step's layer (this module's and device_graph.py's): the new token's
     K/V into the device sink/ring slab, attention over sink + window. q [B, Hq, D], k, v [B, Hkv, D]; slots, ring
-    [B] (device slab rows, the token's ring slot); bias fp32 [len(GVALS), B, Ltot] (DecodeStep.bias). Returns
+    [B] (device slab rows, the token's ring slot); bias fp32 [G, B, Ltot] (DecodeStep.bias). Returns
     qg [B, Hkv, r, D] (a view of q), out_s [B, Hkv, r, D] and lse_s [B, Hkv, r]."""
     B, hkv, r, d = q.shape[0], a.cfg.n_kv_heads, a.r, a.cfg.head_dim
     near = a._near[layer]  # [slots, 2, Hkv, Ltot, D]
@@ -140,7 +140,7 @@ class StaticStep:
         self.batch = batch
         self.slots = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] rows of the device slab
         self.ring = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] the new token's ring slot
-        self.bias = torch.zeros(len(GVALS), batch, ltot, dtype=torch.float32, device=dev)  # [G, B, Ltot]
+        self.bias = torch.zeros(owner.bias_rows, batch, ltot, dtype=torch.float32, device=dev)  # [G, B, Ltot]
         # CPU results in one flat buffer (pinned) and its device twin: out [B Hkv, r, D], then lse [B Hkv, r]. Laid
         # out as the native attention writes them, so a layer whose tasks cover every row writes them in place.
         n_o = n_bh * r * d

@@ -75,6 +75,10 @@ class SparsePlan:
     # pin spans in tokens instead (0 = off, pin_span holds): a group of block size g pins ceil(pin_span_tokens / g)
     # blocks per span, so a needle's value is covered as far at g = 16 as at g = 128 (span_for)
     pin_span_tokens: int = 0
+    # long-only groups stream through the exact sink and window up to short_tokens, as streaming groups do, instead
+    # of their g's block-aligned ones (~80 more tokens at g = 64: read the plan did not ask for; False keeps the
+    # decode steps of plans measured before the option)
+    long_exact_stream: bool = False
 
     def __post_init__(self) -> None:
         check_short(self.short_scale, self.short_tokens)
@@ -152,6 +156,8 @@ class SparsePlan:
             data["pin_span_tokens"] = self.pin_span_tokens
         if self.pin_decay != 1.0:
             data["pin_decay"] = self.pin_decay
+        if self.long_exact_stream:
+            data["long_exact_stream"] = True
         if self.short_scale != 1.0 or self.has_long_only:  # long-only groups ramp up at short_tokens too
             data |= {"short_scale": self.short_scale, "short_tokens": self.short_tokens}
         path.write_text(json.dumps(data, indent=1))
@@ -166,12 +172,15 @@ class SparsePlan:
             for name, value in (("pin_span", pin_span), ("pin_span_tokens", span_tokens)):
                 if type(value) is not int:  # 2.5 or "2" would otherwise be truncated or parsed silently
                     raise ValueError(f"{name} must be an integer (got {value!r})")
+            long_exact = data.get("long_exact_stream", False)
+            if type(long_exact) is not bool:  # "false" would be true
+                raise ValueError(f"long_exact_stream must be true or false (got {long_exact!r})")
             # checked as stored (check_short in __post_init__): 8192.5 tokens or "2" must not be coerced silently
             short_scale, short_tokens = data.get("short_scale", 1.0), data.get("short_tokens", DEFAULT_SHORT_TOKENS)
             return cls(int(data["sink"]), int(data["window"]), groups, str(data.get("source", path.name)),
                        float(data.get("pin_fraction", 0.0)), int(data.get("obs_window", 32)),
                        str(data.get("scoring", "group")), pin_span,
-                       float(data.get("pin_decay", 1.0)), short_scale, short_tokens, span_tokens)
+                       float(data.get("pin_decay", 1.0)), short_scale, short_tokens, span_tokens, long_exact)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
 
@@ -190,8 +199,9 @@ class SparsePlan:
             lines.append(f"  short contexts: budgets x{self.short_scale:g} up to {self.short_tokens} tokens, x1 from "
                          f"{2 * self.short_tokens} on (linear in log2 of the context between)")
         if self.has_long_only:
-            lines.append(f"  long-only groups (marked *): streaming up to {self.short_tokens} tokens, their budget from "
-                         f"{2 * self.short_tokens} on (linear in log2 of the context between)")
+            lines.append(f"  long-only groups (marked *): streaming up to {self.short_tokens} tokens"
+                         + (" (exact sink and window)" if self.long_exact_stream else " (block-aligned sink and window)")
+                         + f", their budget from {2 * self.short_tokens} on (linear in log2 of the context between)")
         from .policy import plan_bytes_fraction  # here: policy imports this module
 
         lengths = (4096, 8192, 16384, 32768)

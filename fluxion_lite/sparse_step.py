@@ -15,6 +15,23 @@ from . import native
 from .sparse_plan import DEFAULT_SHORT_TOKENS, long_factor, short_factor
 
 GVALS = (1, 16, 32, 64, 128)  # 1 = a streaming group (exact sink / window); else the group's block size
+# With a plan's long_exact_stream, long-only groups take rows past GVALS (one per block size, g's row + this): the
+# exact sink and window while their context is short (they stream there), their g's rows once they retrieve
+LONG_ROW_OFFSET = len(GVALS) - 1
+
+
+def bias_rows(long_exact: bool) -> int:
+    """Rows of a step's per-g arrays (DecodeStep.sink_hi, win_lo, stream_read, bias)."""
+    return len(GVALS) + (LONG_ROW_OFFSET if long_exact else 0)
+
+
+def group_rows(g: np.ndarray, long_only: np.ndarray | None = None, long_exact: bool = False) -> np.ndarray:
+    """Row of a step's per-g arrays for each group of block size g (1: streaming; any shape); with long_exact, a
+    long-only group's own row past GVALS (build_step(long_exact=True) adds them)."""
+    rows = np.searchsorted(np.array(GVALS), g)
+    if long_exact and long_only is not None:
+        rows = np.where(long_only, rows + LONG_ROW_OFFSET, rows)
+    return rows
 
 
 @dataclass
@@ -22,10 +39,10 @@ class DecodeStep:
     key: tuple[tuple[int, int], ...]  # (seq_id, position) per row: identifies the step
     slots: np.ndarray  # int64 [B] host-store slots (also the row of the on-device sink/ring slab)
     n: np.ndarray  # int64 [B] tokens incl. the new one
-    sink_hi: np.ndarray  # int64 [len(GVALS), B] streaming covers [0, sink_hi) ...
-    win_lo: np.ndarray  # int64 [len(GVALS), B] ... and [win_lo, n): block-aligned to the group's g
-    stream_read: np.ndarray  # float64 [len(GVALS), B] tokens the streaming part reads
-    bias: torch.Tensor  # fp32 [len(GVALS), B, Ltot] on the device: 0 where a buffer slot is attended, -inf elsewhere
+    sink_hi: np.ndarray  # int64 [G, B] streaming covers [0, sink_hi) ... (G = bias_rows(long_exact))
+    win_lo: np.ndarray  # int64 [G, B] ... and [win_lo, n): block-aligned to the group's g
+    stream_read: np.ndarray  # float64 [G, B] tokens the streaming part reads
+    bias: torch.Tensor  # fp32 [G, B, Ltot] on the device: 0 where a buffer slot is attended, -inf elsewhere
     slots_dev: torch.Tensor  # int64 [B]
     pos_dev: torch.Tensor  # int64 [B] position of the new token
     ring_dev: torch.Tensor  # int64 [B] its slot in the ring (sink_cap + pos % ring_cap)
@@ -45,15 +62,22 @@ class DecodeStep:
 
 def build_step(key: tuple[tuple[int, int], ...], slots: list[int], sink: int, window: int, sink_cap: int,
                ring_cap: int, device: torch.device, short_scale: float = 1.0,
-               short_tokens: int = DEFAULT_SHORT_TOKENS, long_only: bool = False) -> DecodeStep:
+               short_tokens: int = DEFAULT_SHORT_TOKENS, long_only: bool = False,
+               long_exact: bool = False) -> DecodeStep:
     """short_scale, short_tokens: the plan's short-context budget scale (SparsePlan.budget_factor); 1 = off.
-    long_only: the plan has long-only groups (their factor, SparsePlan.long_factor, per row)."""
+    long_only: the plan has long-only groups (their factor, SparsePlan.long_factor, per row); long_exact: they
+    stream through the exact sink and window (SparsePlan.long_exact_stream; rows past GVALS, group_rows)."""
     pos = np.array([p for _, p in key], np.int64)  # [B]
     n = pos + 1
     slots_a = np.array(slots, np.int64)
-    gv = np.array(GVALS, np.int64)[:, None]  # [G, 1]
-    sink_hi = np.minimum(-(-sink // gv) * gv, n[None, :])  # [G, B]
-    win_lo = np.maximum((np.maximum(n[None, :] - window, 0) // gv) * gv, sink_hi)  # [G, B]
+    long_scale = long_factor(n, short_tokens) if long_only else None
+    gv = np.array(GVALS, np.int64)[:, None]  # [len(GVALS), 1]
+    sink_hi = np.minimum(-(-sink // gv) * gv, n[None, :])  # [len(GVALS), B]
+    win_lo = np.maximum((np.maximum(n[None, :] - window, 0) // gv) * gv, sink_hi)  # [len(GVALS), B]
+    if long_only and long_exact:  # + one row per block size: the exact (g = 1) bounds in rows still streaming
+        streams = (long_scale == 0.0)[None, :]  # [1, B]
+        sink_hi = np.concatenate([sink_hi, np.where(streams, sink_hi[:1], sink_hi[1:])])  # [G, B]
+        win_lo = np.concatenate([win_lo, np.where(streams, win_lo[:1], win_lo[1:])])
     # buffer slots: sink j holds position j; ring slot j holds the latest position p == j (mod ring_cap)
     j = np.arange(ring_cap)
     ring_pos = pos[:, None] - ((pos[:, None] - j[None, :]) % ring_cap)  # [B, ring_cap]
@@ -74,7 +98,7 @@ def build_step(key: tuple[tuple[int, int], ...], slots: list[int], sink: int, wi
                       idx_d[1], idx_d[2], idx, int(slots_a[0]) if contiguous else None,
                       [b for b in range(len(pos)) if pos[b] < sink_cap],
                       short_factor(n, short_scale, short_tokens) if short_scale != 1.0 else None,
-                      long_factor(n, short_tokens) if long_only else None)
+                      long_scale)
 
 
 def active_retrieval(st: DecodeStep, retrieval: np.ndarray, long_only: np.ndarray | None) -> np.ndarray:
