@@ -38,7 +38,8 @@ class DeviceStep:
         self.ring = self.ints[2 * batch: 3 * batch]  # [B] its slot in the ring
         self.bounds = self.ints[3 * batch: 5 * batch].view(2, batch)  # [2, B] eligible blocks [lo, hi)
         self.k_row = self.ints[5 * batch:].view(n_layers, batch, hkv)  # [L, B, Hkv] blocks to use
-        self.bias = torch.zeros(owner.bias_rows, batch, owner.sink_cap + owner.ring_cap, dtype=torch.float32, device=dev)
+        ltot = owner.sink_cap + owner.ring_cap
+        self.bias = torch.zeros(owner.bias_rows, batch, ltot, dtype=torch.float32, device=dev)  # [G, B, Ltot]
         self.pinned = torch.zeros(n_layers, batch, hkv, n_blocks, dtype=torch.bool, device=dev)  # [L, B, Hkv, NB]
         # per layer: each page's first chunk in the zero-copy span, rows = store slots (static copies of the
         # feeder's tables, refreshed in place when the store's page tables change)

@@ -199,9 +199,10 @@ class SparsePlan:
             lines.append(f"  short contexts: budgets x{self.short_scale:g} up to {self.short_tokens} tokens, x1 from "
                          f"{2 * self.short_tokens} on (linear in log2 of the context between)")
         if self.has_long_only:
-            lines.append(f"  long-only groups (marked *): streaming up to {self.short_tokens} tokens"
-                         + (" (exact sink and window)" if self.long_exact_stream else " (block-aligned sink and window)")
-                         + f", their budget from {2 * self.short_tokens} on (linear in log2 of the context between)")
+            how = "exact" if self.long_exact_stream else "block-aligned"
+            lines.append(f"  long-only groups (marked *): streaming up to {self.short_tokens} tokens "
+                         f"({how} sink and window), their budget from {2 * self.short_tokens} on "
+                         f"(linear in log2 of the context between)")
         from .policy import plan_bytes_fraction  # here: policy imports this module
 
         lengths = (4096, 8192, 16384, 32768)
