@@ -161,3 +161,35 @@ def test_plan_variant_flag_keeps_the_base_choice_unless_given(tmp_path: Path) ->
     replace(plan(), long_exact_stream=True).save(base)  # an exact base stays exact
     assert subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120).returncode == 0
     assert SparsePlan.load(out).long_exact_stream
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
+    """Device selection, captured step (device_graph) against the eager device path with an exact-streaming plan:
+    the device stream kernel reads the long-only rows of the mask (Triton's on a GPU, with fused)."""
+    from fluxion_lite import device_graph
+    from fluxion_lite.device_graph import DeviceGraphedDecode
+    from decode_compare import decode_and_compare, prefill
+    from test_device_graph import _backends, _models
+
+    device = torch.device("cpu")
+    if fused:
+        pytest.importorskip("triton")
+        if torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+    monkeypatch.setenv("FLUXION_TRITON", "1" if fused else "0")
+    monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)
+    eager, runner = _models(seed=5, device=device)
+    row = [GroupPlan(False, 16, 0.07), GroupPlan(False, 16, 0.05, True), GroupPlan(True)]
+    p = SparsePlan(sink=20, window=33, groups=[row, row], source="t", short_tokens=256, long_exact_stream=True)
+    backends = _backends(p, eager.cfg, device)
+    g = torch.Generator().manual_seed(8)
+    lengths = [250, 700, 180]  # below (one crossing) and past short_tokens
+    prefill((eager, runner), backends, [torch.randint(0, eager.cfg.vocab_size, (n,), generator=g) for n in lengths])
+    decode_and_compare(eager, runner, backends, lengths, 9, g, eager.cfg.vocab_size)
+    hooked = backends[1]._device_graphed
+    assert isinstance(hooked, DeviceGraphedDecode) and hooked.ds is not None
+    assert hooked.ds.bias.shape[0] == backends[1].bias_rows == 2 * len(GVALS) - 1
+    assert backends[1].stats()["kv_read_fraction"] == pytest.approx(backends[0].stats()["kv_read_fraction"])
+    for a in backends:
+        a.executor.close()
