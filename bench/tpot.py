@@ -45,14 +45,9 @@ from fluxion_lite.model import Transformer
 from fluxion_lite.sparse_attention import SparseAttention
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
 
-SHAPES = {
-    "llama3.1-8b": dict(arch="llama", n_layers=32, d_model=4096, d_ff=14336, n_heads=32, n_kv_heads=8, head_dim=128,
-                        vocab_size=128256, rope_theta=500000.0, rope_style="interleaved", qkv_bias=False),
-    "qwen2.5-7b": dict(arch="qwen2", n_layers=28, d_model=3584, d_ff=18944, n_heads=28, n_kv_heads=4, head_dim=128,
-                       vocab_size=152064, rope_theta=1000000.0, rope_style="neox", qkv_bias=True),
-    "tiny": dict(arch="llama", n_layers=4, d_model=512, d_ff=1024, n_heads=8, n_kv_heads=2, head_dim=64,
-                 vocab_size=1000, rope_theta=10000.0, rope_style="interleaved", qkv_bias=False),
-}
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from model_shapes import SHAPES  # noqa: E402  (bench/ is not a package)
+
 # fluxion-gpu: fluxion's plan with selection and attention on the GPU (device_graph.py), one graph per step, the
 # pinned blocks held in device memory (the pin cache, serving's default) and the dynamic ones read over PCIe;
 # fluxion-gpu-nocache: the same with every block over PCIe (FLUXION_PIN_CACHE=0: no KV on the GPU beyond sink +
