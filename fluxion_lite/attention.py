@@ -57,37 +57,41 @@ class AttentionBackend(ABC):
         """Start the counters behind stats() afresh (per benchmark sample)."""
 
 
-# Above this many score elements per tile, queries are processed in slices so a 32K prompt never needs a 32K x 32K matrix.
-MAX_SCORE_ELEMS = 1 << 24
+# Above this many mask elements per query tile, queries are processed in slices, so a long prompt's causal mask
+# ([rows, keys] bool, widened by SDPA to the input dtype) stays near 32 MB.
+MAX_MASK_ELEMS = 1 << 24
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """Exact attention of new queries over a sequence's keys, causal, GQA-aware.
 
     q: [n, Hq, D] at positions start..start+n-1; k, v: [Hkv, L, D] with L == start + n. Returns [n, Hq, D].
+
+    The CPU path is torch's fused SDPA (its flash kernel), never matmul + softmax in the input dtype: in bf16 that
+    rounds every score to 8 bits of mantissa before the softmax (a score of 20 moves by up to 1/16, its weight by
+    up to 6%), which measured 10x the bf16 rounding floor on the output (2e-2 vs 1.7e-3 relative) and miscopied
+    UUIDs in long-context retrieval that the GPU, whose fused kernels keep scores in fp32, copied right
+    (docs/design-notes.md, "The CPU prefill's bf16 scores"). The flash kernel accumulates in fp32, reads each K/V
+    row once for the r query heads of its group (enable_gqa) and is as fast or faster from 1K keys up.
     """
     n, hq, d = q.shape
     hkv, total, _ = k.shape
-    r = hq // hkv
     if n == 1:  # a decode token sees every key: no mask, one fused call
         return decode_attention(q, k, v, scale)
     if q.is_cuda:
         return fused_causal_attention(q, k, v, scale)
-    # Group query heads by their KV head so each K/V row is read once for all r heads: qg: [Hkv, r, n, D]
-    qg = q.permute(1, 0, 2).reshape(hkv, r, n, d)
-    out = torch.empty(hkv, r, n, d, dtype=q.dtype, device=q.device)
-    rows_per_tile = max(1, MAX_SCORE_ELEMS // max(1, hq * total))
+    out = torch.empty(1, hq, n, d, dtype=q.dtype, device=q.device)
+    qh = q.transpose(0, 1)[None]  # [1, Hq, n, D] (a view)
+    rows_per_tile = max(1, MAX_MASK_ELEMS // max(1, total))
     key_pos = torch.arange(total, device=q.device)
     for i0 in range(0, n, rows_per_tile):
         i1 = min(n, i0 + rows_per_tile)
         end = start + i1  # keys beyond the last query of this tile are masked for every row: don't read them
-        scores = torch.matmul(qg[:, :, i0:i1], k[:, None, :end].transpose(-1, -2)) * scale  # [Hkv, r, i, end]
-        if i1 - i0 > 1 or start + i0 + 1 < end:
-            q_pos = torch.arange(start + i0, start + i1, device=q.device)
-            scores.masked_fill_(key_pos[None, :end] > q_pos[:, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[:, :, i0:i1] = torch.matmul(probs, v[:, None, :end])
-    return out.reshape(hq, n, d).permute(1, 0, 2)
+        q_pos = torch.arange(start + i0, start + i1, device=q.device)
+        visible = key_pos[None, :end] <= q_pos[:, None]  # [i, end] bool: True where a query may attend
+        out[:, :, i0:i1] = F.scaled_dot_product_attention(qh[:, :, i0:i1], k[None, :, :end], v[None, :, :end],
+                                                          attn_mask=visible, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)  # [n, Hq, D]
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
