@@ -45,6 +45,8 @@ class RequestPlanner:
         # below sink + window + a block everything is read anyway: no point predicting
         self.min_context = max(min_context, static.sink + static.window + 128)
         self._static = static.arrays()  # retrieval, g, budget, long-only: [L, Hkv] each
+        # a step's rows follow the static plan's layout (SparseAttention.long_exact), whatever a request's plan is
+        self._exact_long_rows = static.exact_long_rows
         self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [<=Q, Hq, D]
         self._plans: dict[int, tuple[np.ndarray, ...]] = {}  # seq -> ([L,Hkv] x 4), as _static
         self._done: set[int] = set()  # sequences whose first decode step planned them (or found nothing to plan)
@@ -114,8 +116,7 @@ class RequestPlanner:
         if any(s in self._plans for s in seq_ids):
             per = [self._plans.get(s, self._static) for s in seq_ids]
             ret, g, bud, long_only = (np.stack([p[i] for p in per], axis=1) for i in range(4))
-            # the step has long-only rows when the static plan does (SparseAttention.long_exact)
-            gidx = group_rows(g, long_only, self.static.long_exact_stream and self.static.has_long_only)
+            gidx = group_rows(g, long_only, self._exact_long_rows)
             rp = RowPlan(ret, g, bud, gidx, torch.from_numpy(gidx).to(device), long_only if long_only.any() else None)
         self._cache = (step, self._version, rp)
         return rp

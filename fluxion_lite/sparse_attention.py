@@ -80,7 +80,7 @@ class SparseAttention(AttentionBackend):
         self._retrieval, self._g, self._budget, long_only = plan.arrays()
         self._long = long_only if long_only.any() else None  # None: no long-only groups (the usual plan)
         # long-only groups stream through the exact sink and window (rows of their own) if the plan says so
-        self.long_exact = plan.long_exact_stream and self._long is not None
+        self.long_exact = plan.exact_long_rows
         self.bias_rows = bias_rows(self.long_exact)  # rows of a step's mask (DecodeStep.bias)
         self._gidx = group_rows(self._g, self._long, self.long_exact)  # [L, Hkv] row of DecodeStep's per-g arrays
         self._gidx_dev = torch.from_numpy(self._gidx).to(device)

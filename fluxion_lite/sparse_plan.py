@@ -99,6 +99,12 @@ class SparsePlan:
     def has_long_only(self) -> bool:
         return any(gp.long_only for row in self.groups for gp in row)
 
+    @property
+    def exact_long_rows(self) -> bool:
+        """Whether a step's mask carries the extra rows of long-only groups streaming exactly (sparse_step.bias_rows):
+        the plan asks for exact streaming and has long-only groups to use it."""
+        return self.long_exact_stream and self.has_long_only
+
     def block_count(self, gp: GroupPlan, n: int) -> int:
         """Top-k blocks of a retrieval group at context n: ceil(budget x n x budget_factor(n) / g) (long_factor(n)
         for a long-only group), in the order sparse_step.retrieval_tasks computes it per step, so both round alike

@@ -6,7 +6,6 @@ the file format and plan_variant's flag."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -21,6 +20,7 @@ from fluxion_lite.policy import plan_bytes_fraction
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
 from fluxion_lite.sparse_step import GVALS, LONG_ROW_OFFSET, bias_rows, build_step, group_rows, retrieval_tasks
 from test_long_only import N0, _decode, _tiny_cfg
+from subprocess_env import repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,7 +152,7 @@ def test_file_format_round_trip_and_checks(tmp_path: Path) -> None:
 def test_plan_variant_flag_keeps_the_base_choice_unless_given(tmp_path: Path) -> None:
     base, out = tmp_path / "base.plan.json", tmp_path / "v.plan.json"
     plan(False).save(base)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = repo_env(ROOT)
     cmd = [sys.executable, str(ROOT / "bench" / "plan_variant.py"), "--base", str(base), "--out", str(out)]
     for extra, want in (([], False), (["--long-exact-stream"], True)):
         done = subprocess.run([*cmd, *extra], capture_output=True, text=True, env=env, timeout=120)

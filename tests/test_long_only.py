@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from fluxion_lite.pinned import PinnedBlocks
 from fluxion_lite.policy import plan_bytes_fraction
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan, long_factor
 from fluxion_lite.sparse_step import GVALS, active_retrieval, build_step, retrieval_tasks
+from subprocess_env import repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 N0 = 1024
@@ -210,7 +210,7 @@ def test_plan_variant_long_only_flag(tmp_path: Path) -> None:
     base = tmp_path / "base.plan.json"
     SparsePlan(16, 64, [[GroupPlan(True), GroupPlan(False, 16, 0.05)]], "t").save(base)
     out = tmp_path / "v.plan.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = repo_env(ROOT)
     cmd = [sys.executable, str(ROOT / "bench" / "plan_variant.py"), "--base", str(base), "--out", str(out)]
     done = subprocess.run([*cmd, "--streaming-budget", "0.02", "--long-only", "--budget-scale", "0.5"],
                           capture_output=True, text=True, env=env, timeout=120)

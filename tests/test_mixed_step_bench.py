@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+from subprocess_env import repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,7 +15,7 @@ def test_mixed_step_bench_times_mixed_steps_and_labels_their_parts(tmp_path: Pat
     cmd = [sys.executable, str(ROOT / "bench" / "mixed_step.py"), "--gguf", "smollm2-135m", "--device", "cpu",
            "--dtype", "float32", "--context", "384", "--batch", "3", "--prefill-chunk", "96", "--warmup", "1",
            "--steps", "3", "--profile-steps", "1", "--top", "3", "--variants", "cpu", "cpu+blocking-append", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    done = subprocess.run(cmd, capture_output=True, text=True, env=repo_env(ROOT),
                           timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     results = json.loads(out.read_text())["results"]
@@ -27,7 +27,7 @@ def test_mixed_step_bench_times_mixed_steps_and_labels_their_parts(tmp_path: Pat
         layers = 30  # smollm2-135m: each labelled part once per layer of the profiled step
         for part in ("fluxion::mixed_host_append", "fluxion::mixed_chunk", "fluxion::mixed_decode_rows"):
             assert labels[part]["calls"] == layers and labels[part]["cpu_ms"] > 0
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = repo_env(ROOT)
     for bad, flag in ((["--batch", "1"], "--batch"), (["--variants", "gpu+sync"], "--variants")):
         refused = subprocess.run([*cmd[:-2], *bad], capture_output=True, text=True, env=env, timeout=120)
         assert refused.returncode != 0 and flag in refused.stderr

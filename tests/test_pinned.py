@@ -2,7 +2,6 @@
 float64 reference, the choice of blocks, the union with the per-step top-k, and decode through the sparse backend."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from fluxion_lite.pinned import PinnedBlocks, attention_mass, pick_pins
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
 from decode_compare import decode_and_compare, prefill
 from test_sparse import MODEL, decode_logits, engine, essay_tokens  # noqa: F401  (fixtures)
+from subprocess_env import repo_env
 
 
 def pin_plan(n_layers: int, n_kv_heads: int, obs_window: int) -> SparsePlan:
@@ -296,7 +296,7 @@ def test_plan_variant_writes_the_pin_span(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     base = root / "models" / "qwen2.5-coder-0.5b.plan.json"
     out = tmp_path / "span3.plan.json"
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = repo_env(root)
     cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(base), "--pin-fraction", "0.5",
            "--out", str(out)]
     done = subprocess.run([*cmd, "--pin-span", "3", "--pin-decay", "0.5"], capture_output=True, text=True, env=env,
@@ -321,7 +321,7 @@ def test_plan_variant_floor_and_window(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     base = root / "models" / "qwen2.5-coder-0.5b.plan.json"
     out = tmp_path / "floor.plan.json"
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = repo_env(root)
     cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(base), "--out", str(out)]
     done = subprocess.run([*cmd, "--min-budget", "0.02", "--budget-scale", "0.95"], capture_output=True, text=True,
                           env=env, timeout=120)
@@ -361,7 +361,7 @@ def test_plan_variant_streaming_budget(tmp_path: Path) -> None:
     root = Path(__file__).resolve().parents[1]
     base = root / "bench" / "results" / "plans" / "shipped_a62cb96.plan.json"  # the shipped plan before long-only groups
     out = tmp_path / "nostream.plan.json"
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = repo_env(root)
     cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(base), "--out", str(out)]
     done = subprocess.run([*cmd, "--streaming-budget", "0.02", "--budget-scale", "0.9"], capture_output=True,
                           text=True, env=env, timeout=120)
@@ -484,7 +484,7 @@ def test_pin_spans_in_tokens_cover_the_same_stretch_at_every_block_size(tmp_path
     with pytest.raises(ModelFileError, match="pin_span_tokens"):
         SparsePlan.load(tmp_path / "f.plan.json")
     root = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = repo_env(root)
     cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(tmp_path / "t.plan.json"),
            "--out", str(tmp_path / "v.plan.json")]
     done = subprocess.run([*cmd, "--pin-span-tokens", "64"], capture_output=True, text=True, env=env, timeout=120)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -19,6 +18,7 @@ from fluxion_lite.pinned import PinnedBlocks
 from fluxion_lite.policy import plan_bytes_fraction
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan, short_factor
 from fluxion_lite.sparse_step import GVALS, build_step, retrieval_tasks
+from subprocess_env import repo_env
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 N0 = 1024
@@ -150,7 +150,7 @@ def test_plan_variant_sets_keeps_and_checks_the_short_scale(tmp_path: Path) -> N
     base = tmp_path / "base.plan.json"
     plan(1.7, 8064).save(base)
     out = tmp_path / "v.plan.json"
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = repo_env(root)
     cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(base), "--out", str(out)]
 
     def run(*extra: str) -> subprocess.CompletedProcess[str]:

@@ -3,10 +3,10 @@ the block-aligned chunk read in place (fewer ops than a ragged chunk, which is p
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+from subprocess_env import repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -15,7 +15,7 @@ def test_summary_append_bench_counts_the_aligned_chunk_below_the_ragged_one(tmp_
     out = tmp_path / "summary_append.json"
     cmd = [sys.executable, str(ROOT / "bench" / "summary_append.py"), "--device", "cpu", "--chunk", "256", "--rows",
            "5", "--repeats", "3", "--out", str(out)]
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    done = subprocess.run(cmd, capture_output=True, text=True, env=repo_env(ROOT),
                           timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     rows = {r["case"]: r for r in json.loads(out.read_text())["rows"]}
