@@ -204,3 +204,31 @@ def test_streaming_fraction_counts_the_groups_decode_actually_streamed() -> None
     attn.reset_stats()
     assert attn.stats()["streaming_fraction"] == plan.streaming_fraction  # no decode yet: the plan's own share
     attn.executor.close()
+
+
+@pytest.mark.parametrize("b,hkv,r,n_keys,d", [(1, 2, 6, 100, 128), (3, 2, 7, 515, 64), (2, 3, 3, 64, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_biased_attention_matches_float64(b: int, hkv: int, r: int, n_keys: int, d: int, dtype: torch.dtype) -> None:
+    """The streaming part against float64 softmax attention: bf16 within 3x the rounding floor of the exact output
+    (sharp scores, as the sink gives), fp32 and fp64 tight; the LSE too. Each row attends a random subset."""
+    from fluxion_lite.hybrid import biased_attention
+    g = torch.Generator().manual_seed(b * 1000 + n_keys)
+    q = (torch.randn(b, hkv, r, d, generator=g) * 2.5).to(dtype)
+    k = (torch.randn(b, hkv, n_keys, d, generator=g) * 2.5).to(dtype)
+    v = torch.randn(b, hkv, n_keys, d, generator=g).to(dtype)
+    keep = torch.rand(b, hkv, 1, n_keys, generator=g) < 0.6
+    keep[..., 0] = True  # at least one attended slot per row
+    bias = torch.zeros(b, hkv, 1, n_keys).masked_fill_(~keep, float("-inf"))
+    scores = q.double() @ k.double().transpose(-1, -2) * d**-0.5 + bias.double()
+    want_lse = torch.logsumexp(scores, dim=-1)
+    want = torch.softmax(scores, dim=-1) @ v.double()
+    out, lse = biased_attention(q, k, v, bias, d**-0.5)
+    assert out.dtype == torch.float32 or dtype == torch.float64
+    err = ((out.double() - want).norm() / want.norm()).item()
+    if dtype == torch.bfloat16:
+        floor = ((want.bfloat16().double() - want).norm() / want.norm()).item()
+        assert err < 3 * floor
+        assert (lse.double() - want_lse).abs().max() < 2e-3
+    else:
+        assert err < 1e-5
+        assert (lse.double() - want_lse).abs().max() < 1e-4
