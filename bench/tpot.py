@@ -61,9 +61,13 @@ EARLY_ENV = os.environ.get("FLUXION_EARLY_SELECT", "0")  # what the other fluxio
 MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-early", "fluxion-gpu-noreuse", "fluxion-gpu-nocache",
          "fluxion-gpu-layers",
          "fixed", "gpu-sparse", "full-host")
-# llama.cpp on the same H200 host, Llama-3.1-8B shape, random F16 GGUF, batch 1, 16 threads (issue 5 / DESIGN.md 7)
-PEER_KV_GPU_MS = {8192: 5.33, 32768: 6.81, 65536: 8.65}
-PEER_KV_HOST_MS = {8192: 68.8, 32768: 230.0, 65536: 508.0}
+# llama.cpp on the same H200 host, Llama-3.1-8B shape, random F16 GGUF, batch 1, 16 threads, median of 16 steps:
+# measured by bench/llamacpp_peer.py (llama-cpp-python 0.3.36's vendored llama.cpp, sm_90) in the thirty-first
+# session, bench/results/llamacpp_peer_llama3.1-8b_h200_17345bf.json. KV on the GPU: flash attention on (the faster
+# of llama.cpp's two; the issue's 5.33 / 6.81 / 8.65 ms agree with it). KV in host RAM: offload_kqv=false, flash
+# attention off, attention on the CPU (the issue had 68.8 / 230 / 508 ms).
+PEER_KV_GPU_MS = {8192: 5.38, 32768: 6.81, 65536: 8.52, 131072: 12.43}
+PEER_KV_HOST_MS = {8192: 77.8, 32768: 273.9, 65536: 648.8, 131072: 1161.9}
 
 
 def random_model(shape: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Transformer:
