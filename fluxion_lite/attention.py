@@ -57,41 +57,68 @@ class AttentionBackend(ABC):
         """Start the counters behind stats() afresh (per benchmark sample)."""
 
 
-# Above this many mask elements per query tile, queries are processed in slices, so a long prompt's causal mask
-# ([rows, keys] bool, widened by SDPA to the input dtype) stays near 32 MB.
-MAX_MASK_ELEMS = 1 << 24
-
-
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
     """Exact attention of new queries over a sequence's keys, causal, GQA-aware.
 
     q: [n, Hq, D] at positions start..start+n-1; k, v: [Hkv, L, D] with L == start + n. Returns [n, Hq, D].
 
-    The CPU path is torch's fused SDPA (its flash kernel), never matmul + softmax in the input dtype: in bf16 that
-    rounds every score to 8 bits of mantissa before the softmax (a score of 20 moves by up to 1/16, its weight by
-    up to 6%), which measured 10x the bf16 rounding floor on the output (2e-2 vs 1.7e-3 relative) and miscopied
-    UUIDs in long-context retrieval that the GPU, whose fused kernels keep scores in fp32, copied right
-    (docs/design-notes.md, "The CPU prefill's bf16 scores"). The flash kernel accumulates in fp32, reads each K/V
-    row once for the r query heads of its group (enable_gqa) and is as fast or faster from 1K keys up.
+    The CPU path is torch's CPU flash kernel, never matmul + softmax in the input dtype: in bf16 that rounds every
+    score to 8 bits of mantissa before the softmax (a score of 20 moves by up to 1/16, its weight by up to 6%), which
+    measured 10x the bf16 rounding floor on the output (2e-2 vs 1.7e-3 relative) and miscopied UUIDs in
+    long-context retrieval that the GPU, whose fused kernels keep scores in fp32, copied right (docs/design-notes.md,
+    "The CPU path's bf16 scores"). See cpu_causal_attention for how it is cut.
     """
-    n, hq, d = q.shape
-    hkv, total, _ = k.shape
+    n = q.shape[0]
     if n == 1:  # a decode token sees every key: no mask, one fused call
         return decode_attention(q, k, v, scale)
     if q.is_cuda:
         return fused_causal_attention(q, k, v, scale)
-    out = torch.empty(1, hq, n, d, dtype=q.dtype, device=q.device)
+    if q.dtype not in _CPU_FLASH_DTYPES:  # float64 (references, tests): SDPA's math path with an explicit mask
+        hq, hkv, total = q.shape[1], k.shape[0], k.shape[1]
+        visible = torch.arange(total)[None, :] <= torch.arange(start, start + n)[:, None]  # [n, L] bool
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=visible,
+                                             scale=scale, enable_gqa=hq != hkv)  # [1, Hq, n, D]
+        return out[0].transpose(0, 1)
+    return cpu_causal_attention(q, k, v, start, scale)
+
+
+_CPU_FLASH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """causal_attention on the CPU in bf16 / fp16 / fp32: two flash calls (fp32 scores and accumulation) merged by
+    their log-sum-exp, no mask anywhere.
+
+    - The keys before the chunk (positions < start) are seen by every query: one unmasked call per KV group with the
+      group's r query heads as r x n rows of one head, so each K/V row of the prefix is read once per group.
+    - The chunk's own keys are the causal square: one call with is_causal (top-left alignment is right for a square),
+      K/V repeated to the Hq heads (n rows each: small next to the prefix at long context).
+    Measured on the VM (1 thread, Hq 12 / Hkv 2 / D 128, 1024 queries): 183 / 454 / 913 ms at 2K / 4K / 8K keys
+    against 238 / 553 / 1060 for one masked GQA SDPA call; the old bf16 matmul path took 197 / 397 ms at 2K / 4K.
+    """
+    n, hq, d = q.shape
+    hkv = k.shape[0]
+    r = hq // hkv
     qh = q.transpose(0, 1)[None]  # [1, Hq, n, D] (a view)
-    rows_per_tile = max(1, MAX_MASK_ELEMS // max(1, total))
-    key_pos = torch.arange(total, device=q.device)
-    for i0 in range(0, n, rows_per_tile):
-        i1 = min(n, i0 + rows_per_tile)
-        end = start + i1  # keys beyond the last query of this tile are masked for every row: don't read them
-        q_pos = torch.arange(start + i0, start + i1, device=q.device)
-        visible = key_pos[None, :end] <= q_pos[:, None]  # [i, end] bool: True where a query may attend
-        out[:, :, i0:i1] = F.scaled_dot_product_attention(qh[:, :, i0:i1], k[None, :, :end], v[None, :, :end],
-                                                          attn_mask=visible, scale=scale, enable_gqa=True)
-    return out[0].transpose(0, 1)  # [n, Hq, D]
+    k_own = k[None, :, start:].repeat_interleave(r, dim=1)  # [1, Hq, n, D]
+    v_own = v[None, :, start:].repeat_interleave(r, dim=1)
+    o_own, lse_own = _cpu_flash(qh, k_own, v_own, True, scale)  # [1, Hq, n, D], fp32 [1, Hq, n]
+    if start == 0:
+        return o_own[0].transpose(0, 1)
+    qg = q.view(n, hkv, r, d).permute(1, 2, 0, 3).reshape(1, hkv, r * n, d)  # [1, Hkv, r n, D]: head h = g r + j
+    o_pre, lse_pre = _cpu_flash(qg, k[None, :, :start], v[None, :, :start], False, scale)  # [1, Hkv, r n, D]
+    o_pre = o_pre.reshape(1, hq, n, d)  # the same row order as qh's heads (the kernel's out may be strided)
+    share = torch.sigmoid(lse_pre.reshape(1, hq, n) - lse_own)[..., None]  # prefix's softmax mass: e^a / (e^a + e^b)
+    out = o_pre.float().mul_(share).add_(o_own.float().mul_(1.0 - share))  # [1, Hq, n, D] fp32
+    return out.to(q.dtype)[0].transpose(0, 1)  # [n, Hq, D]
+
+
+def _cpu_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash attention with its log-sum-exp: q [1, H, m, D], k, v [1, H, L, D] (last dim contiguous)
+    -> out [1, H, m, D] (q's dtype), lse fp32 [1, H, m]."""
+    res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+    return res[0], res[1]
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:

@@ -69,12 +69,16 @@ def test_cpu_prefill_in_bf16_stays_at_the_rounding_floor(n: int, total: int, hq:
     assert (got.double() - ref).norm() / ref.norm() < 3 * floor
 
 
-def test_cpu_prefill_tiles_agree_with_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Query tiles (bounded mask size) cover every row once and see exactly their causal prefix."""
-    import fluxion_lite.attention as attention
-    g = torch.Generator().manual_seed(7)
-    n, total, hq, hkv, d = 50, 170, 6, 2, 64
-    q, k, v = (torch.randn(*s, generator=g, dtype=torch.float64) for s in ((n, hq, d), (hkv, total, d), (hkv, total, d)))
+@pytest.mark.parametrize("start,n", [(0, 40), (1, 39), (100, 1), (100, 2), (300, 77)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_cpu_prefill_prefix_and_chunk_merge(start: int, n: int, dtype: torch.dtype) -> None:
+    """The prefix call and the causal-square call merged by LSE (fp32; float64 takes the masked path) equal the
+    float64 reference for chunks at the start, one key in, one or two queries and a long prefix."""
+    g = torch.Generator().manual_seed(start * 100 + n)
+    hq, hkv, d = 14, 2, 64
+    total = start + n
+    q, k, v = (torch.randn(*s, generator=g).to(dtype) for s in ((n, hq, d), (hkv, total, d), (hkv, total, d)))
     ref = reference(q, k, v, d**-0.5)
-    monkeypatch.setattr(attention, "MAX_MASK_ELEMS", 3 * total)  # 3 rows a tile, the last one short
-    assert (attention.causal_attention(q, k, v, total - n, d**-0.5) - ref).abs().max() < 1e-12
+    got = causal_attention(q, k, v, start, d**-0.5)
+    assert got.shape == (n, hq, d) and got.dtype == dtype
+    assert (got.double() - ref).abs().max() < (1e-12 if dtype == torch.float64 else 1e-5)
