@@ -73,7 +73,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
         return decode_attention(q, k, v, scale)
     if q.is_cuda:
         return fused_causal_attention(q, k, v, scale)
-    if q.dtype not in _CPU_FLASH_DTYPES:  # float64 (references, tests): SDPA's math path with an explicit mask
+    if q.dtype not in CPU_FLASH_DTYPES:  # float64 (references, tests): SDPA's math path with an explicit mask
         hq, hkv, total = q.shape[1], k.shape[0], k.shape[1]
         visible = torch.arange(total)[None, :] <= torch.arange(start, start + n)[:, None]  # [n, L] bool
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=visible,
@@ -82,7 +82,9 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     return cpu_causal_attention(q, k, v, start, scale)
 
 
-_CPU_FLASH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# dtypes torch's CPU flash kernel computes right (float64 with an fp32 mask came out wrong in a check: callers keep
+# an exact matmul / math path for it)
+CPU_FLASH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
@@ -102,22 +104,24 @@ def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, star
     qh = q.transpose(0, 1)[None]  # [1, Hq, n, D] (a view)
     k_own = k[None, :, start:].repeat_interleave(r, dim=1)  # [1, Hq, n, D]
     v_own = v[None, :, start:].repeat_interleave(r, dim=1)
-    o_own, lse_own = _cpu_flash(qh, k_own, v_own, True, scale)  # [1, Hq, n, D], fp32 [1, Hq, n]
+    o_own, lse_own = cpu_flash(qh, k_own, v_own, True, scale)  # [1, Hq, n, D], fp32 [1, Hq, n]
     if start == 0:
         return o_own[0].transpose(0, 1)
     qg = q.view(n, hkv, r, d).permute(1, 2, 0, 3).reshape(1, hkv, r * n, d)  # [1, Hkv, r n, D]: head h = g r + j
-    o_pre, lse_pre = _cpu_flash(qg, k[None, :, :start], v[None, :, :start], False, scale)  # [1, Hkv, r n, D]
+    o_pre, lse_pre = cpu_flash(qg, k[None, :, :start], v[None, :, :start], False, scale)  # [1, Hkv, r n, D]
     o_pre = o_pre.reshape(1, hq, n, d)  # the same row order as qh's heads (the kernel's out may be strided)
     share = torch.sigmoid(lse_pre.reshape(1, hq, n) - lse_own)[..., None]  # prefix's softmax mass: e^a / (e^a + e^b)
     out = o_pre.float().mul_(share).add_(o_own.float().mul_(1.0 - share))  # [1, Hq, n, D] fp32
     return out.to(q.dtype)[0].transpose(0, 1)  # [n, Hq, D]
 
 
-def _cpu_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's CPU flash attention with its log-sum-exp: q [1, H, m, D], k, v [1, H, L, D] (last dim contiguous)
-    -> out [1, H, m, D] (q's dtype), lse fp32 [1, H, m]."""
-    res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+def cpu_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float,
+              mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's CPU flash attention with its log-sum-exp (fp32 scores and accumulation): q [B, H, m, D], k, v
+    [B, H, L, D] (last dim contiguous), mask an additive bias broadcastable to [B, H, m, L] -> out [B, H, m, D]
+    (q's dtype), lse fp32 [B, H, m]."""
+    res = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask,
+                                                                     scale=scale)
     return res[0], res[1]
 
 

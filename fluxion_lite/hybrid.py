@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from . import native
+from .attention import CPU_FLASH_DTYPES, cpu_flash
 from .scheduler import CostModel, Placement, split_tasks, task_bytes
 from .zero_copy import ZeroCopyFeeder
 
@@ -50,10 +51,6 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tor
     return masked_attention(q, k, v, valid, scale)
 
 
-# dtypes the CPU flash kernel takes with an fp32 bias (float64 with one came out wrong in a check: matmul path)
-_CPU_FLASH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
 def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The streaming part over the device sink/ring slab: q [B, Hkv, r, D], k, v [B, Hkv, L, D], bias fp32
@@ -63,9 +60,8 @@ def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     On the CPU in bf16/fp16/fp32 this is torch's CPU flash kernel, which returns the LSE too and keeps the scores in
     fp32: a bf16 matmul rounds them to 8 bits of mantissa first (relative output error 1.1e-2 against float64 where
     the rounding floor is 1.7e-3, LSE off by up to 0.08; see attention.causal_attention for what that cost)."""
-    if q.device.type == "cpu" and q.dtype in _CPU_FLASH_DTYPES:
-        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
-                                                                              scale=scale)[:2]
+    if q.device.type == "cpu" and q.dtype in CPU_FLASH_DTYPES:
+        out, lse = cpu_flash(q, k, v, False, scale, mask=bias)
         return out.float(), lse
     scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, r, L]
     scores += bias
