@@ -51,6 +51,28 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tor
     return masked_attention(q, k, v, valid, scale)
 
 
+_HALF = (torch.bfloat16, torch.float16)
+
+
+def fp32_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """q [..., r, D] times k [..., L, D] transposed -> fp32 scores [..., r, L] (q's and k's leading dims equal).
+
+    A bf16 matmul writes bf16 scores: each rounded to 8 bits of mantissa before the softmax, which is what cost the
+    CPU path its RULER points (attention.causal_attention). On CUDA, half inputs go through one bmm whose output is
+    fp32 (cuBLAS accumulates in fp32 either way; only the stored scores change); k's leading dims merge by a copy
+    when they are not contiguous (a device slab's K half: the step's sink + window keys, one layer's)."""
+    if q.is_cuda and q.dtype in _HALF and q.shape[:-2] == k.shape[:-2]:
+        lead, r, n = q.shape[:-2], q.shape[-2], k.shape[-2]
+        q3, k3 = q.reshape(-1, r, q.shape[-1]), k.reshape(-1, n, k.shape[-1])
+        try:
+            return torch.bmm(q3, k3.transpose(1, 2), out_dtype=torch.float32).view(*lead, r, n)
+        except (TypeError, RuntimeError):  # a torch without bmm's out_dtype: below
+            pass
+    if q.dtype in _HALF:  # the CPU (whose half matmuls are slow anyway), or a torch without bmm's out_dtype
+        return torch.matmul(q.float(), k.float().transpose(-1, -2))
+    return torch.matmul(q, k.transpose(-1, -2)).float()
+
+
 def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor,
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """The streaming part over the device sink/ring slab: q [B, Hkv, r, D], k, v [B, Hkv, L, D], bias fp32
@@ -63,7 +85,7 @@ def biased_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: to
     if q.device.type == "cpu" and q.dtype in CPU_FLASH_DTYPES:
         out, lse = cpu_flash(q, k, v, False, scale, mask=bias)
         return out.float(), lse
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [B, Hkv, r, L]
+    scores = fp32_scores(q, k) * scale  # [B, Hkv, r, L]
     scores += bias
     lse = torch.logsumexp(scores, dim=-1)
     return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v).float(), lse
@@ -73,7 +95,7 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: t
                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """block_attention with any token mask: valid bool [T, K] (the zero-copy layout has holes: partial blocks)."""
     k, v = k.to(q.dtype), v.to(q.dtype)  # bf16 on CUDA; fp32 on a CPU device (as precise as the native kernel)
-    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [T, r, K]
+    scores = fp32_scores(q, k) * scale  # [T, r, K]
     scores.masked_fill_(~valid[:, None, :], float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)  # [T, r]
     probs = torch.exp(scores - lse.clamp(min=torch.finfo(torch.float32).min)[..., None])  # -inf rows -> 0

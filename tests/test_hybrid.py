@@ -206,11 +206,17 @@ def test_streaming_fraction_counts_the_groups_decode_actually_streamed() -> None
     attn.executor.close()
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+
+
 @pytest.mark.parametrize("b,hkv,r,n_keys,d", [(1, 2, 6, 100, 128), (3, 2, 7, 515, 64), (2, 3, 3, 64, 64)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
-def test_biased_attention_matches_float64(b: int, hkv: int, r: int, n_keys: int, d: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_biased_attention_matches_float64(b: int, hkv: int, r: int, n_keys: int, d: int, dtype: torch.dtype,
+                                          device: str) -> None:
     """The streaming part against float64 softmax attention: bf16 within 3x the rounding floor of the exact output
-    (sharp scores, as the sink gives), fp32 and fp64 tight; the LSE too. Each row attends a random subset."""
+    (sharp scores, as the sink gives), fp32 and fp64 tight; the LSE too. Each row attends a random subset. On CUDA
+    the keys come as a device slab's K half (a non-contiguous view), as the engine passes them."""
     from fluxion_lite.hybrid import biased_attention
     g = torch.Generator().manual_seed(b * 1000 + n_keys)
     q = (torch.randn(b, hkv, r, d, generator=g) * 2.5).to(dtype)
@@ -222,7 +228,9 @@ def test_biased_attention_matches_float64(b: int, hkv: int, r: int, n_keys: int,
     scores = q.double() @ k.double().transpose(-1, -2) * d**-0.5 + bias.double()
     want_lse = torch.logsumexp(scores, dim=-1)
     want = torch.softmax(scores, dim=-1) @ v.double()
-    out, lse = biased_attention(q, k, v, bias, d**-0.5)
+    slab = torch.stack([k, v], dim=1).to(device)  # [B, 2, Hkv, L, D]
+    out, lse = biased_attention(q.to(device), slab[:, 0], slab[:, 1], bias.to(device), d**-0.5)
+    out, lse = out.cpu(), lse.cpu()
     assert out.dtype == torch.float32 or dtype == torch.float64
     err = ((out.double() - want).norm() / want.norm()).item()
     if dtype == torch.bfloat16:
@@ -232,3 +240,29 @@ def test_biased_attention_matches_float64(b: int, hkv: int, r: int, n_keys: int,
     else:
         assert err < 1e-5
         assert (lse.double() - want_lse).abs().max() < 1e-4
+
+
+@pytest.mark.parametrize("t,r,n_keys,d", [(1, 6, 100, 128), (5, 7, 515, 64), (3, 3, 64, 64)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("device", DEVICES)
+def test_block_attention_matches_float64(t: int, r: int, n_keys: int, d: int, dtype: torch.dtype, device: str) -> None:
+    """The GPU tasks' attention over gathered blocks (padding masked) against float64: bf16 within 3x the rounding
+    floor of the exact output, so the scores stay fp32 (a bf16 matmul's scores fail this on sharp rows)."""
+    from fluxion_lite.hybrid import block_attention
+    g = torch.Generator().manual_seed(t * 100 + n_keys)
+    q = (torch.randn(t, r, d, generator=g) * 2.5).to(dtype)
+    k = (torch.randn(t, n_keys, d, generator=g) * 2.5).to(dtype)
+    v = torch.randn(t, n_keys, d, generator=g).to(dtype)
+    lens = torch.randint(1, n_keys + 1, (t,), generator=g)
+    out, lse = block_attention(q.to(device), k.to(device), v.to(device), lens.to(device), d**-0.5)
+    out, lse = out.cpu(), lse.cpu()
+    for i in range(t):
+        n = int(lens[i])
+        scores = q[i].double() @ k[i, :n].double().T * d**-0.5  # [r, n]
+        want = torch.softmax(scores, dim=-1) @ v[i, :n].double()
+        err = ((out[i].double() - want).norm() / want.norm()).item()
+        if dtype == torch.bfloat16:
+            assert err < 3 * ((want.bfloat16().double() - want).norm() / want.norm()).item()
+        else:
+            assert err < 1e-5
+        assert (lse[i].double() - torch.logsumexp(scores, dim=-1)).abs().max() < 2e-3
