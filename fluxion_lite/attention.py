@@ -95,8 +95,10 @@ def cpu_causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, star
       group's r query heads as r x n rows of one head, so each K/V row of the prefix is read once per group.
     - The chunk's own keys are the causal square: one call with is_causal (top-left alignment is right for a square),
       K/V repeated to the Hq heads (n rows each: small next to the prefix at long context).
-    Measured on the VM (1 thread, Hq 12 / Hkv 2 / D 128, 1024 queries): 183 / 454 / 913 ms at 2K / 4K / 8K keys
-    against 238 / 553 / 1060 for one masked GQA SDPA call; the old bf16 matmul path took 197 / 397 ms at 2K / 4K.
+    bench/prefill_attention.py times it (VM, 1 thread, 1024 queries; bench/results/prefill_attention_vm_1909e71.json):
+    qwen2.5-coder-1.5b's heads (12 / 2 / D 128) 61 / 140 / 312 / 584 ms at 1K / 2K / 4K / 8K keys against 84 / 170 /
+    322 / 696 for one masked SDPA call and 59 / 128 / 268 / 594 for the old bf16-score matmul path (10x the error);
+    the 0.5b's (14 / 2 / D 64) 37 / 91 / 194 / 373 against 55 / 111 / 229 / 422 and 69 / 108 / 235 / 541.
     """
     n, hq, d = q.shape
     hkv = k.shape[0]
