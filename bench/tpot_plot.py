@@ -68,6 +68,11 @@ def main() -> None:
 TABLE_MODES = ("fixed", "gpu-sparse", "full-host", "full-gpu")  # the baselines, in the table's column order
 
 
+def table_modes(fluxion: str) -> tuple[str, ...]:
+    """fluxion's mode, the device path without the pin cache (no KV on the GPU past sink + window), the baselines."""
+    return tuple(dict.fromkeys((fluxion, "fluxion-gpu-nocache") + TABLE_MODES))
+
+
 def _ratio(num: float | None, den: float | None) -> float | None:
     return num / den if num is not None and den else None
 
@@ -77,7 +82,7 @@ def grid_rows(merged: dict[tuple[str, int, int], dict], fluxion: str) -> list[di
     out = []
     for ctx, batch in sorted({(c, b) for (m, c, b) in merged if m == fluxion}):
         row: dict = {"context": ctx, "batch": batch}
-        for mode in (fluxion, "fluxion-gpu-nocache") + TABLE_MODES:
+        for mode in table_modes(fluxion):
             r = merged.get((mode, ctx, batch))
             if r is not None:
                 row[mode] = {"tpot_ms": r["tpot_ms"], "tpot_async_ms": r.get("tpot_async_ms"),
@@ -102,7 +107,7 @@ def markdown(rows: list[dict], fluxion: str) -> list[str]:
     def x(v: float | None) -> str:
         return "-" if v is None else f"{v:.2f}x"
 
-    modes = (fluxion, "fluxion-gpu-nocache") + TABLE_MODES
+    modes = table_modes(fluxion)
     lines = ["| context | B | " + " | ".join(f"{m} (ms)" for m in modes)
              + " | vs fixed (waited / chained) | vs full-host | GPU wait fluxion / fixed | KV read |",
              "|" + "---|" * (len(modes) + 6)]
