@@ -25,18 +25,18 @@ import argparse
 import json
 import os
 import platform
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from fluxion_lite.attention import cpu_causal_attention
 from fluxion_lite.hybrid import biased_attention
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kernels import timed  # noqa: E402  (bench/ is not a package; median seconds after one warm-up)
+from tpot import commit_label  # noqa: E402
 
 SHAPES = {"qwen2.5-coder-0.5b": (14, 2, 64), "qwen2.5-coder-1.5b": (12, 2, 128)}  # Hq, Hkv, D
 OLD_TILE_SCORES = 1 << 24
@@ -91,16 +91,6 @@ def old_biased(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Te
     return torch.matmul(torch.exp(scores - lse[..., None]).to(v.dtype), v).float(), lse
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up (allocations, kernel selection)
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return 1000 * statistics.median(times)
-
-
 def rel(a: torch.Tensor, want: torch.Tensor) -> float:
     return ((a.double() - want).norm() / want.norm()).item()
 
@@ -121,7 +111,7 @@ def prefill_rows(threads: int, lengths: list[int], chunk: int, repeats: int, err
             for impl, fn in (("flash", cpu_causal_attention), ("masked_sdpa", masked_sdpa),
                              ("bf16_matmul", bf16_matmul)):
                 res = fn(q, k, v, start, scale)
-                ms = timed(lambda: fn(q, k, v, start, scale), repeats)
+                ms = 1000 * timed(lambda: fn(q, k, v, start, scale), repeats)
                 out.append({"kind": "prefill", "shape": name, "threads": threads, "keys": total, "queries": n,
                             "impl": impl, "ms": ms, "rel_error": rel(res[n - error_rows:], want),
                             "bf16_floor": floor})
@@ -145,19 +135,11 @@ def decode_rows(threads: int, batch: int, slots: int, repeats: int) -> list[dict
         floor = rel(want.bfloat16(), want)
         for impl, fn in (("flash", biased_attention), ("bf16_matmul", old_biased)):
             o, lse = fn(q, k, v, bias, scale)
-            ms = timed(lambda: fn(q, k, v, bias, scale), repeats)
+            ms = 1000 * timed(lambda: fn(q, k, v, bias, scale), repeats)
             out.append({"kind": "decode_stream", "shape": name, "threads": threads, "batch": batch, "slots": slots,
                         "impl": impl, "ms": ms, "rel_error": rel(o, want), "bf16_floor": floor,
                         "lse_max_error": (lse.double() - want_lse).abs().max().item()})
     return out
-
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).resolve().parent, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "?"
 
 
 def main() -> None:
@@ -189,7 +171,7 @@ def main() -> None:
         ref = flash_ms[(r["kind"], r["shape"], r["threads"], r.get("keys", r.get("slots")))]
         print(f"{r['kind']:<14}{r['shape']:<20}{r['threads']:>4}{size:>12}{r['impl']:>13}{r['ms']:>10.1f}"
               f"{r['rel_error']:>10.2e}{r['bf16_floor']:>9.1e}{r['ms'] / ref:>8.2f}x")
-    meta = {"machine": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__, "commit": commit(),
+    meta = {"machine": platform.node(), "cpus": os.cpu_count(), "torch": torch.__version__, "commit": commit_label(),
             "command": "python bench/prefill_attention.py " + " ".join(sys.argv[1:]), "rows": rows}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(meta, indent=1))

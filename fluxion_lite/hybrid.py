@@ -52,6 +52,7 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: tor
 
 
 _HALF = (torch.bfloat16, torch.float16)
+_bmm_out_dtype_ok = True  # False once a torch without bmm's out_dtype said so (not asked again every call)
 
 
 def fp32_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -61,13 +62,14 @@ def fp32_scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     CPU path its RULER points (attention.causal_attention). On CUDA, half inputs go through one bmm whose output is
     fp32 (cuBLAS accumulates in fp32 either way; only the stored scores change); k's leading dims merge by a copy
     when they are not contiguous (a device slab's K half: the step's sink + window keys, one layer's)."""
-    if q.is_cuda and q.dtype in _HALF and q.shape[:-2] == k.shape[:-2]:
+    global _bmm_out_dtype_ok
+    if _bmm_out_dtype_ok and q.is_cuda and q.dtype in _HALF and q.shape[:-2] == k.shape[:-2]:
         lead, r, n = q.shape[:-2], q.shape[-2], k.shape[-2]
         q3, k3 = q.reshape(-1, r, q.shape[-1]), k.reshape(-1, n, k.shape[-1])
         try:
             return torch.bmm(q3, k3.transpose(1, 2), out_dtype=torch.float32).view(*lead, r, n)
-        except (TypeError, RuntimeError):  # a torch without bmm's out_dtype: below
-            pass
+        except (TypeError, RuntimeError):  # a torch without bmm's out_dtype: the upcast below from now on
+            _bmm_out_dtype_ok = False
     if q.dtype in _HALF:  # the CPU (whose half matmuls are slow anyway), or a torch without bmm's out_dtype
         return torch.matmul(q.float(), k.float().transpose(-1, -2))
     return torch.matmul(q, k.transpose(-1, -2)).float()
