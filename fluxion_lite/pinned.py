@@ -52,7 +52,7 @@ def eligible_blocks(g: int, n: int, sink: int, window: int) -> tuple[int, int]:
 
 
 def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: int, span: int = 1,
-              decay: float = 1.0) -> np.ndarray:
+              decay: float = 1.0, stride: float = 0.0) -> np.ndarray:
     """`count` blocks of granularity g picked by mass (mass: [n_prompt] per key), among blocks wholly inside
     [sink rounded up to g, (n - window) rounded down to g) for a step with n tokens. int32 ids, ascending.
 
@@ -61,7 +61,11 @@ def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: i
     a needle's key, but the value that answers it follows the key; a long value (a UUID is ~34 tokens) runs on over
     the next blocks at g=16, which draw little mass of their own and look alike to the per-step bound. decay 1: each
     heavy block comes with its span - 1 successors before any lighter block; decay < 1: a successor competes with
-    the other needles' keys at a discount (a many-needle prompt keeps a pin per key)."""
+    the other needles' keys at a discount (a many-needle prompt keeps a pin per key).
+
+    stride > 0: round(stride x count) of the pins are spread evenly over the eligible blocks the mass left out,
+    whatever their mass: a top-k sees the extremes of the context, an even sample its proportions (how often a word
+    occurs), which aggregate questions (RULER's cwe / fwe) need and no per-step bound ranks."""
     first, last = eligible_blocks(g, n, sink, window)
     if count <= 0 or last <= first:
         return np.zeros(0, np.int32)
@@ -72,7 +76,12 @@ def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: i
     score = per_block.copy()
     for j in range(1, min(span, len(per_block))):  # inherited from the j-th predecessor
         np.maximum(score[j:], decay**j * per_block[:-j], out=score[j:])
-    order = np.lexsort((np.arange(len(score)), -score))[:count]  # best first, ties to the lower id
+    take = min(count, len(score))
+    spread = min(int(round(stride * count)), take)
+    order = np.lexsort((np.arange(len(score)), -score))[: take - spread]  # best first, ties to the lower id
+    if spread:
+        rest = np.setdiff1d(np.arange(len(score)), order)  # ascending
+        order = np.concatenate([order, rest[((np.arange(spread) + 0.5) * len(rest) / spread).astype(np.int64)]])
     return np.sort(order + first).astype(np.int32)
 
 
@@ -121,7 +130,7 @@ class PinnedBlocks:
         for h, gp in enumerate(plan.groups[layer]):
             count = int(plan.pin_fraction * plan.block_count(gp, n))  # 0 for a streaming group
             pins.append(pick_pins(mass[h], gp.g, n, plan.sink, plan.window, count, plan.span_for(gp.g),
-                                  plan.pin_decay))
+                                  plan.pin_decay, plan.pin_stride))
         self._store(layer, slot, pins)
 
     def _store(self, layer: int, slot: int, pins: list[np.ndarray]) -> None:

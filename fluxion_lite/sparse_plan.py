@@ -79,6 +79,8 @@ class SparsePlan:
     # of their g's block-aligned ones (~80 more tokens at g = 64: read the plan did not ask for; False keeps the
     # decode steps of plans measured before the option)
     long_exact_stream: bool = False
+    # share of the pins spread evenly over the context instead of picked by mass (pinned.pick_pins; 0 = none)
+    pin_stride: float = 0.0
 
     def __post_init__(self) -> None:
         check_short(self.short_scale, self.short_tokens)
@@ -144,6 +146,8 @@ class SparsePlan:
                                  f"(got {self.pin_span_tokens})")
         if not 0.0 < self.pin_decay <= 1.0:
             raise ModelFileError(f"sparse plan: pin_decay must be in (0, 1] (got {self.pin_decay})")
+        if not 0.0 <= self.pin_stride <= 1.0:
+            raise ModelFileError(f"sparse plan: pin_stride must be in [0, 1] (got {self.pin_stride})")
         try:
             check_short(self.short_scale, self.short_tokens)
         except ValueError as exc:
@@ -164,6 +168,8 @@ class SparsePlan:
             data["pin_decay"] = self.pin_decay
         if self.long_exact_stream:
             data["long_exact_stream"] = True
+        if self.pin_stride:
+            data["pin_stride"] = self.pin_stride
         if self.short_scale != 1.0 or self.has_long_only:  # long-only groups ramp up at short_tokens too
             data |= {"short_scale": self.short_scale, "short_tokens": self.short_tokens}
         path.write_text(json.dumps(data, indent=1))
@@ -186,7 +192,8 @@ class SparsePlan:
             return cls(int(data["sink"]), int(data["window"]), groups, str(data.get("source", path.name)),
                        float(data.get("pin_fraction", 0.0)), int(data.get("obs_window", 32)),
                        str(data.get("scoring", "group")), pin_span,
-                       float(data.get("pin_decay", 1.0)), short_scale, short_tokens, span_tokens, long_exact)
+                       float(data.get("pin_decay", 1.0)), short_scale, short_tokens, span_tokens, long_exact,
+                       float(data.get("pin_stride", 0.0)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
 
@@ -201,6 +208,8 @@ class SparsePlan:
                             if self.pin_span_tokens else
                             f", spans of {self.pin_span} blocks, successors x{self.pin_decay:g})"
                             if self.pin_span != 1 else ")"))
+            if self.pin_stride:
+                lines.append(f"  {self.pin_stride:.0%} of the pins spread evenly over the context (not by mass)")
         if self.short_scale != 1.0:
             lines.append(f"  short contexts: budgets x{self.short_scale:g} up to {self.short_tokens} tokens, x1 from "
                          f"{2 * self.short_tokens} on (linear in log2 of the context between)")

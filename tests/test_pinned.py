@@ -494,3 +494,25 @@ def test_pin_spans_in_tokens_cover_the_same_stretch_at_every_block_size(tmp_path
     assert done.returncode == 0 and SparsePlan.load(tmp_path / "v.plan.json").pin_span_tokens == 80
     refused = subprocess.run([*cmd, "--pin-span-tokens", "500"], capture_output=True, text=True, env=env, timeout=120)
     assert refused.returncode != 0 and "--pin-span-tokens" in refused.stderr
+
+
+@pytest.mark.parametrize("g,n,count,span,stride", [(16, 700, 8, 3, 0.25), (16, 4000, 40, 3, 0.33), (64, 4000, 9, 1, 0.5),
+                                                   (32, 300, 100, 2, 0.34), (16, 700, 6, 3, 1.0)])
+def test_strided_pins_spread_part_of_the_count_evenly(g: int, n: int, count: int, span: int, stride: float) -> None:
+    """round(stride x count) pins go evenly over the eligible blocks the mass pick left out; the rest are the mass
+    pick of that smaller count; the count, the eligibility range and the order hold."""
+    sink, window = 20, 70
+    mass = np.random.default_rng(g * n + count).random(n - 1) + 1e-3
+    got = pick_pins(mass, g, n, sink, window, count, span, 1.0, stride)
+    eligible = reference_span_pins(mass, g, n, sink, window, 10**6, 1)
+    spread = min(int(round(stride * count)), len(eligible))
+    by_mass = reference_span_pins(mass, g, n, sink, window, min(count, len(eligible)) - spread, span)
+    assert set(by_mass) <= set(got.tolist())
+    assert len(got) == min(count, len(eligible)) and got.tolist() == sorted(set(got.tolist()))
+    assert set(got.tolist()) <= set(eligible)
+    rest = [b for b in eligible if b not in by_mass]
+    want = sorted(by_mass + [rest[int((i + 0.5) * len(rest) / spread)] for i in range(spread)])
+    assert got.tolist() == want
+    if spread >= 2:  # evenly: the spread pins' gaps (in positions among the left-out blocks) differ by at most 1
+        at = [rest.index(b) for b in sorted(set(got.tolist()) - set(by_mass))]
+        assert max(np.diff(at)) - min(np.diff(at)) <= 1
