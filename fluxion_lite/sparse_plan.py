@@ -179,6 +179,9 @@ class SparsePlan:
         path = Path(path)  # a str path too: its name is the source of a plan file without one
         try:
             data = json.loads(path.read_text())
+            unknown = sorted(set(data) - _PLAN_FIELDS)  # a field this version does not know would be ignored silently
+            if unknown:
+                raise ValueError(f"unknown field(s) {', '.join(unknown)}")
             groups = [[_group_from(gp) for gp in row] for row in data["groups"]]
             pin_span, span_tokens = data.get("pin_span", 1), data.get("pin_span_tokens", 0)
             for name, value in (("pin_span", pin_span), ("pin_span_tokens", span_tokens)):
@@ -251,6 +254,11 @@ def _group_dict(gp: GroupPlan) -> dict[str, object]:
     if not gp.long_only:
         del d["long_only"]
     return d
+
+
+_PLAN_FIELDS = frozenset({"sink", "window", "source", "groups", "pin_fraction", "obs_window", "scoring", "pin_span",
+                          "pin_span_tokens", "pin_decay", "pin_stride", "long_exact_stream", "short_scale",
+                          "short_tokens"})
 
 
 def _group_from(d: dict[str, object]) -> GroupPlan:

@@ -288,6 +288,18 @@ def test_plan_file_round_trips_the_pin_settings(tmp_path: Path) -> None:
     bad = SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05)]], "t", scoring="exact")
     with pytest.raises(ModelFileError, match="scoring"):
         bad.validate(1, 1)
+    plan.pin_stride = 0.25  # written only when set, read back, shown, range-checked
+    plan.save(tmp_path / "s.plan.json")
+    assert SparsePlan.load(tmp_path / "s.plan.json").pin_stride == 0.25
+    assert "25% of the pins spread evenly" in SparsePlan.load(tmp_path / "s.plan.json").explain()
+    assert "pin_stride" not in (tmp_path / "p1.plan.json").read_text()
+    with pytest.raises(ModelFileError, match="pin_stride"):
+        SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05)]], "t", pin_fraction=0.5, pin_stride=1.5).validate(1, 1)
+    # a field this version does not know is an error naming it, never ignored (it could change which blocks are read)
+    (tmp_path / "u.plan.json").write_text((tmp_path / "p.plan.json").read_text().replace('"pin_span": 2',
+                                                                                         '"pin_spam": 2'))
+    with pytest.raises(ModelFileError, match="unknown field.*pin_spam"):
+        SparsePlan.load(tmp_path / "u.plan.json")
 
 
 def test_plan_variant_writes_the_pin_span(tmp_path: Path) -> None:
