@@ -37,7 +37,7 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
             short_tokens: int | None = None, sink: int | None = None, min_budget: float = 0.0,
             window: int | None = None, streaming_budget: float | None = None, long_only: bool = False,
             pin_span_tokens: int | None = None, long_exact_stream: bool | None = None,
-            pin_stride: float | None = None) -> SparsePlan:
+            pin_stride: float | None = None, pin_min_blocks: int | None = None) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets raised to at least min_budget and
     then x budget_scale (capped at 1), the given block scoring, share of pinned blocks and pin span (with its
     decay), short-context budget scale (SparsePlan.budget_factor), sink and recent window; None keeps the base plan's
@@ -46,7 +46,7 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
     (GroupPlan.long_only: streaming up to short_tokens, its budget from twice that on). pin_span_tokens: pin spans
     in tokens (SparsePlan.span_for; 0 = in blocks, pin_span). long_exact_stream: long-only groups stream through the
     exact sink and window (SparsePlan.long_exact_stream). pin_stride: share of the pins spread evenly
-    (SparsePlan.pin_stride)."""
+    (SparsePlan.pin_stride); pin_min_blocks: groups with fewer blocks pin none (SparsePlan.pin_min_blocks)."""
     scoring = plan.scoring if scoring is None else scoring
     pin_fraction = plan.pin_fraction if pin_fraction is None else pin_fraction
     obs_window = plan.obs_window if obs_window is None else obs_window
@@ -55,6 +55,7 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
     span_tokens = plan.pin_span_tokens if pin_span_tokens is None else pin_span_tokens
     long_exact = plan.long_exact_stream if long_exact_stream is None else long_exact_stream
     stride = plan.pin_stride if pin_stride is None else pin_stride
+    min_blocks = plan.pin_min_blocks if pin_min_blocks is None else pin_min_blocks
     sink = plan.sink if sink is None else sink
     window = plan.window if window is None else window
     short_scale = plan.short_scale if short_scale is None else short_scale
@@ -82,9 +83,10 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
               + (f" from {2 * short_tokens} tokens on (long-only)" if streaming_budget is not None and long_only
                  else "")
               + (", long-only groups stream exactly" if long_exact and not plan.long_exact_stream else "")
-              + (f", {stride:g} of the pins spread evenly" if stride != plan.pin_stride else ""))
+              + (f", {stride:g} of the pins spread evenly" if stride != plan.pin_stride else "")
+              + (f", no pins below {min_blocks} blocks" if min_blocks != plan.pin_min_blocks else ""))
     return SparsePlan(sink, window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
-                      short_scale, short_tokens, span_tokens, long_exact, stride)
+                      short_scale, short_tokens, span_tokens, long_exact, stride, min_blocks)
 
 
 def main() -> None:
@@ -117,6 +119,9 @@ def main() -> None:
     ap.add_argument("--pin-stride", type=float, default=None,
                     help="share of the pins spread evenly over the context instead of picked by mass (default: the "
                          "base plan's)")
+    ap.add_argument("--pin-min-blocks", type=int, default=None,
+                    help="groups with fewer blocks than this (at the context at hand) pin none (default: the base "
+                         "plan's)")
     ap.add_argument("--short-scale", type=float, default=None,
                     help="retrieval budgets x this up to --short-tokens of context, x1 from twice that on, linear in "
                          "log2(context) between (>= 1; default: the base plan's, 1 = off)")
@@ -162,6 +167,8 @@ def main() -> None:
         sys.exit("error: --pin-decay must be in (0, 1]")
     if args.pin_stride is not None and not 0.0 <= args.pin_stride <= 1.0:
         sys.exit("error: --pin-stride must be in [0, 1]")
+    if args.pin_min_blocks is not None and args.pin_min_blocks < 0:
+        sys.exit("error: --pin-min-blocks must be >= 0")
     try:
         check_short(1.0 if args.short_scale is None else args.short_scale,
                     8192 if args.short_tokens is None else args.short_tokens)
@@ -175,7 +182,7 @@ def main() -> None:
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
                   args.pin_decay, args.short_scale, args.short_tokens, args.sink, args.min_budget,
                   args.window, args.streaming_budget, args.long_only, args.pin_span_tokens, args.long_exact_stream,
-                  args.pin_stride)
+                  args.pin_stride, args.pin_min_blocks)
     out.save(Path(args.out))
     print(out.explain())  # with the predicted reads at 4K-32K
     print(f"wrote {args.out}")

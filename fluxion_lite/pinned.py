@@ -128,7 +128,8 @@ class PinnedBlocks:
         plan = self.plan
         pins = []
         for h, gp in enumerate(plan.groups[layer]):
-            count = int(plan.pin_fraction * plan.block_count(gp, n))  # 0 for a streaming group
+            blocks = plan.block_count(gp, n)  # 0 for a streaming group
+            count = int(plan.pin_fraction * blocks) if blocks >= plan.pin_min_blocks else 0
             pins.append(pick_pins(mass[h], gp.g, n, plan.sink, plan.window, count, plan.span_for(gp.g),
                                   plan.pin_decay, plan.pin_stride))
         self._store(layer, slot, pins)

@@ -81,6 +81,9 @@ class SparsePlan:
     long_exact_stream: bool = False
     # share of the pins spread evenly over the context instead of picked by mass (pinned.pick_pins; 0 = none)
     pin_stride: float = 0.0
+    # groups with fewer blocks than this pin none (every block chosen per step): one pinned block of two fixes a
+    # small group on one place, where a multi-value answer needs each value read when it is due (0 = all groups pin)
+    pin_min_blocks: int = 0
 
     def __post_init__(self) -> None:
         check_short(self.short_scale, self.short_tokens)
@@ -148,6 +151,8 @@ class SparsePlan:
             raise ModelFileError(f"sparse plan: pin_decay must be in (0, 1] (got {self.pin_decay})")
         if not 0.0 <= self.pin_stride <= 1.0:
             raise ModelFileError(f"sparse plan: pin_stride must be in [0, 1] (got {self.pin_stride})")
+        if isinstance(self.pin_min_blocks, bool) or not isinstance(self.pin_min_blocks, int) or self.pin_min_blocks < 0:
+            raise ModelFileError(f"sparse plan: pin_min_blocks must be an integer >= 0 (got {self.pin_min_blocks!r})")
         try:
             check_short(self.short_scale, self.short_tokens)
         except ValueError as exc:
@@ -170,6 +175,8 @@ class SparsePlan:
             data["long_exact_stream"] = True
         if self.pin_stride:
             data["pin_stride"] = self.pin_stride
+        if self.pin_min_blocks:
+            data["pin_min_blocks"] = self.pin_min_blocks
         if self.short_scale != 1.0 or self.has_long_only:  # long-only groups ramp up at short_tokens too
             data |= {"short_scale": self.short_scale, "short_tokens": self.short_tokens}
         path.write_text(json.dumps(data, indent=1))
@@ -184,7 +191,9 @@ class SparsePlan:
                 raise ValueError(f"unknown field(s) {', '.join(unknown)}")
             groups = [[_group_from(gp) for gp in row] for row in data["groups"]]
             pin_span, span_tokens = data.get("pin_span", 1), data.get("pin_span_tokens", 0)
-            for name, value in (("pin_span", pin_span), ("pin_span_tokens", span_tokens)):
+            min_blocks = data.get("pin_min_blocks", 0)
+            for name, value in (("pin_span", pin_span), ("pin_span_tokens", span_tokens),
+                                ("pin_min_blocks", min_blocks)):
                 if type(value) is not int:  # 2.5 or "2" would otherwise be truncated or parsed silently
                     raise ValueError(f"{name} must be an integer (got {value!r})")
             long_exact = data.get("long_exact_stream", False)
@@ -196,7 +205,7 @@ class SparsePlan:
                        float(data.get("pin_fraction", 0.0)), int(data.get("obs_window", 32)),
                        str(data.get("scoring", "group")), pin_span,
                        float(data.get("pin_decay", 1.0)), short_scale, short_tokens, span_tokens, long_exact,
-                       float(data.get("pin_stride", 0.0)))
+                       float(data.get("pin_stride", 0.0)), min_blocks)
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
 
@@ -213,6 +222,8 @@ class SparsePlan:
                             if self.pin_span != 1 else ")"))
             if self.pin_stride:
                 lines.append(f"  {self.pin_stride:.0%} of the pins spread evenly over the context (not by mass)")
+            if self.pin_min_blocks:
+                lines.append(f"  groups with fewer than {self.pin_min_blocks} blocks pin none")
         if self.short_scale != 1.0:
             lines.append(f"  short contexts: budgets x{self.short_scale:g} up to {self.short_tokens} tokens, x1 from "
                          f"{2 * self.short_tokens} on (linear in log2 of the context between)")
@@ -257,7 +268,7 @@ def _group_dict(gp: GroupPlan) -> dict[str, object]:
 
 
 _PLAN_FIELDS = frozenset({"sink", "window", "source", "groups", "pin_fraction", "obs_window", "scoring", "pin_span",
-                          "pin_span_tokens", "pin_decay", "pin_stride", "long_exact_stream", "short_scale",
+                          "pin_span_tokens", "pin_decay", "pin_stride", "pin_min_blocks", "long_exact_stream", "short_scale",
                           "short_tokens"})
 
 

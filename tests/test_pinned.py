@@ -295,6 +295,16 @@ def test_plan_file_round_trips_the_pin_settings(tmp_path: Path) -> None:
     assert "pin_stride" not in (tmp_path / "p1.plan.json").read_text()
     with pytest.raises(ModelFileError, match="pin_stride"):
         SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05)]], "t", pin_fraction=0.5, pin_stride=1.5).validate(1, 1)
+    plan.pin_stride, plan.pin_min_blocks = 0.0, 3
+    plan.save(tmp_path / "m.plan.json")
+    assert SparsePlan.load(tmp_path / "m.plan.json").pin_min_blocks == 3
+    assert "fewer than 3 blocks pin none" in SparsePlan.load(tmp_path / "m.plan.json").explain()
+    (tmp_path / "m2.plan.json").write_text((tmp_path / "m.plan.json").read_text().replace('"pin_min_blocks": 3',
+                                                                                          '"pin_min_blocks": 3.5'))
+    with pytest.raises(ModelFileError, match="pin_min_blocks"):
+        SparsePlan.load(tmp_path / "m2.plan.json")
+    with pytest.raises(ModelFileError, match="pin_min_blocks"):
+        SparsePlan(16, 64, [[GroupPlan(False, 16, 0.05)]], "t", pin_fraction=0.5, pin_min_blocks=-1).validate(1, 1)
     # a field this version does not know is an error naming it, never ignored (it could change which blocks are read)
     (tmp_path / "u.plan.json").write_text((tmp_path / "p.plan.json").read_text().replace('"pin_span": 2',
                                                                                          '"pin_spam": 2'))
@@ -528,3 +538,22 @@ def test_strided_pins_spread_part_of_the_count_evenly(g: int, n: int, count: int
     if spread >= 2:  # evenly: the spread pins' gaps (in positions among the left-out blocks) differ by at most 1
         at = [rest.index(b) for b in sorted(set(got.tolist()) - set(by_mass))]
         assert max(np.diff(at)) - min(np.diff(at)) <= 1
+
+
+def test_groups_below_pin_min_blocks_pin_nothing() -> None:
+    """pin_min_blocks 4: a group whose budget is 1-3 blocks at this context chooses every block per step; the
+    others pin their share as before."""
+    groups = [[GroupPlan(False, 64, 0.03), GroupPlan(False, 16, 0.03), GroupPlan(True)]]  # 2 and 8 blocks at 4096
+    plan = SparsePlan(16, 64, groups, "t", pin_fraction=0.75, pin_min_blocks=4)
+    n = 4096
+    assert [plan.block_count(gp, n) for gp in groups[0]] == [2, 8, 0]
+    mass = np.random.default_rng(7).random((3, n - 1)) + 1e-3
+    pins = PinnedBlocks(plan)
+    pins.pin_by_mass(0, 0, mass, n)
+    _, heads, blocks = pins.slot_blocks(0)
+    assert (heads == 0).sum() == 0  # 2 blocks < 4: none pinned
+    want = pick_pins(mass[1], 16, n, 16, 64, 6)  # int(0.75 x 8) by mass, as without the rule
+    assert blocks[heads == 1].tolist() == want.tolist()
+    plan.pin_min_blocks = 0
+    pins.pin_by_mass(0, 0, mass, n)
+    assert (pins.slot_blocks(0)[1] == 0).sum() == 1  # without the rule the 2-block group pins int(0.75 x 2) = 1
