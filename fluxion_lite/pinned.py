@@ -7,7 +7,8 @@ attend over the dense prompt KV that prefill kept on the compute device. So, per
 with the most attention mass from the last `obs_window` prompt positions (summed over the group's query heads and
 those positions) are kept for the whole decode: pinned. They take `pin_fraction` of the group's block budget; the
 per-step top-k fills the rest with its best blocks that are not pinned, so a step reads as many blocks as without
-pins. That union is made by the native top-k itself (fluxion.h, PINNED BLOCKS), from the table() of a layer's tasks.
+pins (a group whose budget is fewer blocks than the plan's pin_min_blocks pins none). That union is made by the native
+top-k itself (fluxion.h, PINNED BLOCKS), from the table() of a layer's tasks.
 With the plan's pin_span s > 1, a block also scores by its predecessors' mass (x pin_decay per block), so a heavy
 block's s - 1 successors are pinned too, within the same count (pick_pins); pin_span_tokens sets s per group from
 its block size instead (SparsePlan.span_for).
@@ -89,7 +90,7 @@ class PinnedBlocks:
     """Per layer, the pinned block ids of each host-store slot's retrieval groups, and their use in decode steps."""
 
     def __init__(self, plan: SparsePlan):
-        self.plan = plan  # its groups' g and budget, sink, window, pin_fraction, obs_window, pin_span and pin_decay
+        self.plan = plan  # its groups' g and budget, sink, window and pin settings (pin_fraction .. pin_min_blocks)
         n_layers, n_kv_heads = len(plan.groups), len(plan.groups[0])
         self.obs_window = plan.obs_window
         self.n_layers, self.n_kv_heads = n_layers, n_kv_heads
