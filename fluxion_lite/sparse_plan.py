@@ -268,8 +268,8 @@ def _group_dict(gp: GroupPlan) -> dict[str, object]:
 
 
 _PLAN_FIELDS = frozenset({"sink", "window", "source", "groups", "pin_fraction", "obs_window", "scoring", "pin_span",
-                          "pin_span_tokens", "pin_decay", "pin_stride", "pin_min_blocks", "long_exact_stream", "short_scale",
-                          "short_tokens"})
+                          "pin_span_tokens", "pin_decay", "pin_stride", "pin_min_blocks", "long_exact_stream",
+                          "short_scale", "short_tokens"})
 
 
 def _group_from(d: dict[str, object]) -> GroupPlan:

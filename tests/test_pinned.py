@@ -518,8 +518,9 @@ def test_pin_spans_in_tokens_cover_the_same_stretch_at_every_block_size(tmp_path
     assert refused.returncode != 0 and "--pin-span-tokens" in refused.stderr
 
 
-@pytest.mark.parametrize("g,n,count,span,stride", [(16, 700, 8, 3, 0.25), (16, 4000, 40, 3, 0.33), (64, 4000, 9, 1, 0.5),
-                                                   (32, 300, 100, 2, 0.34), (16, 700, 6, 3, 1.0)])
+@pytest.mark.parametrize("g,n,count,span,stride", [(16, 700, 8, 3, 0.25), (16, 4000, 40, 3, 0.33),
+                                                   (64, 4000, 9, 1, 0.5), (32, 300, 100, 2, 0.34),
+                                                   (16, 700, 6, 3, 1.0)])
 def test_strided_pins_spread_part_of_the_count_evenly(g: int, n: int, count: int, span: int, stride: float) -> None:
     """round(stride x count) pins go evenly over the eligible blocks the mass pick left out; the rest are the mass
     pick of that smaller count; the count, the eligibility range and the order hold."""
