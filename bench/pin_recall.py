@@ -23,6 +23,7 @@ import itertools
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -70,17 +71,17 @@ def observed_masses(engine: Engine, ids: list[int]) -> tuple[dict[int, np.ndarra
 def recall(plan: SparsePlan, masses: dict[int, np.ndarray], n: int, spans: list[tuple[int, int]],
            rule: Rule) -> dict[str, float]:
     """Per answer span [lo, hi): the share of pinning groups whose pins (under rule) hold its first token's block
-    and all its blocks; mean and worst over the spans."""
+    and all its blocks; mean and worst over the spans. The rule's settings replace the plan's (spans in blocks)."""
     fraction, span, decay = rule
+    plan = replace(plan, pin_fraction=fraction, pin_span=span, pin_decay=decay, pin_span_tokens=0)
     first_hit = np.zeros(len(spans))
     whole_hit = np.zeros(len(spans))
     groups = 0
     for layer, mass in masses.items():
         for h, gp in enumerate(plan.groups[layer]):
-            count = int(fraction * plan.block_count(gp, n))
-            if count <= 0:
+            pins = set(pinned.group_pins(plan, gp, mass[h], n).tolist())
+            if not pins:  # a group that pins nothing under this rule
                 continue
-            pins = set(pinned.pick_pins(mass[h], gp.g, n, plan.sink, plan.window, count, span, decay).tolist())
             groups += 1
             for i, (lo, hi) in enumerate(spans):
                 first_hit[i] += lo // gp.g in pins

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .sparse_plan import SparsePlan
+from .sparse_plan import GroupPlan, SparsePlan
 
 _NONE = np.iinfo(np.int32).max  # sorts after every block id
 
@@ -86,6 +86,15 @@ def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: i
     return np.sort(order + first).astype(np.int32)
 
 
+def group_pins(plan: SparsePlan, gp: GroupPlan, mass: np.ndarray, n: int) -> np.ndarray:
+    """One group's pins under the plan's pin settings, from its observed mass [n_prompt], for a step with n tokens
+    (none for a streaming group, or one whose budget is fewer blocks than pin_min_blocks)."""
+    blocks = plan.block_count(gp, n)
+    count = int(plan.pin_fraction * blocks) if blocks >= plan.pin_min_blocks else 0
+    return pick_pins(mass, gp.g, n, plan.sink, plan.window, count, plan.span_for(gp.g), plan.pin_decay,
+                     plan.pin_stride)
+
+
 class PinnedBlocks:
     """Per layer, the pinned block ids of each host-store slot's retrieval groups, and their use in decode steps."""
 
@@ -126,14 +135,8 @@ class PinnedBlocks:
     def pin_by_mass(self, layer: int, slot: int, mass: np.ndarray, n: int) -> None:
         """Pin from a given attention mass per key ([Hkv, n_prompt]): pin()'s second half, also for benchmarks
         whose context was imported rather than prefilled (no observed queries)."""
-        plan = self.plan
-        pins = []
-        for h, gp in enumerate(plan.groups[layer]):
-            blocks = plan.block_count(gp, n)  # 0 for a streaming group
-            count = int(plan.pin_fraction * blocks) if blocks >= plan.pin_min_blocks else 0
-            pins.append(pick_pins(mass[h], gp.g, n, plan.sink, plan.window, count, plan.span_for(gp.g),
-                                  plan.pin_decay, plan.pin_stride))
-        self._store(layer, slot, pins)
+        self._store(layer, slot, [group_pins(self.plan, gp, mass[h], n)
+                                  for h, gp in enumerate(self.plan.groups[layer])])
 
     def _store(self, layer: int, slot: int, pins: list[np.ndarray]) -> None:
         ids, counts = self._ids, self._counts

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -151,7 +151,7 @@ class SparsePlan:
             raise ModelFileError(f"sparse plan: pin_decay must be in (0, 1] (got {self.pin_decay})")
         if not 0.0 <= self.pin_stride <= 1.0:
             raise ModelFileError(f"sparse plan: pin_stride must be in [0, 1] (got {self.pin_stride})")
-        if isinstance(self.pin_min_blocks, bool) or not isinstance(self.pin_min_blocks, int) or self.pin_min_blocks < 0:
+        if type(self.pin_min_blocks) is not int or self.pin_min_blocks < 0:  # True or 2.5 are no block counts
             raise ModelFileError(f"sparse plan: pin_min_blocks must be an integer >= 0 (got {self.pin_min_blocks!r})")
         try:
             check_short(self.short_scale, self.short_tokens)
@@ -267,9 +267,7 @@ def _group_dict(gp: GroupPlan) -> dict[str, object]:
     return d
 
 
-_PLAN_FIELDS = frozenset({"sink", "window", "source", "groups", "pin_fraction", "obs_window", "scoring", "pin_span",
-                          "pin_span_tokens", "pin_decay", "pin_stride", "pin_min_blocks", "long_exact_stream",
-                          "short_scale", "short_tokens"})
+_PLAN_FIELDS = frozenset(f.name for f in fields(SparsePlan))  # what a plan file may hold: the plan's own fields
 
 
 def _group_from(d: dict[str, object]) -> GroupPlan:
