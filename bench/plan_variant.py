@@ -15,6 +15,8 @@ asked); flags left out keep the base plan's values. Feed the result to `bench/ru
       --out /tmp/floor.plan.json
   python bench/plan_variant.py --base bench/results/plans/shipped_a62cb96.plan.json --streaming-budget 0.02 \
       --long-only --budget-scale 0.9 --short-scale 1.8888888888888888 --out /tmp/long_only.plan.json
+  python bench/plan_variant.py --base models/qwen2.5-coder-1.5b.plan.json --budget-curve 4096:1.65 16384:1 \
+      --read-target 8192:0.097 32768:0.048 --out /tmp/curve.plan.json
 """
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ from pathlib import Path
 
 from fluxion_lite import native
 from fluxion_lite.errors import ModelFileError
+from fluxion_lite.policy import scale_for_read
 from fluxion_lite.sparse_plan import (GRANULARITIES, MAX_PIN_SPAN, MAX_PIN_SPAN_TOKENS, GroupPlan, SparsePlan,
-                                      check_short)
+                                      check_curve, check_short)
 
 
 def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str | None = None,
@@ -46,7 +49,8 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
     (GroupPlan.long_only: streaming up to short_tokens, its budget from twice that on). pin_span_tokens: pin spans
     in tokens (SparsePlan.span_for; 0 = in blocks, pin_span). long_exact_stream: long-only groups stream through the
     exact sink and window (SparsePlan.long_exact_stream). pin_stride: share of the pins spread evenly
-    (SparsePlan.pin_stride); pin_min_blocks: groups with fewer blocks pin none (SparsePlan.pin_min_blocks)."""
+    (SparsePlan.pin_stride); pin_min_blocks: groups with fewer blocks pin none (SparsePlan.pin_min_blocks). The
+    base plan's budget curve stays; with_curve replaces it."""
     scoring = plan.scoring if scoring is None else scoring
     pin_fraction = plan.pin_fraction if pin_fraction is None else pin_fraction
     obs_window = plan.obs_window if obs_window is None else obs_window
@@ -77,6 +81,7 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
               + (f" in spans of {span_tokens} tokens (x{pin_decay:g})" if span_tokens else
                  f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else "")
               + (f", short contexts x{short_scale:g} up to {short_tokens}" if short_scale != 1.0 else "")
+
               + (f", sink {sink}" if sink != plan.sink else "")
               + (f", window {window}" if window != plan.window else "")
               + (f", streaming groups retrieve at {streaming_budget:g}" if streaming_budget is not None else "")
@@ -86,7 +91,34 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
               + (f", {stride:g} of the pins spread evenly" if stride != plan.pin_stride else "")
               + (f", no pins below {min_blocks} blocks" if min_blocks != plan.pin_min_blocks else ""))
     return SparsePlan(sink, window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
-                      short_scale, short_tokens, span_tokens, long_exact, stride, min_blocks)
+                      short_scale, short_tokens, span_tokens, long_exact, stride, min_blocks, plan.budget_curve)
+
+
+def with_curve(plan: SparsePlan, curve: dict[int, float], targets: dict[int, float]) -> SparsePlan:
+    """The plan with the budget curve of the knots `curve` ({tokens: scale}) plus, for each {tokens: read} of
+    `targets`, a knot whose scale makes the predicted read there that (policy.scale_for_read: solved at its own
+    length, where the curve's factor is that knot's scale alone). The curve replaces the short scale; short_tokens
+    stays (the long-only groups' ramp). ValueError when a target cannot be reached."""
+    knots = dict(curve) | {n: scale_for_read(plan, n, f) for n, f in targets.items()}
+    text = " ".join(f"x{s:.4g}@{n}" for n, s in sorted(knots.items()))
+    return replace(plan, short_scale=1.0, budget_curve=tuple(sorted(knots.items())),
+                   source=f"{plan.source}, budget curve {text}"
+                   + (" (read targets " + " ".join(f"{f:g}@{n}" for n, f in sorted(targets.items())) + ")"
+                      if targets else ""))
+
+
+def knots(values: list[str] | None, flag: str, kind: type) -> dict[int, float]:
+    """TOKENS:VALUE pairs of a command-line flag as {tokens: value}; exits naming the flag on a malformed one."""
+    out: dict[int, float] = {}
+    for item in values or []:
+        tokens, sep, value = item.partition(":")
+        try:
+            if not sep or int(tokens) <= 0 or int(tokens) in out:
+                raise ValueError
+            out[int(tokens)] = kind(value)
+        except ValueError:
+            sys.exit(f"error: {flag}: expected distinct TOKENS:VALUE pairs with TOKENS > 0 (got {item!r})")
+    return out
 
 
 def main() -> None:
@@ -127,6 +159,12 @@ def main() -> None:
                          "log2(context) between (>= 1; default: the base plan's, 1 = off)")
     ap.add_argument("--short-tokens", type=int, default=None,
                     help="context up to which --short-scale applies in full (> 0; default: the base plan's)")
+    ap.add_argument("--budget-curve", nargs="+", default=None, metavar="TOKENS:SCALE",
+                    help="retrieval budgets x SCALE at TOKENS of context, linear in log2(context) between the knots, "
+                         "flat outside (SparsePlan.budget_curve; replaces the short scale; default: the base plan's)")
+    ap.add_argument("--read-target", nargs="+", default=None, metavar="TOKENS:FRACTION",
+                    help="add a --budget-curve knot at TOKENS whose scale makes the predicted KV read there "
+                         "(sink and window included) FRACTION, e.g. 8192:0.097 (policy.scale_for_read)")
     ap.add_argument("--sink", type=int, default=None, help="sink tokens (default: the base plan's)")
     ap.add_argument("--window", type=int, default=None,
                     help="recent-window tokens (default: the base plan's); the prompt's question sits in the window "
@@ -174,6 +212,16 @@ def main() -> None:
                     8192 if args.short_tokens is None else args.short_tokens)
     except ValueError as exc:
         sys.exit(f"error: --{str(exc).replace('_', '-')}")
+    curve, targets = knots(args.budget_curve, "--budget-curve", float), knots(args.read_target, "--read-target", float)
+    if set(curve) & set(targets):
+        sys.exit("error: --read-target: a length given a scale by --budget-curve too")
+    if any(not 0.0 < f <= 1.0 for f in targets.values()):
+        sys.exit("error: --read-target: each FRACTION must be in (0, 1]")
+    if curve:
+        try:
+            check_curve(sorted(curve.items()))
+        except ValueError as exc:
+            sys.exit(f"error: --{str(exc).replace('_', '-')}")
     base_path = Path(args.base) if args.base else Path(str(files("fluxion_lite.models"))) / f"{args.model}.plan.json"
     try:
         base = SparsePlan.load(base_path)
@@ -183,6 +231,11 @@ def main() -> None:
                   args.pin_decay, args.short_scale, args.short_tokens, args.sink, args.min_budget,
                   args.window, args.streaming_budget, args.long_only, args.pin_span_tokens, args.long_exact_stream,
                   args.pin_stride, args.pin_min_blocks)
+    if curve or targets:
+        try:
+            out = with_curve(out, curve, targets)
+        except ValueError as exc:
+            sys.exit(f"error: --read-target: {exc}")
     out.save(Path(args.out))
     print(out.explain())  # with the predicted reads at 4K-32K
     print(f"wrote {args.out}")

@@ -166,9 +166,10 @@ class DeviceGraphedDecode:
         self.dsum.reserve(a.cfg.n_layers, max(a._slot[c.seq_id] for c in chunks), nb // self.g)
         bucket = self._buckets.get(nb)
         if bucket is None:  # once per length bucket, not per step
-            # an upper bound of every row's k in this bucket: the short-context factor only falls as n grows, a
-            # long-only group's factor only rises (0 below short_tokens: no blocks, as a streaming group)
-            factor = np.full(a._budget.shape, float(a.plan.budget_factor(max(nb - BUCKET_TOKENS + 1, 1))))
+            # an upper bound of every row's k in this bucket: the budget factor's largest value over the bucket's
+            # lengths (a budget curve may rise with n), a long-only group's factor only rises (0 below
+            # short_tokens: no blocks, as a streaming group)
+            factor = np.full(a._budget.shape, a.plan.max_budget_factor(max(nb - BUCKET_TOKENS + 1, 1), nb))
             if a._long is not None:
                 factor[a._long] = float(a.plan.long_factor(nb))
             k_cap = np.where(a._retrieval, np.ceil(a._budget * nb * factor / self.g), 0).astype(np.int64)  # [L, Hkv]

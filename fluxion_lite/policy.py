@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from .calibration import Config, all_configs, budget_tokens
@@ -88,6 +89,24 @@ def plan_bytes_fraction(plan: SparsePlan, n: int, head_dim: int) -> tuple[float,
         kv += (b - meta) / full
         touched += b / full
     return kv / len(flat), touched / len(flat)
+
+
+def scale_for_read(plan: SparsePlan, n: int, target: float) -> float:
+    """The largest budget factor at context n under which the plan's predicted KV read there (plan_bytes_fraction,
+    sink and window included) stays within `target`: a knot (n, scale) for its budget_curve. The read moves in
+    whole blocks, so it can end below the target by up to a block per group. ValueError when no factor reaches it
+    (the sink and window alone read more, or every budget at 1 reads less)."""
+    def read(scale: float) -> float:
+        return plan_bytes_fraction(replace(plan, short_scale=1.0, budget_curve=((n, scale),)), n, head_dim=64)[0]
+
+    lo, hi = 1e-4, 1e4  # the read is non-decreasing in the scale (budgets capped at the whole context)
+    if not read(lo) <= target <= read(hi):
+        raise ValueError(f"no budget factor gives a read of {target:.2%} at {n} tokens "
+                         f"(the plan reads {read(lo):.2%} to {read(hi):.2%} there)")
+    for _ in range(60):  # bisection in log space: ~1e-13 relative at the end
+        mid = (lo * hi) ** 0.5
+        lo, hi = (mid, hi) if read(mid) <= target else (lo, mid)
+    return lo
 
 
 def save_labels(path: Path, labels: Labels, meta: dict[str, object]) -> None:

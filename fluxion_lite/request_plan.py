@@ -131,7 +131,7 @@ class RequestPlanner:
                    for h in range(ret.shape[1])] for i in range(ret.shape[0])]
         st = self.static  # its short-context scale applies to these budgets too (the step's budget_scale)
         return SparsePlan(st.sink, st.window, groups, source=f"predictor, sequence {seq_id}",
-                          short_scale=st.short_scale, short_tokens=st.short_tokens)
+                          short_scale=st.short_scale, short_tokens=st.short_tokens, budget_curve=st.budget_curve)
 
     def describe(self) -> str:
         m = self.pred.meta

@@ -410,7 +410,8 @@ class SparseAttention(AttentionBackend):
         key = tuple((c.seq_id, c.start) for c in chunks)
         if self._step is None or self._step.key != key:
             self._step = build_step(key, [self._slot[c.seq_id] for c in chunks], self.plan.sink, self.plan.window,
-                                    self.sink_cap, self.ring_cap, self.device, self.plan.short_scale,
+                                    self.sink_cap, self.ring_cap, self.device,
+                                    self.plan.budget_factor if self.plan.scales_budgets else None,
                                     self.plan.short_tokens, self._long is not None, self.long_exact)
         return self._step
 

@@ -32,6 +32,32 @@ def long_factor(n: np.ndarray | int, tokens: int) -> np.ndarray:
     return np.clip(np.log2(n_f / tokens), 0.0, 1.0)
 
 
+def curve_factor(n: np.ndarray | int, curve: tuple[tuple[int, float], ...]) -> np.ndarray:
+    """A budget curve's multiplier at context n (any shape): each knot's scale at its tokens, linear in log2(n)
+    between knots, the first knot's scale below it and the last one's above it. Reads scale with the context
+    (sink and window fall from ~2% of it at 4K to 0.25% at 32K), so a read limit per length needs a factor per
+    length; short_factor is the two-knot curve ((tokens, scale), (2 x tokens, 1))."""
+    n_f = np.maximum(np.asarray(n, dtype=np.float64), 1.0)
+    xs = np.log2(np.array([t for t, _ in curve], np.float64))
+    return np.interp(np.log2(n_f), xs, np.array([s for _, s in curve], np.float64))
+
+
+def check_curve(curve: object) -> None:
+    """ValueError naming budget_curve unless it is a non-empty sequence of [tokens, scale] knots, tokens integers
+    > 0 rising strictly, scales finite numbers > 0."""
+    if not isinstance(curve, (list, tuple)) or not curve:
+        raise ValueError(f"budget_curve must be a non-empty list of [tokens, scale] knots (got {curve!r})")
+    last = 0
+    for knot in curve:
+        ok = isinstance(knot, (list, tuple)) and len(knot) == 2 and type(knot[0]) is int and knot[0] > last
+        scale = knot[1] if ok else None
+        if not ok or isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) \
+                or scale <= 0:
+            raise ValueError(f"budget_curve knots must be [tokens, scale] with integer tokens > 0 rising strictly and "
+                             f"a finite scale > 0 (got {knot!r})")
+        last = knot[0]
+
+
 def check_short(short_scale: object, short_tokens: object) -> None:
     """ValueError naming the field unless short_scale is a finite number >= 1 and short_tokens an integer > 0."""
     if isinstance(short_scale, bool) or not isinstance(short_scale, (int, float)) or not math.isfinite(short_scale) \
@@ -84,13 +110,39 @@ class SparsePlan:
     # groups with fewer blocks than this pin none (every block chosen per step): one pinned block of two fixes a
     # small group on one place, where a multi-value answer needs each value read when it is due (0 = all groups pin)
     pin_min_blocks: int = 0
+    # a budget multiplier per context length instead of short_scale: knots (tokens, scale), linear in log2 of the
+    # context between them, flat outside (curve_factor); () = off. Lets each length read up to its own limit
+    # (e.g. 10% at 8K, 5% at 32K), where one short scale spends less at 8K than at 4K. short_tokens still sets
+    # the long-only groups' ramp.
+    budget_curve: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
+        self._check_scales()
+        self.budget_curve = tuple((int(t), float(s)) for t, s in self.budget_curve)
+
+    def _check_scales(self) -> None:
         check_short(self.short_scale, self.short_tokens)
+        if self.budget_curve:
+            check_curve(self.budget_curve)
+            if self.short_scale != 1.0:
+                raise ValueError("give budget_curve or short_scale, not both (the curve replaces the short scale)")
+
+    @property
+    def scales_budgets(self) -> bool:
+        """Whether retrieval budgets carry a context-dependent factor (budget_factor is not 1 everywhere)."""
+        return self.short_scale != 1.0 or bool(self.budget_curve)
 
     def budget_factor(self, n: np.ndarray | int) -> np.ndarray:
         """What every retrieval budget is multiplied by at context n (tokens incl. the new one; any shape)."""
+        if self.budget_curve:
+            return curve_factor(n, self.budget_curve)
         return short_factor(n, self.short_scale, self.short_tokens)
+
+    def max_budget_factor(self, lo: int, hi: int) -> float:
+        """The largest budget_factor over contexts lo..hi: at an end or at a knot between (the factor is monotone
+        between knots), an upper bound of every step's k in that range (device_graph sizes its buffers by it)."""
+        points = [lo, hi] + [t for t, _ in self.budget_curve if lo < t < hi]
+        return float(np.max(self.budget_factor(np.array(points))))
 
     def long_factor(self, n: np.ndarray | int) -> np.ndarray:
         """What a long-only group's budget is multiplied by at context n (0 up to short_tokens: streaming there)."""
@@ -119,7 +171,7 @@ class SparsePlan:
         tokens = gp.budget * n
         if gp.long_only:
             tokens *= float(self.long_factor(n))
-        elif self.short_scale != 1.0:
+        elif self.scales_budgets:
             tokens *= float(self.budget_factor(n))
         return int(np.ceil(tokens / gp.g))
 
@@ -154,7 +206,7 @@ class SparsePlan:
         if type(self.pin_min_blocks) is not int or self.pin_min_blocks < 0:  # True or 2.5 are no block counts
             raise ModelFileError(f"sparse plan: pin_min_blocks must be an integer >= 0 (got {self.pin_min_blocks!r})")
         try:
-            check_short(self.short_scale, self.short_tokens)
+            self._check_scales()
         except ValueError as exc:
             raise ModelFileError(f"sparse plan: {exc}") from exc
 
@@ -179,6 +231,8 @@ class SparsePlan:
             data["pin_min_blocks"] = self.pin_min_blocks
         if self.short_scale != 1.0 or self.has_long_only:  # long-only groups ramp up at short_tokens too
             data |= {"short_scale": self.short_scale, "short_tokens": self.short_tokens}
+        if self.budget_curve:
+            data["budget_curve"] = [[t, s] for t, s in self.budget_curve]
         path.write_text(json.dumps(data, indent=1))
 
     @classmethod
@@ -205,7 +259,7 @@ class SparsePlan:
                        float(data.get("pin_fraction", 0.0)), int(data.get("obs_window", 32)),
                        str(data.get("scoring", "group")), pin_span,
                        float(data.get("pin_decay", 1.0)), short_scale, short_tokens, span_tokens, long_exact,
-                       float(data.get("pin_stride", 0.0)), min_blocks)
+                       float(data.get("pin_stride", 0.0)), min_blocks, data.get("budget_curve", ()))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
 
@@ -227,6 +281,9 @@ class SparsePlan:
         if self.short_scale != 1.0:
             lines.append(f"  short contexts: budgets x{self.short_scale:g} up to {self.short_tokens} tokens, x1 from "
                          f"{2 * self.short_tokens} on (linear in log2 of the context between)")
+        if self.budget_curve:
+            lines.append("  budgets by context: " + ", ".join(f"x{s:.3g} at {t}" for t, s in self.budget_curve)
+                         + " (linear in log2 of the context between, flat outside)")
         if self.has_long_only:
             how = "exact" if self.long_exact_stream else "block-aligned"
             lines.append(f"  long-only groups (marked *): streaming up to {self.short_tokens} tokens "

@@ -6,13 +6,14 @@ Built with numpy and shipped in two small copies, so the per-layer path has no h
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from . import native
-from .sparse_plan import DEFAULT_SHORT_TOKENS, long_factor, short_factor
+from .sparse_plan import DEFAULT_SHORT_TOKENS, long_factor
 
 GVALS = (1, 16, 32, 64, 128)  # 1 = a streaming group (exact sink / window); else the group's block size
 # With a plan's long_exact_stream, long-only groups take rows past GVALS (one per block size, g's row + this): the
@@ -61,10 +62,12 @@ class DecodeStep:
 
 
 def build_step(key: tuple[tuple[int, int], ...], slots: list[int], sink: int, window: int, sink_cap: int,
-               ring_cap: int, device: torch.device, short_scale: float = 1.0,
+               ring_cap: int, device: torch.device,
+               budget_factor: Callable[[np.ndarray], np.ndarray] | None = None,
                short_tokens: int = DEFAULT_SHORT_TOKENS, long_only: bool = False,
                long_exact: bool = False) -> DecodeStep:
-    """short_scale, short_tokens: the plan's short-context budget scale (SparsePlan.budget_factor); 1 = off.
+    """budget_factor: the plan's budget multiplier at a context n (SparsePlan.budget_factor; None = x1
+    everywhere); short_tokens: where the long-only groups' ramp starts (SparsePlan.long_factor).
     long_only: the plan has long-only groups (their factor, SparsePlan.long_factor, per row); long_exact: they
     stream through the exact sink and window (SparsePlan.long_exact_stream; rows past GVALS, group_rows)."""
     pos = np.array([p for _, p in key], np.int64)  # [B]
@@ -97,7 +100,7 @@ def build_step(key: tuple[tuple[int, int], ...], slots: list[int], sink: int, wi
     return DecodeStep(key, slots_a, n, sink_hi, win_lo, valid.sum(-1).astype(np.float64), bias_d, idx_d[0],
                       idx_d[1], idx_d[2], idx, int(slots_a[0]) if contiguous else None,
                       [b for b in range(len(pos)) if pos[b] < sink_cap],
-                      short_factor(n, short_scale, short_tokens) if short_scale != 1.0 else None,
+                      None if budget_factor is None else np.asarray(budget_factor(n), np.float64),
                       long_scale)
 
 

@@ -56,9 +56,13 @@ def _backends(plan: SparsePlan, cfg: object, device: torch.device = CPU, selecti
     (0.5, 1.6, "step", True, True, True, True, False), (0.0, 1.0, "step", True, True, True, True, False),
     # the early block choice (FLUXION_EARLY_SELECT=1) on a model whose predicted queries are the real ones: with the
     # reuse cache (fetch during the previous layer, attend from device memory) and without (choice only)
-    (0.5, 1.6, "step", True, True, True, True, True), (0.5, 1.6, "layer", True, False, False, True, True)])
+    (0.5, 1.6, "step", True, True, True, True, True), (0.5, 1.6, "layer", True, False, False, True, True),
+    # a budget curve that rises with the context (SparsePlan.budget_curve): a bucket's k_cap is its largest factor
+    (0.5, ((200, 1.0), (800, 2.5)), "step", False, False, False, True, False),
+    (0.0, ((200, 1.0), (800, 2.5)), "step", True, False, False, True, False)])
 def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, pin_fraction: float,
-                                                           short_scale: float, graphs: str, fused: bool,
+                                                           short_scale: float | tuple[tuple[int, float], ...],
+                                                           graphs: str, fused: bool,
                                                            pin_cache: bool, reuse: bool, overlap: bool,
                                                            early: bool) -> None:
     device = CPU
@@ -84,8 +88,10 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     groups = [[GroupPlan(False, 16, 0.07), GroupPlan(False, 16, 0.2), GroupPlan(True)],
               [GroupPlan(False, 16, 0.02), GroupPlan(False, 16, 0.07), GroupPlan(False, 16, 0.5)]]
     # short_tokens 300: the rows sit below, across and above the short-context scale's ramp
+    curve = short_scale if isinstance(short_scale, tuple) else ()
     plan = SparsePlan(sink=20, window=33, groups=groups, source="test", pin_fraction=pin_fraction, obs_window=8,
-                      pin_span=2, short_scale=short_scale, short_tokens=300)
+                      pin_span=2, short_scale=1.0 if curve else float(short_scale), short_tokens=300,
+                      budget_curve=curve)
     backends = _backends(plan, cfg, device)
     g = torch.Generator().manual_seed(3)
     lengths = [250, 700, 180]  # the first crosses a 256-token page boundary while decoding, rows differ in k

@@ -37,7 +37,7 @@ def plan(exact: bool = True, g: int = 64, long_only: bool = True) -> SparsePlan:
 def test_step_rows_are_exact_while_streaming_and_the_groups_own_once_retrieving(g: int) -> None:
     lengths = [100, 700, N0, N0 + 1, 1500, 2 * N0, 5000]
     key = tuple((i, n - 1) for i, n in enumerate(lengths))
-    st = build_step(key, list(range(len(lengths))), 16, 64, 128, 64 + 128, torch.device("cpu"), 1.0, N0, True, True)
+    st = build_step(key, list(range(len(lengths))), 16, 64, 128, 64 + 128, torch.device("cpu"), None, N0, True, True)
     assert st.bias.shape[0] == bias_rows(True) == 2 * len(GVALS) - 1
     row = int(group_rows(np.array(g), np.array(True), True))
     assert row == GVALS.index(g) + LONG_ROW_OFFSET
@@ -45,7 +45,7 @@ def test_step_rows_are_exact_while_streaming_and_the_groups_own_once_retrieving(
         src = 0 if n <= N0 else GVALS.index(g)  # long_factor(n) is 0 up to N0
         assert st.sink_hi[row, b] == st.sink_hi[src, b] and st.win_lo[row, b] == st.win_lo[src, b], n
         assert torch.equal(st.bias[row, b], st.bias[src, b]) and st.stream_read[row, b] == st.stream_read[src, b]
-    plain = build_step(key, list(range(len(lengths))), 16, 64, 128, 192, torch.device("cpu"), 1.0, N0, True)
+    plain = build_step(key, list(range(len(lengths))), 16, 64, 128, 192, torch.device("cpu"), None, N0, True)
     assert torch.equal(plain.bias, st.bias[: len(GVALS)])  # the first rows are the usual ones
     # a row's retrieval tasks read the same bounds through either row, so they are the same tasks
     ret, g_arr, bud, lo = (a[:, None, :] for a in plan(g=g).arrays())
@@ -81,7 +81,7 @@ def test_predicted_read_counts_exact_streaming_below_n0_and_is_unchanged_past_it
     plan's predicted read says; past it exact and aligned plans predict alike."""
     ns = np.arange(600, N0 + 1)
     st = build_step(tuple((i, int(n) - 1) for i, n in enumerate(ns)), list(range(len(ns))), 16, 64, 128, 192,
-                    torch.device("cpu"), 1.0, N0, True, True)
+                    torch.device("cpu"), None, N0, True, True)
     p = SparsePlan(16, 64, [[GroupPlan(True), GroupPlan(False, 64, 0.04, True)]], "t", short_tokens=N0,
                    long_exact_stream=True)
     ret, g, bud, lo = (a[:, None, :] for a in p.arrays())

@@ -35,7 +35,7 @@ def step_tasks(p: SparsePlan, lengths: list[int]) -> tuple[np.ndarray, ...]:
     """(tasks, row, group, k) of one step whose rows hold `lengths` tokens, through the plan's [L, Hkv] arrays."""
     key = tuple((i, n - 1) for i, n in enumerate(lengths))
     st = build_step(key, list(range(len(lengths))), p.sink, p.window, 16, p.window + 128, torch.device("cpu"),
-                    p.short_scale, p.short_tokens, p.has_long_only)
+                    p.budget_factor if p.scales_budgets else None, p.short_tokens, p.has_long_only)
     ret, g, bud, long_only = (a[:, None, :] for a in p.arrays())
     gi = np.searchsorted(np.array(GVALS), g)
     tasks, _, bi, h, k, _, _ = retrieval_tasks(st, gi, g, ret, bud, long_only if p.has_long_only else None)
@@ -74,7 +74,7 @@ def test_from_twice_n0_on_a_long_only_group_is_a_plain_retrieval_group() -> None
 def test_active_retrieval_counts_long_only_groups_as_streaming_where_they_stream() -> None:
     p = plan()
     key = ((0, 499), (1, 4999))
-    st = build_step(key, [0, 1], 16, 64, 16, 192, torch.device("cpu"), 1.0, N0, True)
+    st = build_step(key, [0, 1], 16, 64, 16, 192, torch.device("cpu"), None, N0, True)
     ret, _, _, long_only = (x[:, None, :] for x in p.arrays())
     assert active_retrieval(st, ret, long_only).tolist() == [[[False, True, False], [False, True, True]]]
 

@@ -75,7 +75,7 @@ def test_long_only_groups_below_short_tokens_read_their_aligned_sink_and_window(
                       short_tokens=short_tokens)
     ns = np.arange(4000, 4256)
     st = build_step(tuple((i, int(n) - 1) for i, n in enumerate(ns)), list(range(len(ns))), sink, window, 128,
-                    window + 128, torch.device("cpu"), 1.0, short_tokens, True)
+                    window + 128, torch.device("cpu"), None, short_tokens, True)
     retrieval, g_arr, budget, long_only = (a[:, None, :] for a in plan.arrays())  # [1, 1, Hkv]
     gi = np.searchsorted(np.array(GVALS), g_arr)
     tasks = retrieval_tasks(st, gi, g_arr, retrieval, budget, long_only)[0]

@@ -37,7 +37,7 @@ def step_k(p: SparsePlan, lengths: list[int]) -> np.ndarray:
     retrieval groups in plan order."""
     key = tuple((i, n - 1) for i, n in enumerate(lengths))
     st = build_step(key, list(range(len(lengths))), p.sink, p.window, 16, 128, torch.device("cpu"),
-                    short_scale=p.short_scale, short_tokens=p.short_tokens)
+                    budget_factor=p.budget_factor if p.scales_budgets else None)
     row = p.groups[0]
     gi = np.array([[[GVALS.index(1 if gp.streaming else gp.g) for gp in row]]])  # [1, 1, Hkv]
     g = np.array([[[1 if gp.streaming else gp.g for gp in row]]])

@@ -1,0 +1,206 @@
+"""A sparse plan's budget curve (SparsePlan.budget_curve): a budget factor per context length. The factor against a
+float64 reference, the step's top-k block counts, the bound the device path sizes its buffers by, validation, the
+file format, the read-target solver (policy.scale_for_read) and bench/plan_variant.py's flags."""
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from fluxion_lite.errors import ModelFileError
+from fluxion_lite.policy import plan_bytes_fraction, scale_for_read
+from fluxion_lite.sparse_plan import GroupPlan, SparsePlan, curve_factor, short_factor
+from fluxion_lite.sparse_step import GVALS, build_step, retrieval_tasks
+from subprocess_env import repo_env
+
+RISING = ((1024, 1.5), (2048, 2.5), (4096, 1.0))  # up from 1K to 2K, then down: what a per-length read limit asks
+
+
+def plan(curve: tuple[tuple[int, float], ...] = RISING, pin_fraction: float = 0.0) -> SparsePlan:
+    """One layer: a streaming group, then two retrieval groups (g=16 and g=64)."""
+    row = [GroupPlan(True), GroupPlan(False, 16, 0.05), GroupPlan(False, 64, 0.1)]
+    return SparsePlan(16, 64, [row], "t", pin_fraction=pin_fraction, budget_curve=curve)
+
+
+def reference_factor(n: float, curve: list[tuple[int, float]]) -> float:
+    """float64, knot by knot: the scale of the first / last knot outside them, linear in log2(n) between."""
+    if n <= curve[0][0]:
+        return curve[0][1]
+    for (t0, s0), (t1, s1) in zip(curve, curve[1:]):
+        if n <= t1:
+            w = (math.log2(n) - math.log2(t0)) / (math.log2(t1) - math.log2(t0))
+            return s0 + w * (s1 - s0)
+    return curve[-1][1]
+
+
+def random_curve(rng: np.random.Generator) -> tuple[tuple[int, float], ...]:
+    tokens = np.sort(rng.choice(np.arange(64, 70000), size=int(rng.integers(1, 6)), replace=False))
+    return tuple((int(t), float(rng.uniform(0.2, 3.0))) for t in tokens)
+
+
+def test_factor_matches_the_reference_on_random_curves_and_lengths() -> None:
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        curve = random_curve(rng)
+        n = rng.integers(1, 100000, size=200)
+        got = curve_factor(n, curve)
+        assert got.shape == n.shape
+        assert np.allclose(got, [reference_factor(float(x), list(curve)) for x in n], rtol=0, atol=1e-12)
+        assert curve_factor(curve[0][0], curve) == pytest.approx(curve[0][1])  # each knot's own scale
+        assert curve_factor(curve[-1][0] * 8, curve) == pytest.approx(curve[-1][1])  # flat past the last
+
+
+def test_the_two_knot_curve_is_the_short_scale() -> None:
+    n = np.arange(1, 40000, 7)
+    assert np.allclose(curve_factor(n, ((8064, 1.7), (16128, 1.0))), short_factor(n, 1.7, 8064), atol=1e-12)
+
+
+def step_k(p: SparsePlan, lengths: list[int]) -> np.ndarray:
+    """k (blocks) of each retrieval task of one step whose rows hold `lengths` tokens: int64 [rows, 2]."""
+    key = tuple((i, n - 1) for i, n in enumerate(lengths))
+    st = build_step(key, list(range(len(lengths))), p.sink, p.window, 16, 128, torch.device("cpu"),
+                    budget_factor=p.budget_factor if p.scales_budgets else None)
+    row = p.groups[0]
+    gi = np.array([[[GVALS.index(1 if gp.streaming else gp.g) for gp in row]]])  # [1, 1, Hkv]
+    g = np.array([[[1 if gp.streaming else gp.g for gp in row]]])
+    ret = np.array([[[not gp.streaming for gp in row]]])
+    bud = np.array([[[gp.budget for gp in row]]])
+    _, _, bi, _, k, _, _ = retrieval_tasks(st, gi, g, ret, bud)
+    assert bi.tolist() == np.repeat(np.arange(len(lengths)), 2).tolist()
+    return k.reshape(len(lengths), 2)
+
+
+def test_step_k_follows_the_curve_where_it_rises_and_falls() -> None:
+    p = plan()
+    lengths = list(range(512, 6000, 173))
+    k = step_k(p, lengths)
+    n = np.array(lengths, np.float64)[:, None]
+    f = np.array([reference_factor(x, list(RISING)) for x in lengths])[:, None]
+    assert k.tolist() == np.ceil(np.array([0.05, 0.1]) * n * f / np.array([16, 64]) - 1e-9).astype(int).tolist()
+    for length, row in zip(lengths, k):  # the plan's own count (pins, printouts) agrees with the step's
+        assert [p.block_count(gp, length) for gp in p.groups[0][1:]] == row.tolist()
+    at = {x: i for i, x in enumerate(lengths)}
+    assert k[at[1896], 0] > 1896 * 0.05 * 1.5 / 16  # between the first knots the factor is above the first's
+
+
+def test_max_factor_bounds_every_length_of_a_range_and_is_reached() -> None:
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        p = plan(random_curve(rng))
+        lo = int(rng.integers(1, 60000))
+        hi = lo + int(rng.integers(0, 5000))
+        every = p.budget_factor(np.arange(lo, hi + 1))
+        assert p.max_budget_factor(lo, hi) == pytest.approx(float(every.max()), rel=1e-12)
+
+
+def test_curve_and_short_scale_are_exclusive_and_bad_curves_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="not both"):
+        replace(plan(), short_scale=1.5)
+    bad_curves: list[object] = [[[0, 1.0]], [[100, 1.0], [100, 2.0]], [[200, 1.0], [100, 2.0]],
+                                [[100, 0.0]], [[100, -1.0]], [[100, float("nan")]], [[100.5, 1.0]],
+                                [["100", 1.0]], [[100, "1"]], [[100, True]], [[100]], "x"]
+    for curve in bad_curves:  # ([] is a plan without a curve, as a file without the field)
+        data = {"sink": 16, "window": 64, "groups": [[{"streaming": True}]], "budget_curve": curve}
+        path = tmp_path / "bad.plan.json"
+        path.write_text(json.dumps(data))
+        with pytest.raises(ModelFileError, match="bad.plan.json.*budget_curve"):
+            SparsePlan.load(path)
+    p = plan()
+    p.budget_curve = ((100, 1.0), (50, 1.0))  # set after construction: validate() catches it too
+    with pytest.raises(ModelFileError, match="budget_curve"):
+        p.validate(1, 3)
+
+
+def test_save_load_round_trip_and_explain(tmp_path: Path) -> None:
+    path = tmp_path / "p.plan.json"
+    plan(pin_fraction=0.5).save(path)
+    assert json.loads(path.read_text())["budget_curve"] == [[1024, 1.5], [2048, 2.5], [4096, 1.0]]
+    back = SparsePlan.load(path)
+    assert back.budget_curve == RISING and back.short_scale == 1.0 and back.groups == plan().groups
+    assert "x2.5 at 2048" in back.explain()
+    replace(plan(), budget_curve=()).save(path)  # off: no field in the file
+    assert "budget_curve" not in json.loads(path.read_text())
+    assert not SparsePlan.load(path).scales_budgets
+
+
+def test_scale_for_read_hits_the_target_and_refuses_what_no_scale_reaches() -> None:
+    p = plan(())
+    for n, target in ((4096, 0.10), (8192, 0.097), (32768, 0.049), (2000, 0.5)):
+        scale = scale_for_read(p, n, target)
+
+        def read(s: float) -> float:
+            return plan_bytes_fraction(replace(p, budget_curve=((n, s),)), n, 64)[0]
+
+        # the largest scale within the target: a hair more reads a block more, and that block is the step
+        assert read(scale) <= target < read(scale * (1 + 1e-9))
+        assert target - read(scale) < (16 + 64) / n / 3  # less than a block of each retrieval group
+    with pytest.raises(ValueError, match="no budget factor"):
+        scale_for_read(p, 4096, 0.001)  # below what the sink and window alone read
+    with pytest.raises(ValueError, match="no budget factor"):
+        scale_for_read(replace(p, groups=[[GroupPlan(True), GroupPlan(True), GroupPlan(True)]]), 4096, 0.5)
+
+
+def test_plan_variant_sets_solves_and_checks_the_curve(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    base = tmp_path / "base.plan.json"
+    long_only = GroupPlan(False, 64, 0.04, long_only=True)  # whose ramp (short_tokens) the curve must keep
+    SparsePlan(16, 64, [plan().groups[0] + [long_only]], "t", short_scale=1.7, short_tokens=2048).save(base)
+    out = tmp_path / "v.plan.json"
+    cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(base), "--out", str(out)]
+
+    def run(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cmd, *extra], capture_output=True, text=True, env=repo_env(root), timeout=120)
+
+    done = run("--budget-curve", "1024:1.7", "--read-target", "8192:0.06", "2048:0.12")
+    assert done.returncode == 0, done.stderr
+    got = SparsePlan.load(out)
+    assert got.short_scale == 1.0 and got.short_tokens == 2048  # the curve replaces the scale, not the ramp
+    assert [t for t, _ in got.budget_curve] == [1024, 2048, 8192] and got.budget_curve[0][1] == 1.7
+    for n, target in ((2048, 0.12), (8192, 0.06)):
+        assert target - (16 + 64 + 64) / n / 4 < plan_bytes_fraction(got, n, 64)[0] <= target  # within a block
+    assert "budget curve" in got.source and "budgets by context" in done.stdout
+    assert run().returncode == 0 and SparsePlan.load(out).short_scale == 1.7  # no flags: the base plan's scale
+    for args, flag in ((("--budget-curve", "1024"), "--budget-curve"), (("--budget-curve", "0:1"), "--budget-curve"),
+                       (("--budget-curve", "1024:-1"), "--budget-curve"),
+                       (("--read-target", "1024:1.5"), "--read-target"),
+                       (("--read-target", "4096:0.0001"), "--read-target"),
+                       (("--budget-curve", "1024:1", "--read-target", "1024:0.1"), "--read-target")):
+        refused = run(*args)
+        assert refused.returncode != 0 and flag in refused.stderr and "Traceback" not in refused.stderr, args
+
+
+def test_the_curve_reaches_the_decode_steps_of_the_backend() -> None:
+    """Through SparseAttention (eager CPU decode): each retrieval group's k is the plan's block_count at the
+    length decoded, on the rising part of a curve."""
+    from fluxion_lite.attention import SeqChunk
+    from fluxion_lite.config import ModelConfig
+    from fluxion_lite.sparse_attention import SparseAttention
+
+    cfg = ModelConfig(arch="llama", n_layers=1, d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, head_dim=16,
+                      vocab_size=10, context_length=4096, rms_eps=1e-5, rope_theta=10000.0, rope_dim=16,
+                      rope_style="interleaved", qkv_bias=False, tied_embeddings=True)
+    p = SparsePlan(16, 32, [[GroupPlan(False, 16, 0.05), GroupPlan(False, 16, 0.1)]], "t",
+                   budget_curve=((1000, 1.0), (2000, 3.0)))
+    a = SparseAttention(cfg, p, torch.float32, torch.device("cpu"), max_seqs=2, placement="cpu")
+    g = torch.Generator().manual_seed(0)
+    n = 1500
+    k, v = torch.randn(n, 2, 16, generator=g), torch.randn(n, 2, 16, generator=g)
+    a.allocate(0)
+    a.import_kv(0, 0, 0, k, v)
+    a._prefilling.discard(0)
+    a.attend(0, torch.randn(1, 4, 16, generator=g), k[:1], v[:1], [SeqChunk(0, n, 1)])
+    st = a._step
+    assert st is not None
+    _, _, _, _, k_blocks, _, _ = retrieval_tasks(st, a._gidx[:, None, :], a._g[:, None, :],
+                                                 a._retrieval[:, None, :], a._budget[:, None, :])
+    assert k_blocks.tolist() == [p.block_count(gp, n + 1) for gp in p.groups[0]]
+    assert k_blocks.tolist() == [math.ceil(b * (n + 1) * reference_factor(n + 1, [(1000, 1.0), (2000, 3.0)]) / 16)
+                                 for b in (0.05, 0.1)]
+    a.executor.close()
