@@ -204,3 +204,21 @@ def test_the_curve_reaches_the_decode_steps_of_the_backend() -> None:
     assert k_blocks.tolist() == [math.ceil(b * (n + 1) * reference_factor(n + 1, [(1000, 1.0), (2000, 3.0)]) / 16)
                                  for b in (0.05, 0.1)]
     a.executor.close()
+
+
+def test_the_shipped_1_5b_curve_decodes_as_the_plans_measured_at_each_length() -> None:
+    """models/qwen2.5-coder-1.5b.plan.json raises the budgets at 8K only: every group's top-k block count equals the
+    floor plan's (measured on RULER at 4K / 16K / 32K) up to 4096 tokens and from 12288 on, and the curve plan's
+    measured at 8K (q15_floor02_x085_curve98_49, reads 9.8%) on the 8K prompts' span (8050-8192 tokens)."""
+    root = Path(__file__).resolve().parents[1]
+    plans = root / "bench" / "results" / "plans"
+    shipped = SparsePlan.load(root / "models" / "qwen2.5-coder-1.5b.plan.json")
+    floor = SparsePlan.load(plans / "q15_floor02_x085_s165.plan.json")
+    at_8k = SparsePlan.load(plans / "q15_floor02_x085_curve98_49.plan.json")
+    assert shipped.groups == floor.groups == at_8k.groups and shipped.short_tokens == floor.short_tokens
+    for other, lengths in ((floor, range(1, 4097, 5)), (at_8k, range(4000, 8193)), (floor, range(12288, 40000, 11))):
+        for n in lengths:
+            for row in shipped.groups:
+                for gp in row:
+                    assert shipped.block_count(gp, n) == other.block_count(gp, n), (n, gp)
+    assert plan_bytes_fraction(shipped, 8192, 64)[0] <= 0.10 and plan_bytes_fraction(shipped, 16384, 64)[0] <= 0.05
