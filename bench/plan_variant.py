@@ -81,7 +81,6 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
               + (f" in spans of {span_tokens} tokens (x{pin_decay:g})" if span_tokens else
                  f" in spans of {pin_span} (x{pin_decay:g})" if pin_span != 1 else "")
               + (f", short contexts x{short_scale:g} up to {short_tokens}" if short_scale != 1.0 else "")
-
               + (f", sink {sink}" if sink != plan.sink else "")
               + (f", window {window}" if window != plan.window else "")
               + (f", streaming groups retrieve at {streaming_budget:g}" if streaming_budget is not None else "")
@@ -102,12 +101,12 @@ def with_curve(plan: SparsePlan, curve: dict[int, float], targets: dict[int, flo
     knots = dict(curve) | {n: scale_for_read(plan, n, f) for n, f in targets.items()}
     text = " ".join(f"x{s:.4g}@{n}" for n, s in sorted(knots.items()))
     return replace(plan, short_scale=1.0, budget_curve=tuple(sorted(knots.items())),
-                   source=f"{plan.source}, budget curve {text}"
+                   source=f"{plan.source}, budget curve {text} in place of the short scale"
                    + (" (read targets " + " ".join(f"{f:g}@{n}" for n, f in sorted(targets.items())) + ")"
                       if targets else ""))
 
 
-def knots(values: list[str] | None, flag: str, kind: type) -> dict[int, float]:
+def knots(values: list[str] | None, flag: str) -> dict[int, float]:
     """TOKENS:VALUE pairs of a command-line flag as {tokens: value}; exits naming the flag on a malformed one."""
     out: dict[int, float] = {}
     for item in values or []:
@@ -115,7 +114,7 @@ def knots(values: list[str] | None, flag: str, kind: type) -> dict[int, float]:
         try:
             if not sep or int(tokens) <= 0 or int(tokens) in out:
                 raise ValueError
-            out[int(tokens)] = kind(value)
+            out[int(tokens)] = float(value)
         except ValueError:
             sys.exit(f"error: {flag}: expected distinct TOKENS:VALUE pairs with TOKENS > 0 (got {item!r})")
     return out
@@ -212,7 +211,7 @@ def main() -> None:
                     8192 if args.short_tokens is None else args.short_tokens)
     except ValueError as exc:
         sys.exit(f"error: --{str(exc).replace('_', '-')}")
-    curve, targets = knots(args.budget_curve, "--budget-curve", float), knots(args.read_target, "--read-target", float)
+    curve, targets = knots(args.budget_curve, "--budget-curve"), knots(args.read_target, "--read-target")
     if set(curve) & set(targets):
         sys.exit("error: --read-target: a length given a scale by --budget-curve too")
     if any(not 0.0 < f <= 1.0 for f in targets.values()):

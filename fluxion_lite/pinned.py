@@ -207,8 +207,8 @@ class PinnedBlocks:
         all tasks, or each task's layer (int [T]: a whole step's table in the same two gathers)."""
         ids, counts = self._ids, self._counts
         slot, h, k = tasks[:, 0], tasks[:, 2], tasks[:, 4]
-        # a task never gets more pins than its k: with a short-context budget scale (SparsePlan.budget_factor) the
-        # plan's blocks x n can shrink by a block or so as n grows past short_tokens, after the pins were counted
+        # a task never gets more pins than its k: where the plan's budget factor falls with n (SparsePlan.budget_factor:
+        # past short_tokens, or a budget curve's falling part) its blocks can shrink after the pins were counted
         if len(slot) and int(np.maximum.reduce(slot)) < ids.shape[1]:  # every slot has rows: the usual case
             return ids[layer, slot, h], np.minimum(counts[layer, slot, h], k)
         inside = slot < ids.shape[1]
