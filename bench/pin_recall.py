@@ -44,6 +44,20 @@ from fluxion_lite.tokenizer import Tokenizer  # noqa: E402
 Rule = tuple[float, int, float]  # (pin_fraction, pin_span, pin_decay)
 
 
+def blended(plan: SparsePlan, masses: dict[int, np.ndarray], n: int, share: float) -> dict[int, np.ndarray]:
+    """Each group's mass with `share` of it replaced by the consensus of all retrieval groups of all layers: every
+    group's mass normalised over the positions pins may take (between the sink and the first step's window), then
+    averaged. A needle's position is the same token for every group; a group whose own prompt-end attention missed
+    it may still pin it when the others found it. share 0: each group's own mass (the engine's rule)."""
+    if share == 0.0:
+        return masses
+    lo, hi = plan.sink, max(n - plan.window, plan.sink + 1)
+    norm = {layer: m / np.maximum(m[:, lo:hi].sum(1, keepdims=True), 1e-30) for layer, m in masses.items()}
+    rows = [norm[layer][h] for layer in norm for h, gp in enumerate(plan.groups[layer]) if not gp.streaming]
+    consensus = np.mean(rows, axis=0)  # [n_prompt]
+    return {layer: (1.0 - share) * m + share * consensus[None, :] for layer, m in norm.items()}
+
+
 def observed_masses(engine: Engine, ids: list[int]) -> tuple[dict[int, np.ndarray], int]:
     """Prefill ids and take one decode step; returns per layer the observed mass [Hkv, n_prompt] that pick_pins
     saw, and the token count n of that first decode step."""
@@ -93,6 +107,11 @@ def recall(plan: SparsePlan, masses: dict[int, np.ndarray], n: int, spans: list[
             "whole": float(whole.mean()), "whole_worst": float(whole.min())}
 
 
+def rule_key(fraction: float, span: int, decay: float, consensus: float) -> str:
+    """A rule's name in the table: fraction/span/decay, and /consensus share when it is not 0 (the engine's rule)."""
+    return f"{fraction:g}/{span}/{decay:g}" + (f"/c{consensus:g}" if consensus else "")
+
+
 def parse_rules(fractions: list[float], spans: list[int], decays: list[float]) -> list[Rule]:
     return [(f, s, d) for f, s, d in itertools.product(fractions, spans, decays) if s > 1 or d == decays[0]]
 
@@ -108,6 +127,8 @@ def main() -> None:
     ap.add_argument("--fractions", type=float, nargs="+", default=[0.5, 0.75])
     ap.add_argument("--spans", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--decays", type=float, nargs="+", default=[1.0, 0.7, 0.5, 0.3])
+    ap.add_argument("--consensus", type=float, nargs="+", default=[0.0],
+                    help="shares of each group's mass replaced by all groups' normalised mean (blended; 0 = own)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -138,22 +159,24 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         masses, n = observed_masses(engine, ids)
+        mixes = {c: blended(plan, masses, n, c) for c in args.consensus}
         row = {"task": s["task"], "index": s["index"], "values": len(spans), "n": n,
-               "rules": {f"{f:g}/{sp}/{d:g}": recall(plan, masses, n, spans, (f, sp, d)) for f, sp, d in rules}}
+               "rules": {rule_key(f, sp, d, c): recall(plan, mixes[c], n, spans, (f, sp, d))
+                         for f, sp, d in rules for c in args.consensus}}
         samples.append(row)
         print(f"{s['task']}:{s['index']} ({len(spans)} values, {time.perf_counter() - t0:.0f} s)", flush=True)
     table: dict[str, dict[str, dict[str, float]]] = {}
-    print(f"\n{'task':<18}{'fraction/span/decay':<21}{'first':>7}{'worst':>7}{'whole':>7}{'worst':>7}")
+    print(f"\n{'task':<18}{'fraction/span/decay[/consensus]':<32}{'first':>7}{'worst':>7}{'whole':>7}{'worst':>7}")
     for task in args.tasks:
         rows = [r for r in samples if r["task"] == task]
         if not rows:
             continue
-        for f, sp, d in rules:
-            key = f"{f:g}/{sp}/{d:g}"
+        for (f, sp, d), c in itertools.product(rules, args.consensus):
+            key = rule_key(f, sp, d, c)
             mean = {m: float(np.mean([r["rules"][key][m] for r in rows]))
                     for m in ("first", "first_worst", "whole", "whole_worst")}
             table.setdefault(task, {})[key] = mean
-            print(f"{task:<18}{key:<21}{mean['first']:>7.3f}{mean['first_worst']:>7.3f}{mean['whole']:>7.3f}"
+            print(f"{task:<18}{key:<32}{mean['first']:>7.3f}{mean['first_worst']:>7.3f}{mean['whole']:>7.3f}"
                   f"{mean['whole_worst']:>7.3f}")
     Path(args.out).write_text(json.dumps({"gguf": args.gguf, "plan": args.plan, "length": args.length,
                                           "dtype": args.dtype, "table": table, "samples": samples}, indent=1))
