@@ -45,17 +45,9 @@ Rule = tuple[float, int, float]  # (pin_fraction, pin_span, pin_decay)
 
 
 def blended(plan: SparsePlan, masses: dict[int, np.ndarray], n: int, share: float) -> dict[int, np.ndarray]:
-    """Each group's mass with `share` of it replaced by the consensus of all retrieval groups of all layers: every
-    group's mass normalised over the positions pins may take (between the sink and the first step's window), then
-    averaged. A needle's position is the same token for every group; a group whose own prompt-end attention missed
-    it may still pin it when the others found it. share 0: each group's own mass (the engine's rule)."""
-    if share == 0.0:
-        return masses
-    lo, hi = plan.sink, max(n - plan.window, plan.sink + 1)
-    norm = {layer: m / np.maximum(m[:, lo:hi].sum(1, keepdims=True), 1e-30) for layer, m in masses.items()}
-    rows = [norm[layer][h] for layer in norm for h, gp in enumerate(plan.groups[layer]) if not gp.streaming]
-    consensus = np.mean(rows, axis=0)  # [n_prompt]
-    return {layer: (1.0 - share) * m + share * consensus[None, :] for layer, m in norm.items()}
+    """Each group's mass with `share` of it from all retrieval groups' normalised mean: the engine's own rule
+    (pinned.consensus_masses, the plan field pin_consensus); share 0: the masses as observed."""
+    return pinned.consensus_masses(plan, masses, n, share)
 
 
 def observed_masses(engine: Engine, ids: list[int]) -> tuple[dict[int, np.ndarray], int]:

@@ -40,7 +40,8 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
             short_tokens: int | None = None, sink: int | None = None, min_budget: float = 0.0,
             window: int | None = None, streaming_budget: float | None = None, long_only: bool = False,
             pin_span_tokens: int | None = None, long_exact_stream: bool | None = None,
-            pin_stride: float | None = None, pin_min_blocks: int | None = None) -> SparsePlan:
+            pin_stride: float | None = None, pin_min_blocks: int | None = None,
+            pin_consensus: float | None = None) -> SparsePlan:
     """The same split with retrieval groups at block size g (None: keep), budgets raised to at least min_budget and
     then x budget_scale (capped at 1), the given block scoring, share of pinned blocks and pin span (with its
     decay), short-context budget scale (SparsePlan.budget_factor), sink and recent window; None keeps the base plan's
@@ -49,8 +50,9 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
     (GroupPlan.long_only: streaming up to short_tokens, its budget from twice that on). pin_span_tokens: pin spans
     in tokens (SparsePlan.span_for; 0 = in blocks, pin_span). long_exact_stream: long-only groups stream through the
     exact sink and window (SparsePlan.long_exact_stream). pin_stride: share of the pins spread evenly
-    (SparsePlan.pin_stride); pin_min_blocks: groups with fewer blocks pin none (SparsePlan.pin_min_blocks). The
-    base plan's budget curve stays; with_curve replaces it."""
+    (SparsePlan.pin_stride); pin_min_blocks: groups with fewer blocks pin none (SparsePlan.pin_min_blocks);
+    pin_consensus: share of the pin mass from all groups' mean (SparsePlan.pin_consensus). The base plan's budget
+    curve stays; with_curve replaces it."""
     scoring = plan.scoring if scoring is None else scoring
     pin_fraction = plan.pin_fraction if pin_fraction is None else pin_fraction
     obs_window = plan.obs_window if obs_window is None else obs_window
@@ -59,6 +61,7 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
     span_tokens = plan.pin_span_tokens if pin_span_tokens is None else pin_span_tokens
     long_exact = plan.long_exact_stream if long_exact_stream is None else long_exact_stream
     stride = plan.pin_stride if pin_stride is None else pin_stride
+    consensus = plan.pin_consensus if pin_consensus is None else pin_consensus
     min_blocks = plan.pin_min_blocks if pin_min_blocks is None else pin_min_blocks
     sink = plan.sink if sink is None else sink
     window = plan.window if window is None else window
@@ -88,9 +91,11 @@ def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str |
                  else "")
               + (", long-only groups stream exactly" if long_exact and not plan.long_exact_stream else "")
               + (f", {stride:g} of the pins spread evenly" if stride != plan.pin_stride else "")
+              + (f", pin consensus {consensus:g}" if consensus != plan.pin_consensus else "")
               + (f", no pins below {min_blocks} blocks" if min_blocks != plan.pin_min_blocks else ""))
     return SparsePlan(sink, window, rows, source, pin_fraction, obs_window, scoring, pin_span, pin_decay,
-                      short_scale, short_tokens, span_tokens, long_exact, stride, min_blocks, plan.budget_curve)
+                      short_scale, short_tokens, span_tokens, long_exact, stride, min_blocks, plan.budget_curve,
+                      consensus)
 
 
 def with_curve(plan: SparsePlan, curve: dict[int, float], targets: dict[int, float]) -> SparsePlan:
@@ -153,6 +158,9 @@ def main() -> None:
     ap.add_argument("--pin-min-blocks", type=int, default=None,
                     help="groups with fewer blocks than this (at the context at hand) pin none (default: the base "
                          "plan's)")
+    ap.add_argument("--pin-consensus", type=float, default=None,
+                    help="share of each group's pin mass taken from all retrieval groups' normalised mean, so a "
+                         "needle some groups found is pinned by the others too (default: the base plan's)")
     ap.add_argument("--short-scale", type=float, default=None,
                     help="retrieval budgets x this up to --short-tokens of context, x1 from twice that on, linear in "
                          "log2(context) between (>= 1; default: the base plan's, 1 = off)")
@@ -204,6 +212,8 @@ def main() -> None:
         sys.exit("error: --pin-decay must be in (0, 1]")
     if args.pin_stride is not None and not 0.0 <= args.pin_stride <= 1.0:
         sys.exit("error: --pin-stride must be in [0, 1]")
+    if args.pin_consensus is not None and not 0.0 <= args.pin_consensus <= 1.0:
+        sys.exit("error: --pin-consensus must be in [0, 1]")
     if args.pin_min_blocks is not None and args.pin_min_blocks < 0:
         sys.exit("error: --pin-min-blocks must be >= 0")
     try:
@@ -229,7 +239,7 @@ def main() -> None:
     out = variant(base, args.g, args.budget_scale, args.scoring, args.pin_fraction, args.obs_window, args.pin_span,
                   args.pin_decay, args.short_scale, args.short_tokens, args.sink, args.min_budget,
                   args.window, args.streaming_budget, args.long_only, args.pin_span_tokens, args.long_exact_stream,
-                  args.pin_stride, args.pin_min_blocks)
+                  args.pin_stride, args.pin_min_blocks, args.pin_consensus)
     if curve or targets:
         try:
             out = with_curve(out, curve, targets)

@@ -19,6 +19,8 @@ the device-side streaming part later.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -95,6 +97,24 @@ def group_pins(plan: SparsePlan, gp: GroupPlan, mass: np.ndarray, n: int) -> np.
                      plan.pin_stride)
 
 
+def consensus_masses(plan: SparsePlan, masses: dict[int, np.ndarray], n: int, share: float
+                     ) -> dict[int, np.ndarray]:
+    """Each retrieval group's mass with `share` of it replaced by the consensus of all retrieval groups of all
+    layers: every group's mass ([Hkv, n_prompt] per layer) normalised over the positions pins may take (between the
+    sink and the first step's window), then averaged. A needle sits at the same tokens for every group; one whose
+    own prompt-end attention missed it still pins it when the others found it (bench/pin_recall.py --consensus:
+    the 1.5b's multikey_3 UUID held whole by 0.30 of the groups at 8K, 0.66 with share 1). share 0: the masses."""
+    if share == 0.0 or not masses:
+        return masses
+    lo, hi = plan.sink, max(n - plan.window, plan.sink + 1)
+    norm = {layer: m / np.maximum(m[:, lo:hi].sum(1, keepdims=True), 1e-30) for layer, m in masses.items()}
+    rows = [norm[layer][h] for layer in norm for h, gp in enumerate(plan.groups[layer]) if not gp.streaming]
+    if not rows:
+        return masses
+    consensus = np.mean(rows, axis=0)  # [n_prompt]
+    return {layer: (1.0 - share) * m + share * consensus[None, :] for layer, m in norm.items()}
+
+
 class PinnedBlocks:
     """Per layer, the pinned block ids of each host-store slot's retrieval groups, and their use in decode steps."""
 
@@ -121,16 +141,25 @@ class PinnedBlocks:
         keep = min(len(q), self.obs_window)
         per_layer[layer] = (start + len(q) - keep, q[-keep:].detach().clone())
 
-    def pin(self, layer: int, seq_id: int, slot: int, keys: torch.Tensor, n: int, scale: float) -> None:
+    def pin(self, layer: int, seq_id: int, slot: int, keys_of: Callable[[int], torch.Tensor], n: int,
+            scale: float) -> None:
         """At a sequence's first decode step (n tokens incl. the new one): pin blocks for each retrieval group of the
-        layer. keys: the dense prompt keys [Hkv, n_prompt, D]."""
+        layer. keys_of(i): layer i's dense prompt keys [Hkv, n_prompt, D]. With the plan's pin_consensus the first
+        call pins every layer (each group's mass blends with all groups' mean, consensus_masses), the later ones
+        find nothing left to do."""
         per_layer = self._q.get(seq_id)
         obs = per_layer[layer] if per_layer else None
-        if obs is None:
+        if obs is None or per_layer is None:
             return
-        per_layer[layer] = None  # used once
-        mass = attention_mass(obs[1], keys, obs[0], scale).cpu().numpy()  # [Hkv, n_prompt]
-        self.pin_by_mass(layer, slot, mass, n)
+        layers = [i for i, o in enumerate(per_layer) if o is not None] if self.plan.pin_consensus else [layer]
+        masses = {}
+        for i in layers:
+            o = per_layer[i]
+            assert o is not None
+            per_layer[i] = None  # used once
+            masses[i] = attention_mass(o[1], keys_of(i), o[0], scale).cpu().numpy()  # [Hkv, n_prompt]
+        for i, mass in consensus_masses(self.plan, masses, n, self.plan.pin_consensus).items():
+            self.pin_by_mass(i, slot, mass, n)
 
     def pin_by_mass(self, layer: int, slot: int, mass: np.ndarray, n: int) -> None:
         """Pin from a given attention mass per key ([Hkv, n_prompt]): pin()'s second half, also for benchmarks

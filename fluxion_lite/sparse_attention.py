@@ -346,8 +346,8 @@ class SparseAttention(AttentionBackend):
                 if self.planner is not None and c.seq_id in self._prefilling:  # prefill ended: plan this layer
                     self.planner.prefill_done(layer, c.seq_id, lambda i, s=c.seq_id: self.scratch.view(i, s))
                 if self.pins is not None and self.planner is None and c.seq_id in self._prefilling:
-                    self.pins.pin(layer, c.seq_id, slot, self.scratch.view(layer, c.seq_id)[0], c.start + 1,
-                                  self.scale)
+                    self.pins.pin(layer, c.seq_id, slot, lambda i, s=c.seq_id: self.scratch.view(i, s)[0],
+                                  c.start + 1, self.scale)
                 if layer == self.cfg.n_layers - 1 and c.seq_id in self._prefilling:
                     self._prefilling.discard(c.seq_id)  # decoding started: the dense scratch goes
                     self.scratch.free(c.seq_id)

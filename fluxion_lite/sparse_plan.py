@@ -115,6 +115,9 @@ class SparsePlan:
     # (e.g. 10% at 8K, 5% at 32K), where one short scale spends less at 8K than at 4K. short_tokens still sets
     # the long-only groups' ramp.
     budget_curve: tuple[tuple[int, float], ...] = ()
+    # share of each group's pin mass replaced by the mean of all retrieval groups' (normalised) masses, so a needle
+    # that some groups' prompt-end attention found is pinned by the others too (pinned.consensus_masses; 0 = own)
+    pin_consensus: float = 0.0
 
     def __post_init__(self) -> None:
         self._check_scales()
@@ -203,6 +206,8 @@ class SparsePlan:
             raise ModelFileError(f"sparse plan: pin_decay must be in (0, 1] (got {self.pin_decay})")
         if not 0.0 <= self.pin_stride <= 1.0:
             raise ModelFileError(f"sparse plan: pin_stride must be in [0, 1] (got {self.pin_stride})")
+        if not 0.0 <= self.pin_consensus <= 1.0:
+            raise ModelFileError(f"sparse plan: pin_consensus must be in [0, 1] (got {self.pin_consensus})")
         if type(self.pin_min_blocks) is not int or self.pin_min_blocks < 0:  # True or 2.5 are no block counts
             raise ModelFileError(f"sparse plan: pin_min_blocks must be an integer >= 0 (got {self.pin_min_blocks!r})")
         try:
@@ -233,6 +238,8 @@ class SparsePlan:
             data |= {"short_scale": self.short_scale, "short_tokens": self.short_tokens}
         if self.budget_curve:
             data["budget_curve"] = [[t, s] for t, s in self.budget_curve]
+        if self.pin_consensus:
+            data["pin_consensus"] = self.pin_consensus
         path.write_text(json.dumps(data, indent=1))
 
     @classmethod
@@ -259,7 +266,8 @@ class SparsePlan:
                        float(data.get("pin_fraction", 0.0)), int(data.get("obs_window", 32)),
                        str(data.get("scoring", "group")), pin_span,
                        float(data.get("pin_decay", 1.0)), short_scale, short_tokens, span_tokens, long_exact,
-                       float(data.get("pin_stride", 0.0)), min_blocks, data.get("budget_curve", ()))
+                       float(data.get("pin_stride", 0.0)), min_blocks, data.get("budget_curve", ()),
+                       float(data.get("pin_consensus", 0.0)))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
 
@@ -278,6 +286,8 @@ class SparsePlan:
                 lines.append(f"  {self.pin_stride:.0%} of the pins spread evenly over the context (not by mass)")
             if self.pin_min_blocks:
                 lines.append(f"  groups with fewer than {self.pin_min_blocks} blocks pin none")
+            if self.pin_consensus:
+                lines.append(f"  {self.pin_consensus:.0%} of each group's pin mass from all groups' mean (consensus)")
         if self.short_scale != 1.0:
             lines.append(f"  short contexts: budgets x{self.short_scale:g} up to {self.short_tokens} tokens, x1 from "
                          f"{2 * self.short_tokens} on (linear in log2 of the context between)")

@@ -12,7 +12,7 @@ import torch
 
 from fluxion_lite.engine import Engine, make_attention
 from fluxion_lite.errors import ModelFileError
-from fluxion_lite.pinned import PinnedBlocks, attention_mass, pick_pins
+from fluxion_lite.pinned import PinnedBlocks, attention_mass, group_pins, pick_pins
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
 from decode_compare import decode_and_compare, prefill
 from test_sparse import MODEL, decode_logits, engine, essay_tokens  # noqa: F401  (fixtures)
@@ -156,7 +156,7 @@ def test_a_needle_block_the_summed_bound_misses_is_pinned() -> None:
     plan = SparsePlan(16, 64, [[GroupPlan(False, g, 0.1)]], "t", pin_fraction=0.5, obs_window=4)
     pins = PinnedBlocks(plan)
     pins.observe(0, seq_id=1, start=n - 4, q=q)
-    pins.pin(0, seq_id=1, slot=0, keys=keys, n=n + 1, scale=d**-0.5)
+    pins.pin(0, seq_id=1, slot=0, keys_of=lambda i: keys, n=n + 1, scale=d**-0.5)
     assert 300 // g in pins._ids[0][0, 0, : pins._counts[0][0, 0]].tolist()
 
 
@@ -558,3 +558,64 @@ def test_groups_below_pin_min_blocks_pin_nothing() -> None:
     plan.pin_min_blocks = 0
     pins.pin_by_mass(0, 0, mass, n)
     assert (pins.slot_blocks(0)[1] == 0).sum() == 1  # without the rule the 2-block group pins int(0.75 x 2) = 1
+
+
+def test_consensus_pins_every_layer_at_the_first_call_from_the_blended_masses() -> None:
+    """pin_consensus: the first pin() call of a sequence computes every layer's observed mass and pins all layers
+    from pinned.consensus_masses (each group's normalised mass blended with all retrieval groups' mean; a float64
+    reference here); later calls find nothing left; share 1 pins the same blocks in groups of equal g and count."""
+    n, d, hq, hkv, w = 640, 16, 4, 2, 4
+    gen = torch.Generator().manual_seed(5)
+    keys = {i: torch.randn(hkv, n, d, generator=gen) for i in range(3)}
+    qs = {i: torch.randn(w, hq, d, generator=gen) for i in range(3)}
+    row = [GroupPlan(False, 16, 0.1), GroupPlan(False, 16, 0.1)]
+    streaming_row = [GroupPlan(True), GroupPlan(False, 16, 0.1)]
+    for share in (0.0, 0.4, 1.0):
+        plan = SparsePlan(16, 64, [row, streaming_row, row], "t", pin_fraction=0.75, obs_window=w,
+                          pin_consensus=share)
+        pins = PinnedBlocks(plan)
+        for i in range(3):
+            pins.observe(i, seq_id=7, start=n - w, q=qs[i])
+        calls: list[int] = []
+
+        def keys_of(i: int) -> torch.Tensor:
+            calls.append(i)
+            return keys[i]
+
+        for layer in range(3):
+            pins.pin(layer, seq_id=7, slot=0, keys_of=keys_of, n=n + 1, scale=d**-0.5)
+        assert calls == [0, 1, 2]  # each layer's keys read once, all at the first call with a consensus
+        masses = {i: attention_mass(qs[i], keys[i], n - w, d**-0.5).double().numpy() for i in range(3)}
+        lo, hi = 16, n + 1 - 64
+        norm = {i: m / m[:, lo:hi].sum(1, keepdims=True) for i, m in masses.items()}
+        mean = np.mean([norm[i][h] for i in range(3) for h in range(2) if not plan.groups[i][h].streaming], axis=0)
+        for i in range(3):
+            for h, gp in enumerate(plan.groups[i]):
+                want = group_pins(plan, gp, masses[i][h] if share == 0 else (1 - share) * norm[i][h] + share * mean,
+                                  n + 1)
+                got = pins._ids[i, 0, h, : pins._counts[i, 0, h]]
+                assert got.tolist() == want.tolist(), (share, i, h)
+        if share == 1.0:
+            retrieval = [pins._ids[i, 0, h, : pins._counts[i, 0, h]].tolist() for i in range(3) for h in range(2)
+                         if not plan.groups[i][h].streaming]
+            assert all(r == retrieval[0] for r in retrieval) and retrieval[0]
+
+
+def test_the_plan_file_and_plan_variant_carry_the_pin_consensus(tmp_path: Path) -> None:
+    path = tmp_path / "c.plan.json"
+    SparsePlan(16, 64, [[GroupPlan(False, 16, 0.1)]], "t", pin_fraction=0.75, pin_consensus=0.5).save(path)
+    back = SparsePlan.load(path)
+    assert back.pin_consensus == 0.5 and "consensus" in back.explain()
+    bad = SparsePlan(16, 64, [[GroupPlan(False, 16, 0.1)]], "t", pin_fraction=0.75, pin_consensus=1.5)
+    with pytest.raises(ModelFileError, match="pin_consensus"):
+        bad.validate(1, 1)
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "v.plan.json"
+    cmd = [sys.executable, str(root / "bench" / "plan_variant.py"), "--base", str(path), "--out", str(out)]
+    done = subprocess.run([*cmd, "--pin-consensus", "1"], capture_output=True, text=True, env=repo_env(root),
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert SparsePlan.load(out).pin_consensus == 1.0
+    refused = subprocess.run([*cmd, "--pin-consensus", "2"], capture_output=True, text=True, env=repo_env(root),
+                             timeout=120)
+    assert refused.returncode != 0 and "--pin-consensus" in refused.stderr
