@@ -12,13 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from fluxion_lite.errors import ModelFileError
 from fluxion_lite.policy import plan_bytes_fraction, scale_for_read
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan, curve_factor, short_factor
-from fluxion_lite.sparse_step import GVALS, build_step, retrieval_tasks
 from subprocess_env import repo_env
+from test_short_scale import backend_step, step_k
 
 RISING = ((1024, 1.5), (2048, 2.5), (4096, 1.0))  # up from 1K to 2K, then down: what a per-length read limit asks
 
@@ -60,21 +59,6 @@ def test_factor_matches_the_reference_on_random_curves_and_lengths() -> None:
 def test_the_two_knot_curve_is_the_short_scale() -> None:
     n = np.arange(1, 40000, 7)
     assert np.allclose(curve_factor(n, ((8064, 1.7), (16128, 1.0))), short_factor(n, 1.7, 8064), atol=1e-12)
-
-
-def step_k(p: SparsePlan, lengths: list[int]) -> np.ndarray:
-    """k (blocks) of each retrieval task of one step whose rows hold `lengths` tokens: int64 [rows, 2]."""
-    key = tuple((i, n - 1) for i, n in enumerate(lengths))
-    st = build_step(key, list(range(len(lengths))), p.sink, p.window, 16, 128, torch.device("cpu"),
-                    budget_factor=p.budget_factor if p.scales_budgets else None)
-    row = p.groups[0]
-    gi = np.array([[[GVALS.index(1 if gp.streaming else gp.g) for gp in row]]])  # [1, 1, Hkv]
-    g = np.array([[[1 if gp.streaming else gp.g for gp in row]]])
-    ret = np.array([[[not gp.streaming for gp in row]]])
-    bud = np.array([[[gp.budget for gp in row]]])
-    _, _, bi, _, k, _, _ = retrieval_tasks(st, gi, g, ret, bud)
-    assert bi.tolist() == np.repeat(np.arange(len(lengths)), 2).tolist()
-    return k.reshape(len(lengths), 2)
 
 
 def test_step_k_follows_the_curve_where_it_rises_and_falls() -> None:
@@ -177,33 +161,13 @@ def test_plan_variant_sets_solves_and_checks_the_curve(tmp_path: Path) -> None:
 
 
 def test_the_curve_reaches_the_decode_steps_of_the_backend() -> None:
-    """Through SparseAttention (eager CPU decode): each retrieval group's k is the plan's block_count at the
-    length decoded, on the rising part of a curve."""
-    from fluxion_lite.attention import SeqChunk
-    from fluxion_lite.config import ModelConfig
-    from fluxion_lite.sparse_attention import SparseAttention
-
-    cfg = ModelConfig(arch="llama", n_layers=1, d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, head_dim=16,
-                      vocab_size=10, context_length=4096, rms_eps=1e-5, rope_theta=10000.0, rope_dim=16,
-                      rope_style="interleaved", qkv_bias=False, tied_embeddings=True)
-    p = SparsePlan(16, 32, [[GroupPlan(False, 16, 0.05), GroupPlan(False, 16, 0.1)]], "t",
-                   budget_curve=((1000, 1.0), (2000, 3.0)))
-    a = SparseAttention(cfg, p, torch.float32, torch.device("cpu"), max_seqs=2, placement="cpu")
-    g = torch.Generator().manual_seed(0)
-    n = 1500
-    k, v = torch.randn(n, 2, 16, generator=g), torch.randn(n, 2, 16, generator=g)
-    a.allocate(0)
-    a.import_kv(0, 0, 0, k, v)
-    a._prefilling.discard(0)
-    a.attend(0, torch.randn(1, 4, 16, generator=g), k[:1], v[:1], [SeqChunk(0, n, 1)])
-    st = a._step
-    assert st is not None
-    _, _, _, _, k_blocks, _, _ = retrieval_tasks(st, a._gidx[:, None, :], a._g[:, None, :],
-                                                 a._retrieval[:, None, :], a._budget[:, None, :])
-    assert k_blocks.tolist() == [p.block_count(gp, n + 1) for gp in p.groups[0]]
-    assert k_blocks.tolist() == [math.ceil(b * (n + 1) * reference_factor(n + 1, [(1000, 1.0), (2000, 3.0)]) / 16)
-                                 for b in (0.05, 0.1)]
-    a.executor.close()
+    """Through SparseAttention (eager CPU decode): each retrieval group's k is the plan's block_count at the length
+    decoded, on the rising part of a curve."""
+    curve = ((1000, 1.0), (2000, 3.0))
+    p = SparsePlan(16, 32, [[GroupPlan(False, 16, 0.05), GroupPlan(False, 16, 0.1)]], "t", budget_curve=curve)
+    k_blocks, _ = backend_step(p, n=1500)
+    assert k_blocks == [p.block_count(gp, 1501) for gp in p.groups[0]]
+    assert k_blocks == [math.ceil(b * 1501 * reference_factor(1501, list(curve)) / 16) for b in (0.05, 0.1)]
 
 
 def test_the_shipped_1_5b_curve_decodes_as_the_plans_measured_at_each_length() -> None:

@@ -168,9 +168,9 @@ def test_plan_variant_sets_keeps_and_checks_the_short_scale(tmp_path: Path) -> N
         assert refused.returncode != 0 and flag in refused.stderr
 
 
-def test_the_scale_reaches_the_decode_steps_of_the_backend() -> None:
-    """Through SparseAttention (eager CPU decode): the same prompt reads more with a short-context scale of 2 than
-    without, and each retrieval group's k is the plan's block_count at that length."""
+def backend_step(plan: SparsePlan, n: int = 1500) -> tuple[list[int], float]:
+    """Through SparseAttention (eager CPU decode, one layer, two KV groups of 16 dims): one decode step after an
+    imported n-token context; each retrieval group's k (blocks) and the step's KV read fraction."""
     from fluxion_lite.attention import SeqChunk
     from fluxion_lite.config import ModelConfig
     from fluxion_lite.sparse_attention import SparseAttention
@@ -178,25 +178,31 @@ def test_the_scale_reaches_the_decode_steps_of_the_backend() -> None:
     cfg = ModelConfig(arch="llama", n_layers=1, d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, head_dim=16,
                       vocab_size=10, context_length=4096, rms_eps=1e-5, rope_theta=10000.0, rope_dim=16,
                       rope_style="interleaved", qkv_bias=False, tied_embeddings=True)
+    a = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=2, placement="cpu")
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(n, 2, 16, generator=g), torch.randn(n, 2, 16, generator=g)
+    a.allocate(0)
+    a.import_kv(0, 0, 0, k, v)
+    a._prefilling.discard(0)
+    a.attend(0, torch.randn(1, 4, 16, generator=g), k[:1], v[:1], [SeqChunk(0, n, 1)])
+    st = a._step
+    assert st is not None
+    _, _, _, _, k_blocks, _, _ = retrieval_tasks(st, a._gidx[:, None, :], a._g[:, None, :],
+                                                 a._retrieval[:, None, :], a._budget[:, None, :])
+    read = a.stats()["kv_read_fraction"]
+    a.executor.close()
+    return k_blocks.tolist(), read
+
+
+def test_the_scale_reaches_the_decode_steps_of_the_backend() -> None:
+    """The same prompt reads more with a short-context scale of 2 than without, and each retrieval group's k is the
+    plan's block_count at that length."""
     reads = []
     for scale in (1.0, 2.0):
         plan = SparsePlan(16, 32, [[GroupPlan(False, 16, 0.05), GroupPlan(False, 16, 0.1)]], "t", short_scale=scale,
                           short_tokens=4096)
-        a = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=2, placement="cpu")
-        g = torch.Generator().manual_seed(0)
-        n = 1500
-        k, v = torch.randn(n, 2, 16, generator=g), torch.randn(n, 2, 16, generator=g)
-        a.allocate(0)
-        a.import_kv(0, 0, 0, k, v)
-        a._prefilling.discard(0)
-        q = torch.randn(1, 4, 16, generator=g)
-        a.attend(0, q, k[:1], v[:1], [SeqChunk(0, n, 1)])
-        st = a._step
-        assert st is not None
-        _, _, _, _, k_blocks, _, _ = retrieval_tasks(st, a._gidx[:, None, :], a._g[:, None, :],
-                                                     a._retrieval[:, None, :], a._budget[:, None, :])
-        assert k_blocks.tolist() == [plan.block_count(gp, n + 1) for gp in plan.groups[0]]
-        reads.append(a.stats()["kv_read_fraction"])
-        a.executor.close()
+        k_blocks, read = backend_step(plan)
+        assert k_blocks == [plan.block_count(gp, 1501) for gp in plan.groups[0]]
+        reads.append(read)
     stream = (16 + 32) / 1501  # sink + window share, the same in both
     assert reads[1] - stream == pytest.approx(2 * (reads[0] - stream), rel=0.1)
