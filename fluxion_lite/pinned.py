@@ -11,7 +11,8 @@ pins (a group whose budget is fewer blocks than the plan's pin_min_blocks pins n
 top-k itself (fluxion.h, PINNED BLOCKS), from the table() of a layer's tasks.
 With the plan's pin_span s > 1, a block also scores by its predecessors' mass (x pin_decay per block), so a heavy
 block's s - 1 successors are pinned too, within the same count (pick_pins); pin_span_tokens sets s per group from
-its block size instead (SparsePlan.span_for).
+its block size instead (SparsePlan.span_for). With pin_consensus a group ranks by its mass blended with the mean of
+all retrieval groups' (consensus_masses), and a sequence's first pin() pins every layer.
 
 Eligible blocks lie wholly between the sink and the recent window of the first decode step, block-aligned to the
 group's g, as the top-k's own exclusion ranges are: the window only moves forward, so a pinned block never overlaps
@@ -119,7 +120,7 @@ class PinnedBlocks:
     """Per layer, the pinned block ids of each host-store slot's retrieval groups, and their use in decode steps."""
 
     def __init__(self, plan: SparsePlan):
-        self.plan = plan  # its groups' g and budget, sink, window and pin settings (pin_fraction .. pin_min_blocks)
+        self.plan = plan  # its groups' g and budget, sink, window and pin settings (pin_fraction .. pin_consensus)
         n_layers, n_kv_heads = len(plan.groups), len(plan.groups[0])
         self.obs_window = plan.obs_window
         self.n_layers, self.n_kv_heads = n_layers, n_kv_heads
