@@ -44,12 +44,6 @@ from fluxion_lite.tokenizer import Tokenizer  # noqa: E402
 Rule = tuple[float, int, float]  # (pin_fraction, pin_span, pin_decay)
 
 
-def blended(plan: SparsePlan, masses: dict[int, np.ndarray], n: int, share: float) -> dict[int, np.ndarray]:
-    """Each group's mass with `share` of it from all retrieval groups' normalised mean: the engine's own rule
-    (pinned.consensus_masses, the plan field pin_consensus); share 0: the masses as observed."""
-    return pinned.consensus_masses(plan, masses, n, share)
-
-
 def observed_masses(engine: Engine, ids: list[int]) -> tuple[dict[int, np.ndarray], int]:
     """Prefill ids and take one decode step; returns per layer the observed mass [Hkv, n_prompt] that pick_pins
     saw, and the token count n of that first decode step."""
@@ -120,7 +114,8 @@ def main() -> None:
     ap.add_argument("--spans", type=int, nargs="+", default=[1, 2, 3])
     ap.add_argument("--decays", type=float, nargs="+", default=[1.0, 0.7, 0.5, 0.3])
     ap.add_argument("--consensus", type=float, nargs="+", default=[0.0],
-                    help="shares of each group's mass replaced by all groups' normalised mean (blended; 0 = own)")
+                    help="shares of each group's mass replaced by all groups' normalised mean "
+                         "(pinned.consensus_masses, the plan field pin_consensus; 0 = own)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -151,7 +146,7 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         masses, n = observed_masses(engine, ids)
-        mixes = {c: blended(plan, masses, n, c) for c in args.consensus}
+        mixes = {c: pinned.consensus_masses(plan, masses, n, c) for c in args.consensus}
         row = {"task": s["task"], "index": s["index"], "values": len(spans), "n": n,
                "rules": {rule_key(f, sp, d, c): recall(plan, mixes[c], n, spans, (f, sp, d))
                          for f, sp, d in rules for c in args.consensus}}

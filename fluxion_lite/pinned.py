@@ -149,17 +149,15 @@ class PinnedBlocks:
         call pins every layer (each group's mass blends with all groups' mean, consensus_masses), the later ones
         find nothing left to do."""
         per_layer = self._q.get(seq_id)
-        obs = per_layer[layer] if per_layer else None
-        if obs is None or per_layer is None:
+        if not per_layer or per_layer[layer] is None:
             return
-        layers = [i for i, o in enumerate(per_layer) if o is not None] if self.plan.pin_consensus else [layer]
+        consensus = self.plan.pin_consensus
         masses = {}
-        for i in layers:
-            o = per_layer[i]
-            assert o is not None
-            per_layer[i] = None  # used once
-            masses[i] = attention_mass(o[1], keys_of(i), o[0], scale).cpu().numpy()  # [Hkv, n_prompt]
-        for i, mass in consensus_masses(self.plan, masses, n, self.plan.pin_consensus).items():
+        for i, obs in enumerate(per_layer):
+            if obs is not None and (consensus or i == layer):
+                per_layer[i] = None  # used once
+                masses[i] = attention_mass(obs[1], keys_of(i), obs[0], scale).cpu().numpy()  # [Hkv, n_prompt]
+        for i, mass in consensus_masses(self.plan, masses, n, consensus).items():
             self.pin_by_mass(i, slot, mass, n)
 
     def pin_by_mass(self, layer: int, slot: int, mass: np.ndarray, n: int) -> None:

@@ -13,6 +13,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import pin_recall  # noqa: E402
 
+from fluxion_lite import pinned  # noqa: E402
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
 
 
@@ -51,14 +52,14 @@ def test_consensus_blends_each_group_with_the_mean_of_all_normalised_retrieval_g
     rng = np.random.default_rng(0)
     n = 200
     masses = {0: rng.random((2, n - 1)) + 0.01, 1: rng.random((2, n - 1)) + 0.01}
-    assert pin_recall.blended(plan, masses, n, 0.0) is masses  # share 0: the engine's own rule
+    assert pinned.consensus_masses(plan, masses, n, 0.0) is masses  # share 0: the engine's own rule
     lo, hi = 4, n - 8
     norm = {(layer, h): masses[layer][h] / masses[layer][h][lo:hi].sum() for layer in (0, 1) for h in (0, 1)}
     mean = (norm[0, 0] + norm[1, 0] + norm[1, 1]) / 3  # the streaming group (0, 1) is no part of the consensus
-    got = pin_recall.blended(plan, masses, n, 0.25)
+    got = pinned.consensus_masses(plan, masses, n, 0.25)
     for (layer, h), own in norm.items():
         assert np.allclose(got[layer][h], 0.75 * own + 0.25 * mean, rtol=1e-12, atol=0)
-    everyone = pin_recall.blended(plan, masses, n, 1.0)
+    everyone = pinned.consensus_masses(plan, masses, n, 1.0)
     assert all(np.allclose(everyone[layer][h], mean, rtol=1e-12, atol=0) for layer in (0, 1) for h in (0, 1))
     assert pin_recall.rule_key(0.75, 3, 1.0, 0.0) == "0.75/3/1" and pin_recall.rule_key(0.75, 3, 1.0, 0.5) == \
         "0.75/3/1/c0.5"
