@@ -42,11 +42,9 @@ class SimulatedTopK(SimulatedBackend):
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 chunks: list[SeqChunk]) -> torch.Tensor:
-        b, hq, d = q.shape  # q: [1, Hq, D]
-        hkv = k.shape[1]
-        keys, values = self.append_step(layer, k, v, chunks)  # [Hkv, N, D] each
-        n = keys.shape[1]
-        qg = q.float().view(hkv, 1, hq // hkv, d)  # [Hkv, M=1, r, D]
+        keys, values, qg = self.step_inputs(layer, q, k, v, chunks)  # [Hkv, N, D] x2, q [Hkv, r, D]
+        hkv, n = keys.shape[:2]
+        qg = qg[:, None]  # [Hkv, M=1, r, D]
         pos = torch.tensor([n - 1])
         causal = torch.ones(1, n, dtype=torch.bool)
         outs = []
@@ -60,7 +58,7 @@ class SimulatedTopK(SimulatedBackend):
                 outs.append(res[self.config.key][0])
             else:
                 outs.append(background_output(qg[h], kh, vh, allowed, causal, self.summary_g, self.scale, "mean")[0])
-        return torch.stack(outs, dim=1).reshape(b, hq, d).to(q.dtype)  # [M=1, Hkv, r, D] -> [1, Hq, D]
+        return torch.stack(outs, dim=1).reshape(q.shape).to(q.dtype)  # [M=1, Hkv, r, D] -> [1, Hq, D]
 
 
 def main() -> None:

@@ -31,6 +31,13 @@ class SimulatedBackend(DenseAttention):
         ((keys4, values4),) = self.cache.append_decode(layer, [c.seq_id], [c.start], k, v)  # [1, Hkv, N, D] each
         return keys4[0], values4[0]
 
+    def step_inputs(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A decode step's q ([1, Hq, D]) and k, v appended -> (keys, values [Hkv, N, D], q per group fp32 [Hkv, r, D])."""
+        keys, values = self.append_step(layer, k, v, chunks)
+        hq, d = q.shape[1], q.shape[2]
+        return keys, values, q.float().view(keys.shape[0], hq // keys.shape[0], d)
+
 
 def add_case_args(ap: argparse.ArgumentParser, positions: int) -> None:
     """The flags every policy simulation takes: model, text, decoded positions, block size, sink, window, --out."""

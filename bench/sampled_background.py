@@ -87,17 +87,14 @@ class SimulatedSampled(SimulatedBackend):
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 chunks: list[SeqChunk]) -> torch.Tensor:
-        b, hq, d = q.shape  # q: [1, Hq, D]
-        hkv = k.shape[1]
-        keys, values = self.append_step(layer, k, v, chunks)  # [Hkv, N, D] each
-        qg = q.float().view(hkv, hq // hkv, d)  # [Hkv, r, D]
+        keys, values, qg = self.step_inputs(layer, q, k, v, chunks)  # [Hkv, N, D] x2, q [Hkv, r, D]
         outs = []
-        for h in range(hkv):
+        for h in range(keys.shape[0]):
             o, frac = group_step(qg[h], keys[h].float(), values[h].float(), self.g, self.budget, self.sink,
                                  self.window, self.share, self.weighted, self.scale)
             outs.append(o)
             self.read.append(frac)
-        return torch.stack(outs).reshape(b, hq, d).to(q.dtype)  # [Hkv, r, D] -> [1, Hq, D]
+        return torch.stack(outs).reshape(q.shape).to(q.dtype)  # [Hkv, r, D] -> [1, Hq, D]
 
 
 def main() -> None:
