@@ -63,81 +63,74 @@ def copy_offset(prompt: list[int], out: list[int]) -> tuple[int, np.ndarray]:
     return best_o, p[best_o : best_o + len(o)] == o
 
 
-def read_mask(plan: SparsePlan, gp: GroupPlan, n: int, bound: torch.Tensor | None, pins: np.ndarray) -> torch.Tensor:
-    """Tokens [n] a step with n tokens reads for one group: exact sink + window for a streaming group (and a
-    long-only one while its block count is 0 at this length unless its g-aligned ones apply), else the g-aligned
-    sink + window, the pins and the best top-k blocks by `bound` [n_blocks] among the eligible rest."""
-    pos = torch.arange(n)
-    k = plan.block_count(gp, n)
-    g = 1 if gp.streaming or (gp.long_only and plan.long_exact_stream and k == 0) else gp.g
-    sink_hi = min(-(-plan.sink // g) * g, n)
-    win_lo = max((max(n - plan.window, 0) // g) * g, sink_hi)
-    mask = (pos < sink_hi) | (pos >= win_lo)
-    if g == 1 or k == 0 or bound is None:
-        return mask
-    first, last = sink_hi // g, win_lo // g
-    chosen = set(int(b) for b in pins if first <= b < last)
-    free = max(k - len(chosen), 0)
+def plan_blocks(plan: SparsePlan, gp: GroupPlan, n: int, bound: torch.Tensor, pins: np.ndarray
+                ) -> tuple[int, int, set[int], list[int]]:
+    """A retrieval group's blocks at a step with n tokens: (first, last) eligible block ids, its pins among them,
+    and the per-step top-k by `bound` [n_blocks] over the eligible rest, best first (k less the pins)."""
+    first, last = pinned.eligible_blocks(gp.g, n, plan.sink, plan.window)
+    chosen = {int(b) for b in pins if first <= b < last}
     scores = bound[:last].clone()
     scores[:first] = float("-inf")
     if chosen:
         scores[torch.tensor(sorted(chosen))] = float("-inf")
-    order = torch.argsort(scores, descending=True, stable=True)[:free]
-    chosen |= {int(b) for b in order if scores[b] > float("-inf")}
-    for b in chosen:
+    free = max(plan.block_count(gp, n) - len(chosen), 0)
+    top = [int(b) for b in torch.argsort(scores, descending=True, stable=True)[:free] if scores[b] > float("-inf")]
+    return first, last, chosen, top
+
+
+def block_mask(n: int, g: int, sink_hi: int, win_lo: int, blocks: set[int] | list[int]) -> torch.Tensor:
+    """Tokens [n]: [0, sink_hi), [win_lo, n) and the given blocks of g tokens."""
+    pos = torch.arange(n)
+    mask = (pos < sink_hi) | (pos >= win_lo)
+    for b in blocks:
         mask[b * g : min((b + 1) * g, n)] = True
     return mask
 
 
-def variant_masks(plan: SparsePlan, gp: GroupPlan, n: int, mask: torch.Tensor, probs: torch.Tensor,
-                  pins: np.ndarray, bound: torch.Tensor) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Two what-ifs at the same block count for a retrieval group, each as (mask [n], logit bias [n]):
+def read_mask(plan: SparsePlan, gp: GroupPlan, n: int, bound: torch.Tensor | None, pins: np.ndarray) -> torch.Tensor:
+    """Tokens [n] a step with n tokens reads for one group: exact sink + window for a streaming group (and a
+    long-only one while its block count is 0 at this length unless its g-aligned ones apply), else the g-aligned
+    sink + window, the pins and the best top-k blocks by `bound` [n_blocks] among the eligible rest."""
+    k = plan.block_count(gp, n)
+    g = 1 if gp.streaming or (gp.long_only and plan.long_exact_stream and k == 0) else gp.g
+    sink_hi, win_lo = pinned.aligned_sink_window(g, n, plan.sink, plan.window)
+    if g == 1 or k == 0 or bound is None:
+        return block_mask(n, g, sink_hi, win_lo, [])
+    _, _, chosen, top = plan_blocks(plan, gp, n, bound, pins)
+    return block_mask(n, g, sink_hi, win_lo, chosen | set(top))
+
+
+def variant_masks(plan: SparsePlan, gp: GroupPlan, n: int, probs: torch.Tensor, blocks: tuple[int, int, set[int],
+                  list[int]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """What-ifs at the same block count for a retrieval group whose step reads the n keys before its own, each as
+    (mask [n], logit bias [n]); blocks: plan_blocks() of the step (n + 1 tokens).
     "oracle": the blocks with the most full-attention mass (probs [r, n] summed over heads) in place of the pins and
-    the top-k; "sampled": the top-k's last quarter of blocks (at least one) swapped for as many blocks spread evenly
+    the top-k; SAMPLED: the top-k's weakest share of blocks (at least one) swapped for as many blocks spread evenly
     over the eligible blocks left unread, each weighted |unread| / sampled (a stratified estimate of the unread part:
-    bias log of that weight on their logits)."""
+    bias log of that weight on their logits) or at weight 1."""
     g = gp.g
+    first, last, pinned_set, top = blocks
     k = plan.block_count(gp, n + 1)
-    zero = torch.zeros(n)
-    sink_hi = min(-(-plan.sink // g) * g, n + 1)
-    win_lo = max((max(n + 1 - plan.window, 0) // g) * g, sink_hi)
-    first, last = sink_hi // g, win_lo // g
     if k == 0 or last <= first:
         return {}
-    base = torch.zeros(n, dtype=torch.bool)
-    base[:sink_hi] = True
-    base[win_lo:] = True
-    per_block = torch.nn.functional.pad(probs.sum(0), (0, last * g - n if last * g > n else 0))[: last * g]
-    per_block = per_block.view(last, g).sum(1)
+    sink_hi, win_lo = pinned.aligned_sink_window(g, n + 1, plan.sink, plan.window)
+    zero = torch.zeros(n)
+    per_block = torch.nn.functional.pad(probs.sum(0), (0, max(last * g - n, 0)))[: last * g].view(last, g).sum(1)
     per_block[:first] = -1.0
-    take = min(k, last - first)
-    oracle = base.clone()
-    for b in torch.argsort(per_block, descending=True, stable=True)[:take].tolist():
-        oracle[b * g : (b + 1) * g] = True
-    # the plan's top-k without the pins, ranked by the bound: drop its weakest quarter
-    pinned_set = {int(b) for b in pins if first <= b < last}
-    scores = bound[:last].clone()
-    scores[:first] = float("-inf")
-    for b in pinned_set:
-        scores[b] = float("-inf")
-    top = [int(b) for b in torch.argsort(scores, descending=True, stable=True)[: max(k - len(pinned_set), 0)]
-           if scores[b] > float("-inf")]
-    out = {"oracle": (oracle, zero)}
+    best = torch.argsort(per_block, descending=True, stable=True)[: min(k, last - first)].tolist()
+    out = {"oracle": (block_mask(n, g, sink_hi, win_lo, best), zero)}
     for name, share, weighted in SAMPLED:
         drop = max(1, int(len(top) * share)) if top else 0
         kept = pinned_set | set(top[: len(top) - drop])
-        unread = [b for b in range(first, last) if b not in kept]
-        if not drop or not unread:
-            out[name] = (oracle, zero)
+        unread = np.array([b for b in range(first, last) if b not in kept])
+        if not drop or not len(unread):
+            out[name] = out["oracle"]
             continue
-        picks = [unread[int((i + 0.5) * len(unread) / drop)] for i in range(drop)]
-        sampled, bias = base.clone(), zero.clone()
-        for b in kept:
-            sampled[b * g : (b + 1) * g] = True
+        picks = pinned.spread_evenly(unread, drop).tolist()
+        bias = zero.clone()
         for b in picks:
-            sampled[b * g : (b + 1) * g] = True
             bias[b * g : (b + 1) * g] = float(np.log(len(unread) / drop)) if weighted else 0.0
-        out[name] = (sampled, bias)
+        out[name] = (block_mask(n, g, sink_hi, win_lo, kept | set(picks)), bias)
     return out
 
 
@@ -197,7 +190,6 @@ def analyse(engine: Engine, plan: SparsePlan, prompt: list[int], out: list[int])
             n = n_prompt + j  # keys visible to the query at position n_prompt - 1 + j
             q = qs[layer][obs - 1 + j].view(hkv, r, d)  # [Hkv, r, D]
             proj = []
-            outs = []
             for h in range(hkv):
                 gp = plan.groups[layer][h]
                 logits = (q[h] @ keys[h, :n].T) * scale  # [r, n]
@@ -210,7 +202,8 @@ def analyse(engine: Engine, plan: SparsePlan, prompt: list[int], out: list[int])
                 o_sparse = sparse_p @ values[h, :n]
                 dev[j, layer, h] = float((o_sparse - full).norm() / full.norm().clamp(min=1e-12))
                 if not gp.streaming:
-                    for name, (vm, vb) in variant_masks(plan, gp, n, mask, probs, pins, bound).items():
+                    blocks = plan_blocks(plan, gp, n + 1, bound, pins)
+                    for name, (vm, vb) in variant_masks(plan, gp, n, probs, blocks).items():
                         vp = torch.softmax((logits + vb[None, :]).masked_fill(~vm[None, :], float("-inf")), dim=-1)
                         vdev[name][j, layer, h] = float((vp @ values[h, :n] - full).norm()
                                                         / full.norm().clamp(min=1e-12))
@@ -224,7 +217,6 @@ def analyse(engine: Engine, plan: SparsePlan, prompt: list[int], out: list[int])
                 if copied[j]:
                     src[j, layer, h] = float(probs[:, offset + j].mean())
                     read[j, layer, h] = bool(mask[offset + j])
-                outs.append(full)
                 proj.append(float((full.reshape(-1) @ wo[:, h * r * d : (h + 1) * r * d].T).norm()))
             total = sum(proj)
             contrib[j, layer] = [p / max(total, 1e-12) for p in proj]

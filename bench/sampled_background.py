@@ -23,12 +23,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from copy_heads import block_mask, quest_bound  # noqa: E402
 from policy_sim import SimulatedBackend, add_case_args, essay_case, print_policies, run_policy  # noqa: E402
 from ruler_paired import write_out  # noqa: E402
 
+from fluxion_lite import pinned  # noqa: E402
 from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
 
 
@@ -43,32 +46,25 @@ def sampled_selection(bound: torch.Tensor, first: int, last: int, k: int, share:
     rest = sorted(order[k - s :].tolist())
     if not s or not rest:
         return top, [], 1.0
-    picks = [rest[int((i + 0.5) * len(rest) / s)] for i in range(s)]
-    return top, picks, len(rest) / s
+    return top, pinned.spread_evenly(np.array(rest), s).tolist(), len(rest) / s
 
 
 def group_step(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, g: int, budget: float, sink: int,
                window: int, share: float, weighted: bool, scale: float) -> tuple[torch.Tensor, float]:
     """One KV group's output for one query: qg [r, D]; keys/values [N, D] -> ([r, D], fraction of the N read)."""
-    n, d = keys.shape
-    sink_hi = min(-(-sink // g) * g, n)
-    win_lo = max((max(n - window, 0) // g) * g, sink_hi)
+    n = keys.shape[0]
+    sink_hi, win_lo = pinned.aligned_sink_window(g, n, sink, window)
     first, last = sink_hi // g, win_lo // g
-    mask = torch.zeros(n, dtype=torch.bool)
-    mask[:sink_hi] = True
-    mask[win_lo:] = True
     bias = torch.zeros(n)
     k = math.ceil(budget * n / g)
+    top: list[int] = []
+    picks: list[int] = []
     if last > first and k > 0:
-        blocks = keys[: last * g].view(last, g, d)
-        kmin, kmax = blocks.amin(1), blocks.amax(1)  # [nb, D]
-        bound = torch.maximum(qg[:, None, :] * kmin, qg[:, None, :] * kmax).sum(-1).sum(0)  # [nb]
-        top, picks, weight = sampled_selection(bound, first, last, k, share)
-        for b in top + picks:
-            mask[b * g : (b + 1) * g] = True
+        top, picks, weight = sampled_selection(quest_bound(qg, keys, g, n), first, last, k, share)
         if weighted and picks:
             for b in picks:
                 bias[b * g : (b + 1) * g] = math.log(weight)
+    mask = block_mask(n, g, sink_hi, win_lo, top + picks)
     logits = (qg @ keys.T) * scale + bias[None, :]  # [r, N]
     probs = torch.softmax(logits.masked_fill(~mask[None, :], float("-inf")), dim=-1)
     return probs @ values, float(mask.float().mean())

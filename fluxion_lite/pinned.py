@@ -47,12 +47,23 @@ def attention_mass(q_obs: torch.Tensor, keys: torch.Tensor, first_pos: int, scal
     return mass
 
 
+def aligned_sink_window(g: int, n: int, sink: int, window: int) -> tuple[int, int]:
+    """Token bounds (sink end, window start) of a step with n tokens, the sink rounded up and the window's start
+    rounded down to g, as a retrieval group of block size g reads them."""
+    sink_hi = min(-(-sink // g) * g, n)
+    return sink_hi, max((max(n - window, 0) // g) * g, sink_hi)
+
+
 def eligible_blocks(g: int, n: int, sink: int, window: int) -> tuple[int, int]:
     """Block ids [first, last) of granularity g wholly between the sink (rounded up to g) and the recent window
     (its start rounded down to g) for a step with n tokens: the blocks pins may take."""
-    sink_hi = min(-(-sink // g) * g, n)
-    win_lo = max((max(n - window, 0) // g) * g, sink_hi)
+    sink_hi, win_lo = aligned_sink_window(g, n, sink, window)
     return sink_hi // g, win_lo // g
+
+
+def spread_evenly(items: np.ndarray, count: int) -> np.ndarray:
+    """`count` of `items` spread evenly over them: the middle item of each of count equal slices."""
+    return items[((np.arange(count) + 0.5) * len(items) / count).astype(np.int64)]
 
 
 def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: int, span: int = 1,
@@ -85,7 +96,7 @@ def pick_pins(mass: np.ndarray, g: int, n: int, sink: int, window: int, count: i
     order = np.lexsort((np.arange(len(score)), -score))[: take - spread]  # best first, ties to the lower id
     if spread:
         rest = np.setdiff1d(np.arange(len(score)), order)  # ascending
-        order = np.concatenate([order, rest[((np.arange(spread) + 0.5) * len(rest) / spread).astype(np.int64)]])
+        order = np.concatenate([order, spread_evenly(rest, spread)])
     return np.sort(order + first).astype(np.int32)
 
 
