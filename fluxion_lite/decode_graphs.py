@@ -22,6 +22,7 @@ one replay per step, and `after_replay()` instead of host(i).
 """
 from __future__ import annotations
 
+import gc
 import os
 import time
 from collections import OrderedDict
@@ -99,18 +100,28 @@ class _GraphSet:
             for seg in self.segments:
                 seg()
         torch.cuda.current_stream(dev).wait_stream(side)
-        if _whole_step(self.hooks):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                for seg in self.segments:
+        # No garbage collection inside a capture: collecting a retired backend there frees its pinned and device
+        # buffers, and the allocators' event work on such a free is not allowed while a stream captures (the
+        # capture is invalidated: seen once on the H200 after 22 backend switches, bench/margin_flips.py).
+        gc.collect()
+        gc_was_on = gc.isenabled()
+        gc.disable()
+        try:
+            if _whole_step(self.hooks):
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
+                    for seg in self.segments:
+                        seg()
+                self.graphs.append(g)
+                return
+            for seg in self.segments:
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=self.pool):
                     seg()
-            self.graphs.append(g)
-            return
-        for seg in self.segments:
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool):
-                seg()
-            self.graphs.append(g)
+                self.graphs.append(g)
+        finally:
+            if gc_was_on:
+                gc.enable()
 
     # Each segment stores its outputs on self; the tensors made during capture live in the graph pool at fixed
     # addresses, which the next segments (and the replays) read.

@@ -1,0 +1,168 @@
+"""Where a sparse mode's greedy answer leaves full attention's, and whether its own top-2 margin says so beforehand.
+
+A lost RULER answer is a greedy step where the sparse model's argmax differs from full's, after which the two
+answers diverge. If those steps are the ones where the sparse model is unsure (a small gap between its two best
+log-probabilities), a step below a margin threshold could be recomputed with more of the KV read, and the answer
+would follow full's at the cost of the few steps escalated. This measures that, per sample:
+
+  1. full attention answers greedily (prefill the prompt, then one decode step per token, as the engine does);
+  2. the sparse mode is teacher-forced along that answer (same prefill; its decode steps read what its plan picks)
+     and, per decode step, records its top-2 log-probabilities and its argmax;
+  3. a flip is a decode step whose sparse argmax differs from full's token. With escalation at threshold t, a
+     sample follows full's answer when every flip has a sparse margin below t; the cost is the share of decode
+     steps below t.
+
+The first answer token comes from the dense prefill in both modes and is left out. Prints per task and threshold:
+decode steps, flips, samples with a flip, samples every one of whose flips the threshold catches, and the share of
+steps escalated; writes JSON with every step's margins.
+
+  python bench/margin_flips.py --gguf qwen2.5-coder-0.5b --dir .ruler_ids --length 4096 --per-task 5 \\
+      --mode fluxion --out bench/results/margin_flips.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fidelity import prefill_chunks  # noqa: E402
+from ruler_split import load_ids, model_tag  # noqa: E402
+
+from fluxion_lite.attention import AttentionBackend, SeqChunk  # noqa: E402
+from fluxion_lite.engine import Engine  # noqa: E402
+from fluxion_lite.model import Transformer  # noqa: E402
+from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
+
+SEQ_ID = 0
+THRESHOLDS = (0.25, 0.5, 1.0, 2.0, 3.0)
+
+
+def answer_steps(model: Transformer, attn: AttentionBackend, prompt: list[int], max_new: int, eog: set[int],
+                 forced: list[int] | None = None, chunk: int = 1024) -> dict[str, list]:
+    """Greedy answer (or `forced`'s tokens): per output token its argmax, top-2 log-probabilities and the token
+    taken. Token 0 comes from the prefill's last row, the rest from single-token decode steps."""
+    attn.allocate(SEQ_ID)
+    out: dict[str, list] = {"taken": [], "argmax": [], "top1": [], "top2": []}
+    try:
+        pieces = prefill_chunks(len(prompt), chunk)
+        for i, (start, n) in enumerate(pieces):
+            rows = torch.tensor([n - 1]) if i == len(pieces) - 1 else torch.empty(0, dtype=torch.long)
+            logits = model.forward(torch.tensor(prompt[start : start + n]), torch.arange(start, start + n),
+                                   [SeqChunk(SEQ_ID, start, n)], attn, logit_rows=rows)
+        pos = len(prompt)
+        limit = len(forced) if forced is not None else max_new
+        for j in range(limit):
+            logp = torch.log_softmax(logits[-1].float().cpu(), dim=-1)  # [V]
+            top = torch.topk(logp, 2)
+            token = forced[j] if forced is not None else int(top.indices[0])
+            out["taken"].append(token)
+            out["argmax"].append(int(top.indices[0]))
+            out["top1"].append(float(top.values[0]))
+            out["top2"].append(float(top.values[1]))
+            if token in eog or j == limit - 1:
+                break
+            logits = model.forward(torch.tensor([token]), torch.tensor([pos]), [SeqChunk(SEQ_ID, pos, 1)], attn)
+            pos += 1
+    finally:
+        attn.free(SEQ_ID)
+    return out
+
+
+def summarise(samples: list[dict[str, Any]], thresholds: tuple[float, ...]) -> dict[str, Any]:
+    """Per threshold: decode steps escalated, flips caught, samples with a flip and those whose flips are all caught."""
+    margins = [np.asarray(s["sparse_margin"][1:]) for s in samples]  # decode steps only
+    flips = [np.asarray(s["flip"][1:], dtype=bool) for s in samples]
+    steps = sum(len(m) for m in margins)
+    n_flips = int(sum(f.sum() for f in flips))
+    flipped = [i for i, f in enumerate(flips) if f.any()]
+    row: dict[str, Any] = {"samples": len(samples), "decode_steps": steps, "flips": n_flips,
+                           "samples_flipped": len(flipped), "by_threshold": {}}
+    for t in thresholds:
+        below = sum(int((m < t).sum()) for m in margins)
+        caught = int(sum((f & (m < t)).sum() for m, f in zip(margins, flips)))
+        rescued = sum(1 for i in flipped if bool((margins[i][flips[i]] < t).all()))
+        row["by_threshold"][str(t)] = {"escalated_share": below / max(steps, 1), "flips_caught": caught,
+                                       "samples_rescued": rescued}
+    return row
+
+
+def write(args: argparse.Namespace, by_task: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+    """Summarise what was measured so far and write it with every step's margins to args.out."""
+    summary = {task: summarise(recs, THRESHOLDS) for task, recs in by_task.items()}
+    summary["all"] = summarise([r for recs in by_task.values() for r in recs], THRESHOLDS)
+    label = args.mode + (f"@{Path(args.plan).stem}" if args.plan else "")
+    Path(args.out).write_text(json.dumps({
+        "gguf": model_tag(args.gguf), "length": args.length, "mode": label, "device": args.device,
+        "dtype": args.dtype, "machine": platform.node(), "thresholds": list(THRESHOLDS), "summary": summary,
+        "samples": by_task}))
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gguf", required=True, help="catalog name or GGUF path")
+    ap.add_argument("--dir", default=".ruler_ids")
+    ap.add_argument("--length", type=int, required=True)
+    ap.add_argument("--mode", default="fluxion", help="the sparse mode compared with full")
+    ap.add_argument("--plan", default=None, help="fluxion with this plan file instead of the shipped one")
+    ap.add_argument("--tasks", nargs="*", default=None)
+    ap.add_argument("--per-task", type=int, default=5)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    meta_path = Path(args.dir) / f"{model_tag(args.gguf)}_{args.length}.json"
+    if not meta_path.exists():
+        sys.exit(f"error: {meta_path} missing (bench/ruler_split.py export first)")
+    meta, prompts = load_ids(meta_path, meta_path.with_suffix(".ids.xz"))
+    eog = set(meta["eog_ids"])
+    wanted = [k for k, s in enumerate(meta["samples"])
+              if (args.tasks is None or s["task"] in args.tasks) and s["index"] < args.per_task]
+    if not wanted:
+        sys.exit(f"error: no samples of {args.tasks} in {meta_path}")
+    plan = SparsePlan.load(Path(args.plan)) if args.plan else None
+    engine = Engine(args.gguf, attention="full", device=args.device, dtype=args.dtype,
+                    max_context=args.length + 256, prefix_cache_entries=0, load_tokenizer=False)
+    by_task: dict[str, list[dict[str, Any]]] = {}
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for n, k in enumerate(wanted):
+            s = meta["samples"][k]
+            engine.set_attention("full")
+            full = answer_steps(engine.model, engine.attn, prompts[k], s["max_new_tokens"], eog, chunk=args.chunk)
+            engine.set_attention(args.mode, plan)
+            sparse = answer_steps(engine.model, engine.attn, prompts[k], s["max_new_tokens"], eog,
+                                  forced=full["taken"], chunk=args.chunk)
+            rec = {"task": s["task"], "index": s["index"], "answer": full["taken"],
+                   "full_margin": [a - b for a, b in zip(full["top1"], full["top2"])],
+                   "sparse_margin": [a - b for a, b in zip(sparse["top1"], sparse["top2"])],
+                   "flip": [a != b for a, b in zip(sparse["argmax"], full["taken"])]}
+            by_task.setdefault(s["task"], []).append(rec)
+            first = next((j for j, f in enumerate(rec["flip"]) if f), None)
+            print(f"[{n + 1}/{len(wanted)}] {s['task']}#{s['index']}: {len(rec['answer'])} tokens, "
+                  f"flips {sum(rec['flip'])}, first at {first}"
+                  + (f" (sparse margin {rec['sparse_margin'][first]:.2f}, full {rec['full_margin'][first]:.2f})"
+                     if first is not None else "") + f"  {time.perf_counter() - t0:.0f} s", flush=True)
+            summary = write(args, by_task)  # after every sample: a run cut short keeps what it measured
+    label = args.mode + (f"@{Path(args.plan).stem}" if args.plan else "")
+    print(f"\n{label} vs full, {args.gguf} at {args.length}: greedy flips and escalation by sparse top-2 margin")
+    head = "".join(f"  t<{t:<4g} esc/rescued" for t in THRESHOLDS)
+    print(f"{'task':<16}{'n':>4}{'steps':>7}{'flips':>7}{'flipped':>9}{head}")
+    for task, r in summary.items():
+        cells = "".join(f"  {r['by_threshold'][str(t)]['escalated_share']:>9.1%}/{r['by_threshold'][str(t)]['samples_rescued']:<3d}"
+                        for t in THRESHOLDS)
+        print(f"{task:<16}{r['samples']:>4}{r['decode_steps']:>7}{r['flips']:>7}{r['samples_flipped']:>9}{cells}")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""bench/margin_flips.py: the escalation bookkeeping on hand-worked cases, and its answer loop on the real smollm2-135m
+(a forced pass along the greedy answer reproduces it; a sparse mode's flips are exactly its argmax leaving it).
+Also decode_graphs' capture with the garbage collector held off (fakes stand in for the CUDA calls)."""
+from __future__ import annotations
+
+import gc
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+from margin_flips import answer_steps, summarise  # noqa: E402
+
+from fluxion_lite import decode_graphs  # noqa: E402
+
+
+def _sample(margins: list[float], flips: list[bool]) -> dict[str, Any]:
+    return {"sparse_margin": margins, "flip": flips}
+
+
+def test_summarise_counts_escalations_and_rescues_by_hand() -> None:
+    # token 0 (the prefill's) is left out: its margin 0.0 and flip must not count
+    a = _sample([0.0, 0.3, 5.0, 0.8, 4.0], [True, True, False, False, False])  # one flip at margin 0.3
+    b = _sample([9.0, 2.5, 0.1, 6.0], [False, True, False, True])  # flips at margins 2.5 and 6.0
+    c = _sample([1.0, 7.0, 7.0], [False, False, False])  # never flips
+    row = summarise([a, b, c], (0.5, 1.0, 3.0, 10.0))
+    assert row["samples"] == 3 and row["decode_steps"] == 4 + 3 + 2 and row["flips"] == 3
+    assert row["samples_flipped"] == 2
+    by = row["by_threshold"]
+    # steps below t among the 9 decode steps: margins 0.3, 5.0, 0.8, 4.0, 2.5, 0.1, 6.0, 7.0, 7.0
+    assert by["0.5"] == {"escalated_share": 2 / 9, "flips_caught": 1, "samples_rescued": 1}
+    assert by["1.0"] == {"escalated_share": 3 / 9, "flips_caught": 1, "samples_rescued": 1}
+    assert by["3.0"] == {"escalated_share": 4 / 9, "flips_caught": 2, "samples_rescued": 1}  # b's 6.0 still missed
+    assert by["10.0"] == {"escalated_share": 1.0, "flips_caught": 3, "samples_rescued": 2}
+
+
+def test_summarise_random_cases_against_a_direct_count() -> None:
+    gen = np.random.default_rng(7)
+    samples = []
+    for _ in range(12):
+        n = int(gen.integers(2, 30))
+        samples.append(_sample(gen.exponential(2.0, n).tolist(), (gen.random(n) < 0.2).tolist()))
+    for t in (0.25, 1.0, 4.0):
+        got = summarise(samples, (t,))["by_threshold"][str(t)]
+        steps = [(m, f) for s in samples for m, f in zip(s["sparse_margin"][1:], s["flip"][1:])]
+        assert got["escalated_share"] == pytest.approx(sum(m < t for m, _ in steps) / len(steps))
+        assert got["flips_caught"] == sum(f and m < t for m, f in steps)
+        rescued = sum(1 for s in samples if any(s["flip"][1:])
+                      and all(m < t for m, f in zip(s["sparse_margin"][1:], s["flip"][1:]) if f))
+        assert got["samples_rescued"] == rescued
+
+
+@pytest.mark.slow
+def test_answer_steps_forced_along_greedy_reproduces_it_on_smollm2() -> None:
+    from fluxion_lite.engine import Engine
+
+    engine = Engine("smollm2-135m", attention="full", max_context=512, prefix_cache_entries=0)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(100, 20000, (150,), generator=gen).tolist()
+    eog: set[int] = set()
+    with torch.no_grad():
+        greedy = answer_steps(engine.model, engine.attn, prompt, 12, eog, chunk=64)
+        forced = answer_steps(engine.model, engine.attn, prompt, 12, eog, forced=greedy["taken"], chunk=64)
+        engine.set_attention("fluxion")  # smollm2's shipped plan: decode steps read a part of the 150 tokens
+        sparse = answer_steps(engine.model, engine.attn, prompt, 12, eog, forced=greedy["taken"], chunk=64)
+    assert len(greedy["taken"]) == 12 and greedy["taken"] == greedy["argmax"]
+    assert forced["taken"] == greedy["taken"] and forced["argmax"] == greedy["taken"]
+    np.testing.assert_allclose(forced["top1"], greedy["top1"], atol=1e-5)
+    assert all(a >= b for a, b in zip(greedy["top1"], greedy["top2"]))
+    assert sparse["taken"] == greedy["taken"]  # forced: the sparse run follows full's answer whatever it predicts
+    assert sparse["argmax"][0] == greedy["taken"][0]  # token 0 comes from the dense prefill in both modes
+
+
+class _FakeStream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+def test_capture_holds_the_garbage_collector_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bool] = []
+
+    @contextmanager
+    def fake_graph(g: object, pool: object = None) -> Iterator[None]:
+        seen.append(gc.isenabled())
+        yield
+
+    @contextmanager
+    def fake_stream(s: object) -> Iterator[None]:
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda dev=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", fake_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    gs = decode_graphs._GraphSet.__new__(decode_graphs._GraphSet)
+    gs.model, gs.pool, gs.hooks, gs.graphs = SimpleNamespace(device=torch.device("cpu")), (0, 1), None, []
+    ran: list[int] = []
+    gs.segments = [lambda i=i: ran.append(i) for i in range(3)]
+    assert gc.isenabled()
+    gs._capture()
+    assert ran == [0, 1, 2, 0, 1, 2]  # the warm-up pass, then one capture per segment
+    assert seen == [False, False, False] and gc.isenabled() and len(gs.graphs) == 3
+
+    calls: list[int] = []
+
+    def broken() -> None:  # runs in the warm-up, fails inside the capture
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("capture invalidated")
+
+    gs.graphs, gs.segments = [], [broken]
+    gc.disable()  # a caller that keeps the collector off gets it back off
+    try:
+        with pytest.raises(RuntimeError, match="invalidated"):
+            gs._capture()
+        assert len(calls) == 2 and not gc.isenabled()
+    finally:
+        gc.enable()
+    gs.graphs, gs.segments = [], [lambda: None]
+    seen.clear()
+    gs._capture()
+    assert seen == [False] and gc.isenabled()
