@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ruler_paired import write_out  # noqa: E402  (bench scripts import each other from their folder)
-from ruler_split import _paths, load_ids, model_tag  # noqa: E402
+from ruler_split import exported_samples  # noqa: E402
 
 from fluxion_lite.calibration import Config, capture_prompt, group_outputs  # noqa: E402
 
@@ -148,14 +148,11 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    meta_path, ids_path = _paths(Path(args.dir), model_tag(args.model), args.length)
-    if not meta_path.exists() or not ids_path.exists():
-        sys.exit(f"error: {meta_path} / {ids_path} missing: run bench/ruler_split.py export --lengths {args.length}")
-    meta, prompts = load_ids(meta_path, ids_path)
+    meta, prompts = exported_samples(args.dir, args.model, args.length)
     picked = [(s, ids) for s, ids in zip(meta["samples"], prompts)
               if s["task"] in args.tasks and s["index"] < args.per_task]
     if not picked:
-        sys.exit(f"error: no sample of {args.tasks} in {meta_path}")
+        sys.exit(f"error: no sample of {args.tasks} among {args.model}'s exported samples at {args.length}")
     from fluxion_lite.engine import Engine
 
     engine = Engine(args.model, prefix_cache_entries=0)

@@ -43,7 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ruler_diverge import answer_outputs, first_difference  # noqa: E402
-from ruler_split import load_ids, model_tag  # noqa: E402
+from ruler_split import exported_samples, model_tag  # noqa: E402
 
 from fluxion_lite import pinned  # noqa: E402
 from fluxion_lite.attention import SeqChunk  # noqa: E402
@@ -237,10 +237,7 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     tag = model_tag(args.gguf)
-    meta_path = Path(args.dir) / f"{tag}_{args.length}.json"
-    if not meta_path.exists():
-        sys.exit(f"error: {meta_path} missing (bench/ruler_split.py export first)")
-    meta, prompts = load_ids(meta_path, meta_path.with_suffix(".ids.xz"))
+    meta, prompts = exported_samples(args.dir, args.gguf, args.length)
     ref = answer_outputs(args.reference, args.length)
     cand = answer_outputs(args.candidate, args.length) if args.candidate else None
     plan = SparsePlan.load(Path(args.plan))
@@ -250,7 +247,7 @@ def main() -> None:
     for spec in args.samples:
         task, _, i = spec.rpartition(":")
         if (task, int(i)) not in index:
-            sys.exit(f"error: no sample {spec} in {meta_path}")
+            sys.exit(f"error: no sample {spec} among {tag}'s exported samples at {args.length}")
         k = index[(task, int(i))]
         out = [t for t in ref[k] if t not in meta["eog_ids"]]
         t0 = time.perf_counter()

@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import prefill_chunks  # noqa: E402
-from ruler_split import load_ids, model_tag  # noqa: E402
+from ruler_split import exported_samples, model_tag  # noqa: E402
 
 from fluxion_lite.attention import AttentionBackend, SeqChunk  # noqa: E402
 from fluxion_lite.engine import Engine  # noqa: E402
@@ -94,11 +94,10 @@ def summarise(samples: list[dict[str, Any]], thresholds: tuple[float, ...]) -> d
     return row
 
 
-def write(args: argparse.Namespace, by_task: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
+def write(args: argparse.Namespace, label: str, by_task: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Summarise what was measured so far and write it with every step's margins to args.out."""
     summary = {task: summarise(recs, THRESHOLDS) for task, recs in by_task.items()}
     summary["all"] = summarise([r for recs in by_task.values() for r in recs], THRESHOLDS)
-    label = args.mode + (f"@{Path(args.plan).stem}" if args.plan else "")
     Path(args.out).write_text(json.dumps({
         "gguf": model_tag(args.gguf), "length": args.length, "mode": label, "device": args.device,
         "dtype": args.dtype, "machine": platform.node(), "thresholds": list(THRESHOLDS), "summary": summary,
@@ -120,16 +119,14 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    meta_path = Path(args.dir) / f"{model_tag(args.gguf)}_{args.length}.json"
-    if not meta_path.exists():
-        sys.exit(f"error: {meta_path} missing (bench/ruler_split.py export first)")
-    meta, prompts = load_ids(meta_path, meta_path.with_suffix(".ids.xz"))
+    meta, prompts = exported_samples(args.dir, args.gguf, args.length)
     eog = set(meta["eog_ids"])
     wanted = [k for k, s in enumerate(meta["samples"])
               if (args.tasks is None or s["task"] in args.tasks) and s["index"] < args.per_task]
     if not wanted:
-        sys.exit(f"error: no samples of {args.tasks} in {meta_path}")
+        sys.exit(f"error: no sample of {args.tasks} among {args.gguf}'s exported samples at {args.length}")
     plan = SparsePlan.load(Path(args.plan)) if args.plan else None
+    label = args.mode + (f"@{Path(args.plan).stem}" if args.plan else "")
     engine = Engine(args.gguf, attention="full", device=args.device, dtype=args.dtype,
                     max_context=args.length + 256, prefix_cache_entries=0, load_tokenizer=False)
     by_task: dict[str, list[dict[str, Any]]] = {}
@@ -152,8 +149,7 @@ def main() -> None:
                   f"flips {sum(rec['flip'])}, first at {first}"
                   + (f" (sparse margin {rec['sparse_margin'][first]:.2f}, full {rec['full_margin'][first]:.2f})"
                      if first is not None else "") + f"  {time.perf_counter() - t0:.0f} s", flush=True)
-            summary = write(args, by_task)  # after every sample: a run cut short keeps what it measured
-    label = args.mode + (f"@{Path(args.plan).stem}" if args.plan else "")
+            summary = write(args, label, by_task)  # after every sample: a run cut short keeps what it measured
     print(f"\n{label} vs full, {args.gguf} at {args.length}: greedy flips and escalation by sparse top-2 margin")
     head = "".join(f"  t<{t:<4g} esc/rescued" for t in THRESHOLDS)
     print(f"{'task':<16}{'n':>4}{'steps':>7}{'flips':>7}{'flipped':>9}{head}")

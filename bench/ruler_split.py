@@ -79,6 +79,16 @@ def export(args: argparse.Namespace) -> None:
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
 
+def exported_samples(directory: str | Path, model: str, length: int) -> tuple[dict[str, Any], list[list[int]]]:
+    """The samples `export` wrote for a model (catalog name or GGUF path) and length: (metadata, prompt ids), or
+    exit naming the export command that makes them."""
+    meta_path, ids_path = _paths(Path(directory), model_tag(model), length)
+    if not meta_path.exists() or not ids_path.exists():
+        sys.exit(f"error: {meta_path} / {ids_path} missing: run bench/ruler_split.py export --model {model} "
+                 f"--lengths {length} --dir {directory}")
+    return load_ids(meta_path, ids_path)
+
+
 def load_ids(meta_path: Path, ids_path: Path) -> tuple[dict[str, Any], list[list[int]]]:
     meta = json.loads(meta_path.read_text())
     flat = np.frombuffer(lzma.decompress(ids_path.read_bytes()), dtype=np.int32)
