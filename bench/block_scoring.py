@@ -10,7 +10,13 @@ bound over each block's key extremes) is the weak part. This compares, at the sa
 - int4 / int2: the mass computed from keys quantised per token (symmetric, absmax scale; 4 bits = 1/8 of the K+V
   bytes in bf16, the same bytes a g=16 min/max summary scans; 2 bits half that): a key sketch the device could hold;
 - lowrankR: the mass from q and keys projected on the top R principal directions of the prompt's keys (per layer
-  and KV group; R/D of the key bytes).
+  and KV group; R/D of the key bytes);
+- vaware: what leaving a block out moves the output by (an oracle: every key and value): per head, the norm of
+  sum over the block's tokens of p_t (v_t - o) with o the full output, summed over the group's heads;
+- mass_meanv: the exact block mass times the distance of the block's mean value from the sink + window output
+  (a per-block mean-value summary and an output the step has anyway, with the oracle's mass);
+- quest_meanv: the same with each head's Quest bounds turned into a mass (softmax over the blocks of bound x
+  scale) in place of the exact one: the cheap form (min/max key and mean value summaries).
 
 Decode the last M tokens of essay text one at a time over a dense prefill (as bench/fidelity.py does); every KV
 group reads sink + window + the top `budget` of its g-token blocks under the ranking; report KL(full || policy),
@@ -43,15 +49,39 @@ def quantise_rows(keys: torch.Tensor, bits: int) -> torch.Tensor:
     return (idx + 0.5) * scale
 
 
+def _blocks(x: torch.Tensor, g: int) -> torch.Tensor:
+    """x [..., N, D] -> [..., ceil(N / g), g, D], zero rows past N."""
+    n = x.shape[-2]
+    n_blocks = -(-n // g)
+    return torch.nn.functional.pad(x, (0, 0, 0, n_blocks * g - n)).unflatten(-2, (n_blocks, g))
+
+
 def block_scores(scoring: str, q: torch.Tensor, keys: torch.Tensor, g: int, scale: float,
-                 basis: torch.Tensor | None) -> torch.Tensor:
-    """q [r, D] (one group's query heads), keys [N, D] -> a score per g-token block [ceil(N / g)], higher = read."""
+                 basis: torch.Tensor | None, values: torch.Tensor | None = None,
+                 near_out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [r, D] (one group's query heads), keys [N, D] -> a score per g-token block [ceil(N / g)], higher = read.
+    The value-aware scorings also take values [N, D] and near_out [r, D], the heads' sink + window output."""
     n, d = keys.shape
     n_blocks = -(-n // g)
-    if scoring == "quest":
-        padded = torch.nn.functional.pad(keys, (0, 0, 0, n_blocks * g - n)).view(n_blocks, g, d)
+    if scoring in ("quest", "quest_meanv"):
+        padded = _blocks(keys, g)
         kmin, kmax = padded.amin(1), padded.amax(1)  # [nb, D] (padding rows are zeros: still a valid bound)
-        return torch.maximum(q[:, None, :] * kmin, q[:, None, :] * kmax).sum(-1).sum(0)
+        per_head = torch.maximum(q[:, None, :] * kmin, q[:, None, :] * kmax).sum(-1)  # [r, nb]
+        if scoring == "quest":
+            return per_head.sum(0)
+        assert values is not None and near_out is not None
+        mass = torch.softmax(per_head * scale, dim=-1)  # [r, nb]: the bound read as a mass
+        return (mass * _mean_value_distance(values, near_out, g, n)).sum(0)
+    if scoring in ("vaware", "mass_meanv"):
+        assert values is not None
+        probs = torch.softmax((q @ keys.T) * scale, dim=-1)  # [r, N]
+        if scoring == "mass_meanv":
+            assert near_out is not None
+            mass = _blocks(probs[..., None], g).sum((-1, -2))  # [r, nb]
+            return (mass * _mean_value_distance(values, near_out, g, n)).sum(0)
+        full_out = probs @ values  # [r, D]
+        moved = probs[..., None] * (values[None] - full_out[:, None, :])  # [r, N, D]: p_t (v_t - o)
+        return _blocks(moved, g).sum(-2).norm(dim=-1).sum(0)  # [r, nb, D] -> [nb]
     if scoring == "exact":
         approx_q, approx_k = q, keys
     elif scoring in ("int4", "int2"):
@@ -63,6 +93,13 @@ def block_scores(scoring: str, q: torch.Tensor, keys: torch.Tensor, g: int, scal
         raise ValueError(f"unknown scoring {scoring!r}")
     mass = torch.softmax((approx_q @ approx_k.T) * scale, dim=-1).sum(0)  # [N], over the group's heads
     return torch.nn.functional.pad(mass, (0, n_blocks * g - n)).view(n_blocks, g).sum(1)
+
+
+def _mean_value_distance(values: torch.Tensor, near_out: torch.Tensor, g: int, n: int) -> torch.Tensor:
+    """Per head and block, the distance of the block's mean value from that head's near output: [r, nb]."""
+    counts = torch.clamp(n - torch.arange(0, n, g), max=g)  # [nb]: a partly filled last block
+    mean_v = _blocks(values, g).sum(1) / counts[:, None]  # [nb, D]
+    return torch.cdist(near_out, mean_v)  # [r, nb]
 
 
 class SimulatedScoring(SimulatedBackend):
@@ -99,12 +136,18 @@ class SimulatedScoring(SimulatedBackend):
         eligible = (lo >= sink_hi) & (lo + g <= win_lo)  # [nb]
         k_blocks = min(int(-(-self.budget * n // g)), int(eligible.sum()))
         outs = []
+        near = (pos < sink_hi) | (pos >= win_lo)  # [N]
         for h in range(hkv):
-            scores = block_scores(self.scoring, qg[h], keys[h], g, self.scale, self._basis(layer, h, keys[h]))
+            near_out = None
+            if self.scoring.endswith("_meanv"):
+                near_p = torch.softmax(((qg[h] @ keys[h].T) * self.scale).masked_fill(~near, float("-inf")), dim=-1)
+                near_out = near_p @ values[h]  # [r, D]: the sink + window part the step reads anyway
+            scores = block_scores(self.scoring, qg[h], keys[h], g, self.scale, self._basis(layer, h, keys[h]),
+                                  values[h], near_out)
             chosen = torch.zeros(n_blocks, dtype=torch.bool)
             if k_blocks:
                 chosen[torch.topk(scores.masked_fill(~eligible, float("-inf")), k_blocks).indices] = True
-            allowed = (pos < sink_hi) | (pos >= win_lo) | chosen.repeat_interleave(g)[:n]  # [N]
+            allowed = near | chosen.repeat_interleave(g)[:n]  # [N]
             self.read.append(float(allowed.float().mean()))
             logits = (qg[h] @ keys[h].T) * self.scale  # [r, N]
             probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)

@@ -1,4 +1,5 @@
-"""bench/block_scoring.py's rankings against float64 references on random data."""
+"""bench/block_scoring.py's rankings (the mass, quantised and low-rank keys, the value-aware oracle and its summary
+forms) against float64 references on random data."""
 from __future__ import annotations
 
 import sys
@@ -53,3 +54,39 @@ def test_quantised_rows_keep_their_levels_and_error(bits: int) -> None:
     assert np.all(np.abs(got - k) <= step / 2 + 1e-6)  # within half a step of the original
     for row, s in zip(got, step[:, 0]):
         assert len(np.unique(np.round(row / s - 0.5))) <= 2**bits  # at most 2^bits levels per row
+
+
+def _softmax64(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
+@pytest.mark.parametrize("r,n,d,g", [(1, 37, 8, 4), (7, 200, 64, 16), (3, 129, 32, 32)])
+def test_value_aware_scores_against_float64(r: int, n: int, d: int, g: int) -> None:
+    gen = torch.Generator().manual_seed(3 * r + n + d)
+    q, keys, values = (torch.randn(m, d, generator=gen) for m in (r, n, n))
+    near_out = torch.randn(r, d, generator=gen)
+    q64, k64, v64, o_near = (x.numpy().astype(np.float64) for x in (q, keys, values, near_out))
+    scale = d**-0.5
+    probs = _softmax64(q64 @ k64.T * scale)  # [r, N]
+    n_blocks = -(-n // g)
+    full_out = probs @ v64
+    want_v = np.zeros(n_blocks)
+    want_mass = np.zeros(n_blocks)
+    bounds = np.zeros((r, n_blocks))
+    dist = np.zeros((r, n_blocks))
+    for b in range(n_blocks):
+        sl = slice(b * g, min((b + 1) * g, n))
+        for h in range(r):
+            want_v[b] += np.linalg.norm((probs[h, sl, None] * (v64[sl] - full_out[h])).sum(0))
+            dist[h, b] = np.linalg.norm(v64[sl].mean(0) - o_near[h])
+            lo, hi = k64[sl].min(0), k64[sl].max(0)
+            if sl.stop - sl.start < g:  # the padded last block: its zero rows take part in the bound
+                lo, hi = np.minimum(lo, 0), np.maximum(hi, 0)
+            bounds[h, b] = np.maximum(q64[h] * lo, q64[h] * hi).sum()
+        want_mass[b] = (probs[:, sl].sum(1) * dist[:, b]).sum()
+    want_quest = (_softmax64(bounds * scale) * dist).sum(0)
+    for scoring, want in (("vaware", want_v), ("mass_meanv", want_mass), ("quest_meanv", want_quest)):
+        got = block_scores(scoring, q, keys, g, scale, None, values, near_out).numpy()
+        np.testing.assert_allclose(got, want, rtol=2e-4, atol=1e-6, err_msg=scoring)
+
