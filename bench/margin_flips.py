@@ -14,7 +14,9 @@ would follow full's at the cost of the few steps escalated. This measures that, 
 
 The first answer token comes from the dense prefill in both modes and is left out. Prints per task and threshold:
 decode steps, flips, samples with a flip, samples every one of whose flips the threshold catches, and the share of
-steps escalated; writes JSON with every step's margins.
+steps escalated; writes JSON with every step's margins. With --escalate-plan, a larger plan is teacher-forced along
+the same answer too, and the summary counts the flipped samples that would follow full's answer if each step below
+t took that plan's token instead (an escalation that reads more, not everything).
 
   python bench/margin_flips.py --gguf qwen2.5-coder-0.5b --dir .ruler_ids --length 4096 --per-task 5 \\
       --mode fluxion --out bench/results/margin_flips.json
@@ -91,6 +93,15 @@ def summarise(samples: list[dict[str, Any]], thresholds: tuple[float, ...]) -> d
         rescued = sum(1 for i in flipped if bool((margins[i][flips[i]] < t).all()))
         row["by_threshold"][str(t)] = {"escalated_share": below / max(steps, 1), "flips_caught": caught,
                                        "samples_rescued": rescued}
+        for name in samples[0].get("escalated", {}) if samples else []:
+            # a step below t takes the larger plan's token instead: the sample follows full's answer when every
+            # step's taken token (the base plan's above t, the larger plan's below) is full's
+            follows = 0
+            for i in flipped:
+                agrees = np.asarray(samples[i]["escalated"][name][1:], dtype=bool)  # the larger plan's argmax is full's
+                below_t = margins[i] < t
+                follows += bool(((below_t & agrees) | (~below_t & ~flips[i])).all())
+            row["by_threshold"][str(t)][f"samples_following_with_{name}"] = follows
     return row
 
 
@@ -117,6 +128,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk")
+    ap.add_argument("--escalate-plan", nargs="*", default=[],
+                    help="larger plans a small-margin step would switch to: each is teacher-forced too, and the "
+                         "summary counts the flipped samples that would follow full's answer with it")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     meta, prompts = exported_samples(args.dir, args.gguf, args.length)
@@ -127,6 +141,7 @@ def main() -> None:
         sys.exit(f"error: no sample of {args.tasks} among {args.gguf}'s exported samples at {args.length}")
     plan = SparsePlan.load(Path(args.plan)) if args.plan else None
     label = args.mode + (f"@{Path(args.plan).stem}" if args.plan else "")
+    escalate = [(Path(p).stem.removesuffix(".plan"), SparsePlan.load(Path(p))) for p in args.escalate_plan]
     engine = Engine(args.gguf, attention="full", device=args.device, dtype=args.dtype,
                     max_context=args.length + 256, prefix_cache_entries=0, load_tokenizer=False)
     by_task: dict[str, list[dict[str, Any]]] = {}
@@ -142,7 +157,12 @@ def main() -> None:
             rec = {"task": s["task"], "index": s["index"], "answer": full["taken"],
                    "full_margin": [a - b for a, b in zip(full["top1"], full["top2"])],
                    "sparse_margin": [a - b for a, b in zip(sparse["top1"], sparse["top2"])],
-                   "flip": [a != b for a, b in zip(sparse["argmax"], full["taken"])]}
+                   "flip": [a != b for a, b in zip(sparse["argmax"], full["taken"])], "escalated": {}}
+            for name, big in escalate:  # per step: does the larger plan agree with full's token?
+                engine.set_attention(args.mode, big)
+                got = answer_steps(engine.model, engine.attn, prompts[k], s["max_new_tokens"], eog,
+                                   forced=full["taken"], chunk=args.chunk)
+                rec["escalated"][name] = [a == b for a, b in zip(got["argmax"], full["taken"])]
             by_task.setdefault(s["task"], []).append(rec)
             first = next((j for j, f in enumerate(rec["flip"]) if f), None)
             print(f"[{n + 1}/{len(wanted)}] {s['task']}#{s['index']}: {len(rec['answer'])} tokens, "
@@ -157,6 +177,10 @@ def main() -> None:
         cells = "".join(f"  {r['by_threshold'][str(t)]['escalated_share']:>9.1%}/{r['by_threshold'][str(t)]['samples_rescued']:<3d}"
                         for t in THRESHOLDS)
         print(f"{task:<16}{r['samples']:>4}{r['decode_steps']:>7}{r['flips']:>7}{r['samples_flipped']:>9}{cells}")
+    for name, _ in escalate:
+        key = f"samples_following_with_{name}"
+        print(f"switching to {name} below t, flipped samples that follow full's answer: " + ", ".join(
+            f"t<{t:g}: {summary['all']['by_threshold'][str(t)][key]}" for t in THRESHOLDS))
     print(f"wrote {args.out}")
 
 

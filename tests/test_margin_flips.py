@@ -42,6 +42,20 @@ def test_summarise_counts_escalations_and_rescues_by_hand() -> None:
     assert by["10.0"] == {"escalated_share": 1.0, "flips_caught": 3, "samples_rescued": 2}
 
 
+def test_summarise_counts_samples_a_larger_plan_brings_back() -> None:
+    # a: one flip at margin 0.3, where the larger plan agrees with full -> follows from t = 0.5 on
+    a = _sample([0.0, 0.3, 5.0], [True, True, False]) | {"escalated": {"x2": [True, True, True]}}
+    # b: a flip at margin 0.4 the larger plan gets wrong too -> never follows
+    b = _sample([1.0, 0.4, 6.0], [False, True, False]) | {"escalated": {"x2": [True, False, True]}}
+    # c: the larger plan fixes the flip at 2.5 but gets the right step at 0.9 wrong, and a t that catches the flip
+    # escalates that step too -> never follows; d: follows once t > 2.5 (no other step below)
+    c = _sample([1.0, 2.5, 0.9], [False, True, False]) | {"escalated": {"x2": [True, True, False]}}
+    d = _sample([1.0, 2.5, 7.0], [False, True, False]) | {"escalated": {"x2": [True, True, True]}}
+    by = summarise([a, b, c, d], (0.25, 0.5, 3.0))["by_threshold"]
+    assert [by[t]["samples_following_with_x2"] for t in ("0.25", "0.5", "3.0")] == [0, 1, 2]
+    assert [by[t]["samples_rescued"] for t in ("0.25", "0.5", "3.0")] == [0, 2, 4]  # escalation to full
+
+
 def test_summarise_random_cases_against_a_direct_count() -> None:
     gen = np.random.default_rng(7)
     samples = []
