@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from policy_sim import SimulatedBackend, add_case_args, essay_case, print_policies, run_policy  # noqa: E402
 from ruler_paired import write_out  # noqa: E402
 
+from fluxion_lite import pinned  # noqa: E402
 from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
 
 
@@ -123,14 +124,12 @@ class SimulatedScoring(SimulatedBackend):
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 chunks: list[SeqChunk]) -> torch.Tensor:
-        b, hq, d = q.shape  # q: [1, Hq, D]
-        hkv = k.shape[1]
-        keys, values = (x.float() for x in self.append_step(layer, k, v, chunks))  # [Hkv, N, D] each
-        n, g = keys.shape[1], self.g
-        qg = q.float().view(hkv, hq // hkv, d)  # [Hkv, r, D]
+        keys, values, qg = self.step_inputs(layer, q, k, v, chunks)  # [Hkv, N, D] x2, q [Hkv, r, D]
+        keys, values = keys.float(), values.float()
+        hkv, n = keys.shape[:2]
+        g = self.g
         pos = torch.arange(n)
-        sink_hi = min(-(-self.sink // g) * g, n)
-        win_lo = max((max(n - self.window, 0) // g) * g, sink_hi)
+        sink_hi, win_lo = pinned.aligned_sink_window(g, n, self.sink, self.window)
         n_blocks = -(-n // g)
         lo = torch.arange(n_blocks) * g
         eligible = (lo >= sink_hi) & (lo + g <= win_lo)  # [nb]
@@ -138,9 +137,10 @@ class SimulatedScoring(SimulatedBackend):
         outs = []
         near = (pos < sink_hi) | (pos >= win_lo)  # [N]
         for h in range(hkv):
+            logits = (qg[h] @ keys[h].T) * self.scale  # [r, N]
             near_out = None
             if self.scoring.endswith("_meanv"):
-                near_p = torch.softmax(((qg[h] @ keys[h].T) * self.scale).masked_fill(~near, float("-inf")), dim=-1)
+                near_p = torch.softmax(logits.masked_fill(~near, float("-inf")), dim=-1)
                 near_out = near_p @ values[h]  # [r, D]: the sink + window part the step reads anyway
             scores = block_scores(self.scoring, qg[h], keys[h], g, self.scale, self._basis(layer, h, keys[h]),
                                   values[h], near_out)
@@ -149,10 +149,9 @@ class SimulatedScoring(SimulatedBackend):
                 chosen[torch.topk(scores.masked_fill(~eligible, float("-inf")), k_blocks).indices] = True
             allowed = near | chosen.repeat_interleave(g)[:n]  # [N]
             self.read.append(float(allowed.float().mean()))
-            logits = (qg[h] @ keys[h].T) * self.scale  # [r, N]
             probs = torch.softmax(logits.masked_fill(~allowed, float("-inf")), dim=-1)
             outs.append(probs @ values[h])  # [r, D]
-        return torch.stack(outs).reshape(b, hq, d).to(q.dtype)
+        return torch.stack(outs).reshape(q.shape).to(q.dtype)  # [Hkv, r, D] -> [1, Hq, D]
 
 
 def main() -> None:

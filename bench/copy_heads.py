@@ -87,16 +87,18 @@ def block_mask(n: int, g: int, sink_hi: int, win_lo: int, blocks: set[int] | lis
     return mask
 
 
-def read_mask(plan: SparsePlan, gp: GroupPlan, n: int, bound: torch.Tensor | None, pins: np.ndarray) -> torch.Tensor:
+def read_mask(plan: SparsePlan, gp: GroupPlan, n: int, bound: torch.Tensor | None, pins: np.ndarray,
+              blocks: tuple[int, int, set[int], list[int]] | None = None) -> torch.Tensor:
     """Tokens [n] a step with n tokens reads for one group: exact sink + window for a streaming group (and a
     long-only one while its block count is 0 at this length unless its g-aligned ones apply), else the g-aligned
-    sink + window, the pins and the best top-k blocks by `bound` [n_blocks] among the eligible rest."""
+    sink + window, the pins and the best top-k blocks by `bound` [n_blocks] among the eligible rest (`blocks`:
+    plan_blocks() of this step when the caller has it already)."""
     k = plan.block_count(gp, n)
     g = 1 if gp.streaming or (gp.long_only and plan.long_exact_stream and k == 0) else gp.g
     sink_hi, win_lo = pinned.aligned_sink_window(g, n, plan.sink, plan.window)
     if g == 1 or k == 0 or bound is None:
         return block_mask(n, g, sink_hi, win_lo, [])
-    _, _, chosen, top = plan_blocks(plan, gp, n, bound, pins)
+    _, _, chosen, top = blocks if blocks is not None else plan_blocks(plan, gp, n, bound, pins)
     return block_mask(n, g, sink_hi, win_lo, chosen | set(top))
 
 
@@ -196,13 +198,13 @@ def analyse(engine: Engine, plan: SparsePlan, prompt: list[int], out: list[int])
                 probs = torch.softmax(logits, dim=-1)
                 pins = pinned.group_pins(plan, gp, masses[layer][h], n_first) if not gp.streaming else np.zeros(0)
                 bound = quest_bound(q[h], keys[h], gp.g, n) if not gp.streaming else None
-                mask = read_mask(plan, gp, n + 1, bound, pins)[:n]  # the step's n + 1 tokens minus its own
+                blocks = plan_blocks(plan, gp, n + 1, bound, pins) if bound is not None else None
+                mask = read_mask(plan, gp, n + 1, bound, pins, blocks)[:n]  # the step's n + 1 tokens minus its own
                 full = probs @ values[h, :n]  # [r, D]
                 sparse_p = torch.softmax(logits.masked_fill(~mask[None, :], float("-inf")), dim=-1)
                 o_sparse = sparse_p @ values[h, :n]
                 dev[j, layer, h] = float((o_sparse - full).norm() / full.norm().clamp(min=1e-12))
-                if not gp.streaming:
-                    blocks = plan_blocks(plan, gp, n + 1, bound, pins)
+                if blocks is not None:
                     for name, (vm, vb) in variant_masks(plan, gp, n, probs, blocks).items():
                         vp = torch.softmax((logits + vb[None, :]).masked_fill(~vm[None, :], float("-inf")), dim=-1)
                         vdev[name][j, layer, h] = float((vp @ values[h, :n] - full).norm()

@@ -144,25 +144,24 @@ def main() -> None:
     escalate = [(Path(p).stem.removesuffix(".plan"), SparsePlan.load(Path(p))) for p in args.escalate_plan]
     engine = Engine(args.gguf, attention="full", device=args.device, dtype=args.dtype,
                     max_context=args.length + 256, prefix_cache_entries=0, load_tokenizer=False)
+    # One backend per phase, not per sample: full answers all samples first, then each plan follows them
     by_task: dict[str, list[dict[str, Any]]] = {}
     t0 = time.perf_counter()
     with torch.no_grad():
+        answers = {k: answer_steps(engine.model, engine.attn, prompts[k], meta["samples"][k]["max_new_tokens"], eog,
+                                   chunk=args.chunk) for k in wanted}
+        print(f"full answered {len(wanted)} samples  {time.perf_counter() - t0:.0f} s", flush=True)
+        engine.set_attention(args.mode, plan)
+        records = {}
         for n, k in enumerate(wanted):
-            s = meta["samples"][k]
-            engine.set_attention("full")
-            full = answer_steps(engine.model, engine.attn, prompts[k], s["max_new_tokens"], eog, chunk=args.chunk)
-            engine.set_attention(args.mode, plan)
+            s, full = meta["samples"][k], answers[k]
             sparse = answer_steps(engine.model, engine.attn, prompts[k], s["max_new_tokens"], eog,
                                   forced=full["taken"], chunk=args.chunk)
-            rec = {"task": s["task"], "index": s["index"], "answer": full["taken"],
-                   "full_margin": [a - b for a, b in zip(full["top1"], full["top2"])],
-                   "sparse_margin": [a - b for a, b in zip(sparse["top1"], sparse["top2"])],
-                   "flip": [a != b for a, b in zip(sparse["argmax"], full["taken"])], "escalated": {}}
-            for name, big in escalate:  # per step: does the larger plan agree with full's token?
-                engine.set_attention(args.mode, big)
-                got = answer_steps(engine.model, engine.attn, prompts[k], s["max_new_tokens"], eog,
-                                   forced=full["taken"], chunk=args.chunk)
-                rec["escalated"][name] = [a == b for a, b in zip(got["argmax"], full["taken"])]
+            rec = records[k] = {
+                "task": s["task"], "index": s["index"], "answer": full["taken"],
+                "full_margin": [a - b for a, b in zip(full["top1"], full["top2"])],
+                "sparse_margin": [a - b for a, b in zip(sparse["top1"], sparse["top2"])],
+                "flip": [a != b for a, b in zip(sparse["argmax"], full["taken"])], "escalated": {}}
             by_task.setdefault(s["task"], []).append(rec)
             first = next((j for j, f in enumerate(rec["flip"]) if f), None)
             print(f"[{n + 1}/{len(wanted)}] {s['task']}#{s['index']}: {len(rec['answer'])} tokens, "
@@ -170,6 +169,14 @@ def main() -> None:
                   + (f" (sparse margin {rec['sparse_margin'][first]:.2f}, full {rec['full_margin'][first]:.2f})"
                      if first is not None else "") + f"  {time.perf_counter() - t0:.0f} s", flush=True)
             summary = write(args, label, by_task)  # after every sample: a run cut short keeps what it measured
+        for name, big in escalate:  # per step: does the larger plan agree with full's token?
+            engine.set_attention(args.mode, big)
+            for k in wanted:
+                got = answer_steps(engine.model, engine.attn, prompts[k], meta["samples"][k]["max_new_tokens"], eog,
+                                   forced=answers[k]["taken"], chunk=args.chunk)
+                records[k]["escalated"][name] = [a == b for a, b in zip(got["argmax"], answers[k]["taken"])]
+            summary = write(args, label, by_task)
+            print(f"{name} followed the answers  {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"\n{label} vs full, {args.gguf} at {args.length}: greedy flips and escalation by sparse top-2 margin")
     head = "".join(f"  t<{t:<4g} esc/rescued" for t in THRESHOLDS)
     print(f"{'task':<16}{'n':>4}{'steps':>7}{'flips':>7}{'flipped':>9}{head}")
