@@ -7,7 +7,9 @@ the samples it scored better / worse on, a 95% interval for the overall differen
 test on better vs worse. Issue 4 asks for `fluxion` within 1 point of `full`: the interval says whether a
 measured gap of a few points can be told apart from that with 20 samples a task.
 
-Inputs are `bench/ruler_split.py score` outputs (FILE:MODE; per-sample records), or `bench/ruler.py` ones.
+Inputs are `bench/ruler_split.py score` outputs (FILE:MODE; per-sample records), or `bench/ruler.py` ones. A side may
+name several FILE:MODE runs of disjoint samples (e.g. indices 0-19 from one lease and 20-39, answered with
+`ruler_split.py answer --from-index 20` from a 40-sample export, from another): their records are pooled.
 
 Usage: python bench/ruler_paired.py \\
            --reference bench/results/ruler_qwen2.5-coder-0.5b_32768_h200.json:full \\
@@ -51,6 +53,25 @@ def load_scores(spec: str) -> tuple[int, dict[Key, float]]:
         return length, {(r["task"], int(r["index"])): float(r["score"]) for r in records}
     except (KeyError, TypeError, ValueError) as e:
         sys.exit(f"error: {path}: mode {mode!r}: a record lacks task / index / score ({e})")
+
+
+def pooled_scores(specs: list[str]) -> tuple[int, dict[Key, float]]:
+    """Several FILE:MODE runs of one side -> (length, scores of all their samples); a sample in two runs is an error
+    (pooling must not count it twice), as are runs at different lengths."""
+    length: int | None = None
+    pooled: dict[Key, float] = {}
+    origin: dict[Key, str] = {}
+    for spec in specs:
+        spec_len, scores = load_scores(spec)
+        if length is not None and spec_len != length:
+            sys.exit(f"error: {spec} is at length {spec_len}, {specs[0]} at {length}: pool runs of one length")
+        length = spec_len
+        for key, value in scores.items():
+            if key in pooled:
+                sys.exit(f"error: sample {key[0]} #{key[1]} is in both {origin[key]} and {spec}: pool disjoint runs")
+            pooled[key], origin[key] = value, spec
+    assert length is not None  # argparse gives each side at least one spec
+    return length, pooled
 
 
 def paired_by_task(ref: dict[Key, float], cand: dict[Key, float]) -> dict[str, np.ndarray]:
@@ -114,26 +135,29 @@ def write_out(path: Path | None, out: dict[str, Any]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--reference", required=True, help="FILE:MODE of a scored run, e.g. ruler_..._h200.json:full")
-    ap.add_argument("--candidate", required=True, help="FILE:MODE of a scored run of the same samples")
+    ap.add_argument("--reference", required=True, nargs="+",
+                    help="FILE:MODE of a scored run, e.g. ruler_..._h200.json:full (several: runs of disjoint samples, pooled)")
+    ap.add_argument("--candidate", required=True, nargs="+",
+                    help="FILE:MODE of a scored run of the same samples (several: pooled, as --reference)")
     ap.add_argument("--resamples", type=int, default=20000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     if args.resamples < 100:
         sys.exit("error: --resamples: at least 100")
-    ref_len, ref = load_scores(args.reference)
-    cand_len, cand = load_scores(args.candidate)
+    ref_len, ref = pooled_scores(args.reference)
+    cand_len, cand = pooled_scores(args.candidate)
     if ref_len != cand_len:
         sys.exit(f"error: the runs are at different lengths ({ref_len} vs {cand_len})")
     diffs = paired_by_task(ref, cand)
     if not diffs:
         sys.exit("error: the two runs share no (task, index) sample")
     unpaired = len(set(ref) ^ set(cand))
-    out = {"length": ref_len, "reference": args.reference, "candidate": args.candidate, "unpaired": unpaired,
+    reference, candidate = " + ".join(args.reference), " + ".join(args.candidate)
+    out = {"length": ref_len, "reference": reference, "candidate": candidate, "unpaired": unpaired,
            "resamples": args.resamples, "seed": args.seed, **summarise(diffs, args.resamples, args.seed)}
 
-    print(f"RULER @ {ref_len}: {args.candidate} minus {args.reference} (points; paired by sample)")
+    print(f"RULER @ {ref_len}: {candidate} minus {reference} (points; paired by sample)")
     print(f"{'task':>18} {'n':>4} {'diff':>7} {'better':>7} {'worse':>6}")
     for task, t in out["tasks"].items():
         print(f"{task:>18} {t['samples']:4d} {100 * t['difference']:+7.1f} {t['better']:7d} {t['worse']:6d}")

@@ -137,7 +137,8 @@ def answer(args: argparse.Namespace) -> None:
     # Lengths outside, modes inside: a run cut short by a time limit still has every mode of the lengths it did.
     for meta, prompts in loaded:
         chosen = [k for k, s in enumerate(meta["samples"])
-                  if (not args.tasks or s["task"] in args.tasks) and (args.per_task is None or s["index"] < args.per_task)]
+                  if (not args.tasks or s["task"] in args.tasks) and args.from_index <= s["index"]
+                  and (args.per_task is None or s["index"] < args.per_task)]
         for mode, label, plan in variants:
             engine.set_attention(mode, plan)  # one model load serves every mode: only the attention backend changes
             engine.eog_ids = frozenset(meta["eog_ids"])
@@ -251,6 +252,9 @@ def main() -> None:
     a.add_argument("--plan", nargs="*", default=[], help="also run fluxion with these plan files (fluxion@<stem>)")
     a.add_argument("--tasks", nargs="*", default=None, help="only these tasks (default: all)")
     a.add_argument("--per-task", type=int, default=None, help="only the first N samples of each task")
+    a.add_argument("--from-index", type=int, default=0,
+                   help="only samples whose index is at least this (a larger export answered beyond a smaller one's "
+                        "samples; bench/ruler_paired.py pools the two runs)")
     a.add_argument("--checkpoint-s", type=float, default=20.0,
                    help="rewrite --out this often during a run, with the samples finished so far (partial: true)")
     s = sub.add_parser("score")

@@ -96,7 +96,36 @@ def test_cli_writes_the_paired_summary(tmp_path: Path) -> None:
     assert "95% interval" in done.stdout
 
 
+def test_cli_pools_runs_of_disjoint_samples(tmp_path: Path) -> None:
+    """Indices 0-19 and 20-39 of each side from separate files give what one file of all 40 gives."""
+    rng = np.random.default_rng(5)
+    keys = [(t, i) for t in ("vt", "cwe", "qa_2") for i in range(40)]
+    ref = {k: float(rng.integers(0, 2)) for k in keys}
+    cand = {k: float(rng.choice([0.0, 0.5, 1.0])) for k in keys}
+    ref_a, cand_a = ({k: v for k, v in d.items() if k[1] < 20} for d in (ref, cand))
+    ref_b, cand_b = ({k: v for k, v in d.items() if k[1] >= 20} for d in (ref, cand))
+    script = str(ROOT / "bench" / "ruler_paired.py")
+
+    def run(refs: list[str], cands: list[str], out: Path) -> dict:
+        cmd = [sys.executable, script, "--reference", *refs, "--candidate", *cands, "--resamples", "1000", "--out", str(out)]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-2000:]
+        return json.loads(out.read_text())
+
+    whole = run([_scored(tmp_path / "r.json", "full", ref)], [_scored(tmp_path / "c.json", "fluxion", cand)],
+                tmp_path / "whole.json")
+    pooled = run([_scored(tmp_path / "r0.json", "full", ref_a), _scored(tmp_path / "r1.json", "full", ref_b)],
+                 [_scored(tmp_path / "c0.json", "fluxion", cand_a), _scored(tmp_path / "c1.json", "fluxion", cand_b)],
+                 tmp_path / "pooled.json")
+    assert pooled["samples"] == whole["samples"] == 120
+    for field in ("difference", "interval95", "better", "worse", "tasks"):
+        assert pooled[field] == whole[field]
+    assert " + " in pooled["reference"] and pooled["unpaired"] == 0
+
+
 @pytest.mark.parametrize("case,message", [
+    ("overlap", "is in both"),
+    ("pooled_other_length", "pool runs of one length"),
     ("missing_mode", "has no mode 'fixed'"),
     ("no_records", "no per-sample records"),
     ("other_length", "different lengths"),
@@ -112,6 +141,13 @@ def test_cli_bad_input_gets_a_clear_error(tmp_path: Path, case: str, message: st
         (tmp_path / "c.json").write_text(json.dumps({"length": 4096, "modes": {"fluxion": {"mean_accuracy": 0.5}}}))
     elif case == "other_length":
         cand = _scored(tmp_path / "c.json", "fluxion", {("vt", 0): 0.0}, length=8192)
+    elif case in ("overlap", "pooled_other_length"):
+        extra = _scored(tmp_path / "c2.json", "fluxion", {("vt", 0 if case == "overlap" else 1): 1.0},
+                        length=4096 if case == "overlap" else 8192)
+        cmd = [sys.executable, str(ROOT / "bench" / "ruler_paired.py"), "--reference", ref, "--candidate", cand, extra]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert done.returncode != 0 and message in done.stderr and "Traceback" not in done.stderr
+        return
     elif case == "modes_not_a_table":
         (tmp_path / "c.json").write_text(json.dumps({"length": 4096, "modes": ["fluxion"]}))
     else:
