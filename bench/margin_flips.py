@@ -13,8 +13,10 @@ would follow full's at the cost of the few steps escalated. This measures that, 
      steps below t.
 
 The first answer token comes from the dense prefill in both modes and is left out. Prints per task and threshold:
-decode steps, flips, samples with a flip, samples every one of whose flips the threshold catches, and the share of
-steps escalated; writes JSON with every step's margins. With --escalate-plan, a larger plan is teacher-forced along
+decode steps, flips, samples with a flip, samples every one of whose flips the threshold catches, the share of
+steps escalated, and whether the sparse mode leans toward ending the answer ("end shift": the log-odds of an
+end-of-generation token under the sparse mode minus under full, mean over decode steps along full's answer);
+writes JSON with every step's margins, end log-probabilities and sparse argmax. With --escalate-plan, a larger plan is teacher-forced along
 the same answer too, and the summary counts the flipped samples that would follow full's answer if each step below
 t took that plan's token instead (an escalation that reads more, not everything).
 
@@ -49,10 +51,12 @@ THRESHOLDS = (0.25, 0.5, 1.0, 2.0, 3.0)
 
 def answer_steps(model: Transformer, attn: AttentionBackend, prompt: list[int], max_new: int, eog: set[int],
                  forced: list[int] | None = None, chunk: int = 1024) -> dict[str, list]:
-    """Greedy answer (or `forced`'s tokens): per output token its argmax, top-2 log-probabilities and the token
-    taken. Token 0 comes from the prefill's last row, the rest from single-token decode steps."""
+    """Greedy answer (or `forced`'s tokens): per output token its argmax, top-2 log-probabilities, the log-probability
+    of ending there (any end-of-generation token) and the token taken. Token 0 comes from the prefill's last row, the
+    rest from single-token decode steps."""
     attn.allocate(SEQ_ID)
-    out: dict[str, list] = {"taken": [], "argmax": [], "top1": [], "top2": []}
+    out: dict[str, list] = {"taken": [], "argmax": [], "top1": [], "top2": [], "end_logp": []}
+    end_ids = torch.tensor(sorted(eog), dtype=torch.long)
     try:
         pieces = prefill_chunks(len(prompt), chunk)
         for i, (start, n) in enumerate(pieces):
@@ -69,6 +73,7 @@ def answer_steps(model: Transformer, attn: AttentionBackend, prompt: list[int], 
             out["argmax"].append(int(top.indices[0]))
             out["top1"].append(float(top.values[0]))
             out["top2"].append(float(top.values[1]))
+            out["end_logp"].append(float(torch.logsumexp(logp[end_ids], dim=0)))
             if token in eog or j == limit - 1:
                 break
             logits = model.forward(torch.tensor([token]), torch.tensor([pos]), [SeqChunk(SEQ_ID, pos, 1)], attn)
@@ -76,6 +81,11 @@ def answer_steps(model: Transformer, attn: AttentionBackend, prompt: list[int], 
     finally:
         attn.free(SEQ_ID)
     return out
+
+
+def _log_odds(logp: np.ndarray) -> np.ndarray:
+    """log(p / (1 - p)) from log p, clipped away from p = 1 ([steps] float64)."""
+    return logp - np.log(np.maximum(-np.expm1(np.minimum(logp, -1e-12)), 1e-300))
 
 
 def summarise(samples: list[dict[str, Any]], thresholds: tuple[float, ...]) -> dict[str, Any]:
@@ -87,6 +97,11 @@ def summarise(samples: list[dict[str, Any]], thresholds: tuple[float, ...]) -> d
     flipped = [i for i, f in enumerate(flips) if f.any()]
     row: dict[str, Any] = {"samples": len(samples), "decode_steps": steps, "flips": n_flips,
                            "samples_flipped": len(flipped), "by_threshold": {}}
+    if samples and "sparse_end_logp" in samples[0]:
+        # does the sparse mode lean toward ending the answer sooner? mean log-odds shift of P(end) along full's answer
+        shift = [_log_odds(np.asarray(s["sparse_end_logp"][1:])) - _log_odds(np.asarray(s["full_end_logp"][1:]))
+                 for s in samples]
+        row["end_log_odds_shift_mean"] = float(np.concatenate(shift).mean()) if steps else 0.0
     for t in thresholds:
         below = sum(int((m < t).sum()) for m in margins)
         caught = int(sum((f & (m < t)).sum() for m, f in zip(margins, flips)))
@@ -161,7 +176,9 @@ def main() -> None:
                 "task": s["task"], "index": s["index"], "answer": full["taken"],
                 "full_margin": [a - b for a, b in zip(full["top1"], full["top2"])],
                 "sparse_margin": [a - b for a, b in zip(sparse["top1"], sparse["top2"])],
-                "flip": [a != b for a, b in zip(sparse["argmax"], full["taken"])], "escalated": {}}
+                "flip": [a != b for a, b in zip(sparse["argmax"], full["taken"])], "escalated": {},
+                "sparse_argmax": sparse["argmax"], "full_end_logp": full["end_logp"],
+                "sparse_end_logp": sparse["end_logp"]}
             by_task.setdefault(s["task"], []).append(rec)
             first = next((j for j, f in enumerate(rec["flip"]) if f), None)
             print(f"[{n + 1}/{len(wanted)}] {s['task']}#{s['index']}: {len(rec['answer'])} tokens, "
@@ -179,11 +196,12 @@ def main() -> None:
             print(f"{name} followed the answers  {time.perf_counter() - t0:.0f} s", flush=True)
     print(f"\n{label} vs full, {args.gguf} at {args.length}: greedy flips and escalation by sparse top-2 margin")
     head = "".join(f"  t<{t:<4g} esc/rescued" for t in THRESHOLDS)
-    print(f"{'task':<16}{'n':>4}{'steps':>7}{'flips':>7}{'flipped':>9}{head}")
+    print(f"{'task':<16}{'n':>4}{'steps':>7}{'flips':>7}{'flipped':>9}{'end shift':>10}{head}")
     for task, r in summary.items():
         cells = "".join(f"  {r['by_threshold'][str(t)]['escalated_share']:>9.1%}/{r['by_threshold'][str(t)]['samples_rescued']:<3d}"
                         for t in THRESHOLDS)
-        print(f"{task:<16}{r['samples']:>4}{r['decode_steps']:>7}{r['flips']:>7}{r['samples_flipped']:>9}{cells}")
+        print(f"{task:<16}{r['samples']:>4}{r['decode_steps']:>7}{r['flips']:>7}{r['samples_flipped']:>9}"
+              f"{r['end_log_odds_shift_mean']:>+10.2f}{cells}")
     for name, _ in escalate:
         key = f"samples_following_with_{name}"
         print(f"switching to {name} below t, flipped samples that follow full's answer: " + ", ".join(

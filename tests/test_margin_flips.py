@@ -56,6 +56,16 @@ def test_summarise_counts_samples_a_larger_plan_brings_back() -> None:
     assert [by[t]["samples_rescued"] for t in ("0.25", "0.5", "3.0")] == [0, 2, 4]  # escalation to full
 
 
+def test_summarise_end_shift_is_the_mean_log_odds_difference_over_decode_steps() -> None:
+    # p(end) full 0.5 / 0.2 / 0.1, sparse 0.5 / 0.5 / 0.1 at the decode steps (token 0 left out)
+    a = _sample([0.0, 1.0, 1.0, 1.0], [False] * 4) | {
+        "full_end_logp": np.log([0.9, 0.5, 0.2, 0.1]).tolist(), "sparse_end_logp": np.log([0.1, 0.5, 0.5, 0.1]).tolist()}
+    row = summarise([a], (1.0,))
+    want = np.mean([0.0, np.log(0.5 / 0.5) - np.log(0.2 / 0.8), 0.0])  # token 0's 0.9 vs 0.1 must not count
+    assert row["end_log_odds_shift_mean"] == pytest.approx(want)
+    assert "end_log_odds_shift_mean" not in summarise([_sample([0.0, 1.0], [False, False])], (1.0,))
+
+
 def test_summarise_random_cases_against_a_direct_count() -> None:
     gen = np.random.default_rng(7)
     samples = []
@@ -91,6 +101,13 @@ def test_answer_steps_forced_along_greedy_reproduces_it_on_smollm2() -> None:
     assert all(a >= b for a, b in zip(greedy["top1"], greedy["top2"]))
     assert sparse["taken"] == greedy["taken"]  # forced: the sparse run follows full's answer whatever it predicts
     assert sparse["argmax"][0] == greedy["taken"][0]  # token 0 comes from the dense prefill in both modes
+    assert greedy["end_logp"] == [float("-inf")] * 12  # no end-of-generation token given: ending is impossible
+    end_id = next(t for t in range(engine.config.vocab_size - 1, 0, -1) if t not in greedy["taken"])
+    with torch.no_grad():
+        engine.set_attention("full")
+        ends = answer_steps(engine.model, engine.attn, prompt, 12, {end_id}, forced=greedy["taken"], chunk=64)
+    assert ends["taken"] == greedy["taken"] and len(ends["end_logp"]) == 12
+    assert all(-80.0 < e < 0.0 for e in ends["end_logp"])  # log P(end_id) at every step, a real probability
 
 
 class _FakeStream:
