@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fidelity import prefill_chunks  # noqa: E402
 from ruler_split import exported_samples, model_tag  # noqa: E402
 
-from fluxion_lite.attention import AttentionBackend, SeqChunk  # noqa: E402
+from fluxion_lite.attention import AttentionBackend, DenseAttention, SeqChunk  # noqa: E402
 from fluxion_lite.engine import Engine  # noqa: E402
 from fluxion_lite.model import Transformer  # noqa: E402
 from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
@@ -131,6 +131,21 @@ def write(args: argparse.Namespace, label: str, by_task: dict[str, list[dict[str
     return summary
 
 
+def parse_simulate(spec: str) -> tuple[int, float, int | None]:
+    """'G:BUDGET[:SUMMARY_G]' -> (g, budget, summary_g or None), or exit naming the flag."""
+    parts = spec.split(":")
+    try:
+        if len(parts) not in (2, 3):
+            raise ValueError("two or three fields")
+        g, budget = int(parts[0]), float(parts[1])
+        summary_g = int(parts[2]) if len(parts) == 3 else None
+        if g < 1 or not 0.0 < budget <= 1.0 or (summary_g is not None and summary_g < 1):
+            raise ValueError("G >= 1, 0 < BUDGET <= 1, SUMMARY_G >= 1")
+    except ValueError as e:
+        sys.exit(f"error: --simulate {spec!r}: use G:BUDGET[:SUMMARY_G] ({e})")
+    return g, budget, summary_g
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", required=True, help="catalog name or GGUF path")
@@ -146,8 +161,15 @@ def main() -> None:
     ap.add_argument("--escalate-plan", nargs="*", default=[],
                     help="larger plans a small-margin step would switch to: each is teacher-forced too, and the "
                          "summary counts the flipped samples that would follow full's answer with it")
+    ap.add_argument("--simulate", default=None, metavar="G:BUDGET[:SUMMARY_G]",
+                    help="instead of an engine mode: bench/background_fidelity.py's simulated top-k (every group "
+                         "sink + window + the top BUDGET of its G-token blocks), with the unread-background term at "
+                         "summary size SUMMARY_G if given")
+    ap.add_argument("--sink", type=int, default=16, help="--simulate: sink tokens")
+    ap.add_argument("--window", type=int, default=64, help="--simulate: window tokens")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    simulate = parse_simulate(args.simulate) if args.simulate else None
     meta, prompts = exported_samples(args.dir, args.gguf, args.length)
     eog = set(meta["eog_ids"])
     wanted = [k for k, s in enumerate(meta["samples"])
@@ -156,6 +178,8 @@ def main() -> None:
         sys.exit(f"error: no sample of {args.tasks} among {args.gguf}'s exported samples at {args.length}")
     plan = SparsePlan.load(Path(args.plan)) if args.plan else None
     label = args.mode + (f"@{Path(args.plan).stem}" if args.plan else "")
+    if simulate:
+        label = f"sim g{simulate[0]} b{simulate[1]:g}" + (f" +bg{simulate[2]}" if simulate[2] else "")
     escalate = [(Path(p).stem.removesuffix(".plan"), SparsePlan.load(Path(p))) for p in args.escalate_plan]
     engine = Engine(args.gguf, attention="full", device=args.device, dtype=args.dtype,
                     max_context=args.length + 256, prefix_cache_entries=0, load_tokenizer=False)
@@ -166,11 +190,19 @@ def main() -> None:
         answers = {k: answer_steps(engine.model, engine.attn, prompts[k], meta["samples"][k]["max_new_tokens"], eog,
                                    chunk=args.chunk) for k in wanted}
         print(f"full answered {len(wanted)} samples  {time.perf_counter() - t0:.0f} s", flush=True)
-        engine.set_attention(args.mode, plan)
+        if simulate:
+            from background_fidelity import SimulatedTopK  # noqa: PLC0415  (torch-only simulation, on request)
+
+            assert isinstance(engine.attn, DenseAttention)
+            sparse_attn: AttentionBackend = SimulatedTopK(engine.attn, simulate[0], simulate[1], args.sink,
+                                                          args.window, simulate[2])
+        else:
+            engine.set_attention(args.mode, plan)
+            sparse_attn = engine.attn
         records = {}
         for n, k in enumerate(wanted):
             s, full = meta["samples"][k], answers[k]
-            sparse = answer_steps(engine.model, engine.attn, prompts[k], s["max_new_tokens"], eog,
+            sparse = answer_steps(engine.model, sparse_attn, prompts[k], s["max_new_tokens"], eog,
                                   forced=full["taken"], chunk=args.chunk)
             rec = records[k] = {
                 "task": s["task"], "index": s["index"], "answer": full["taken"],

@@ -160,3 +160,41 @@ def test_capture_holds_the_garbage_collector_off(monkeypatch: pytest.MonkeyPatch
     seen.clear()
     gs._capture()
     assert seen == [False] and gc.isenabled()
+
+
+@pytest.mark.parametrize("spec,want", [("16:0.05", (16, 0.05, None)), ("32:0.1:128", (32, 0.1, 128))])
+def test_parse_simulate(spec: str, want: tuple) -> None:
+    from margin_flips import parse_simulate
+
+    assert parse_simulate(spec) == want
+
+
+@pytest.mark.parametrize("spec", ["16", "16:0", "16:1.5", "0:0.05", "16:0.05:0", "a:b", "16:0.05:64:1"])
+def test_parse_simulate_rejects_bad_specs(spec: str) -> None:
+    from margin_flips import parse_simulate
+
+    with pytest.raises(SystemExit, match="--simulate"):
+        parse_simulate(spec)
+
+
+@pytest.mark.slow
+def test_simulated_topk_reading_everything_follows_full_on_smollm2() -> None:
+    """--simulate's backend at budget 1 reads every block: teacher-forced along full's greedy answer it predicts it."""
+    from background_fidelity import SimulatedTopK
+
+    from fluxion_lite.attention import DenseAttention
+    from fluxion_lite.engine import Engine
+
+    engine = Engine("smollm2-135m", attention="full", dtype="float32", max_context=512, prefix_cache_entries=0)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(100, 20000, (200,), generator=gen).tolist()
+    with torch.no_grad():
+        greedy = answer_steps(engine.model, engine.attn, prompt, 10, set(), chunk=64)
+        assert isinstance(engine.attn, DenseAttention)
+        sim = SimulatedTopK(engine.attn, 16, 1.0, 4, 16, None)
+        got = answer_steps(engine.model, sim, prompt, 10, set(), forced=greedy["taken"], chunk=64)
+        narrow = SimulatedTopK(engine.attn, 16, 0.05, 4, 16, 64)  # the background term runs too
+        small = answer_steps(engine.model, narrow, prompt, 10, set(), forced=greedy["taken"], chunk=64)
+    assert got["argmax"] == greedy["taken"]
+    np.testing.assert_allclose(got["top1"], greedy["top1"], atol=1e-3)
+    assert min(sim.read) == pytest.approx(1.0) and max(narrow.read) < 1.0 and len(small["argmax"]) == 10
