@@ -131,6 +131,29 @@ def write(args: argparse.Namespace, label: str, by_task: dict[str, list[dict[str
     return summary
 
 
+def full_answers_from(path: Path, meta: dict[str, Any], wanted: list[int],
+                      args: argparse.Namespace) -> dict[int, dict[str, list]]:
+    """Full's per-sample answers recorded by an earlier run (its 'answer', 'full_margin', 'full_end_logp'), or exit
+    naming what does not match."""
+    try:
+        old = json.loads(path.read_text())
+        by_key = {(r["task"], r["index"]): r for recs in old["samples"].values() for r in recs}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        sys.exit(f"error: --full-from {path}: not a margin_flips result ({e!r})")
+    for field, want in (("gguf", model_tag(args.gguf)), ("length", args.length), ("device", args.device),
+                        ("dtype", args.dtype)):
+        if old.get(field) != want:
+            sys.exit(f"error: --full-from {path}: its {field} is {old.get(field)!r}, this run's {want!r}")
+    out = {}
+    for k in wanted:
+        s = meta["samples"][k]
+        r = by_key.get((s["task"], s["index"]))
+        if r is None or "full_end_logp" not in r:
+            sys.exit(f"error: --full-from {path}: no {s['task']} #{s['index']} with end log-probabilities in it")
+        out[k] = {"taken": r["answer"], "margin": r["full_margin"], "end_logp": r["full_end_logp"]}
+    return out
+
+
 def parse_simulate(spec: str) -> tuple[int, float, int | None]:
     """'G:BUDGET[:SUMMARY_G]' -> (g, budget, summary_g or None), or exit naming the flag."""
     parts = spec.split(":")
@@ -167,6 +190,9 @@ def main() -> None:
                          "summary size SUMMARY_G if given")
     ap.add_argument("--sink", type=int, default=16, help="--simulate: sink tokens")
     ap.add_argument("--window", type=int, default=64, help="--simulate: window tokens")
+    ap.add_argument("--full-from", default=None, metavar="FILE",
+                    help="reuse full's answers, margins and end log-probabilities from an earlier run's JSON (same "
+                         "model, length, device and dtype; it must hold every sample asked for)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     simulate = parse_simulate(args.simulate) if args.simulate else None
@@ -187,9 +213,17 @@ def main() -> None:
     by_task: dict[str, list[dict[str, Any]]] = {}
     t0 = time.perf_counter()
     with torch.no_grad():
-        answers = {k: answer_steps(engine.model, engine.attn, prompts[k], meta["samples"][k]["max_new_tokens"], eog,
-                                   chunk=args.chunk) for k in wanted}
-        print(f"full answered {len(wanted)} samples  {time.perf_counter() - t0:.0f} s", flush=True)
+        if args.full_from:
+            answers = full_answers_from(Path(args.full_from), meta, wanted, args)
+            print(f"full's answers of {len(wanted)} samples from {args.full_from}", flush=True)
+        else:
+            answers = {}
+            for k in wanted:
+                got = answer_steps(engine.model, engine.attn, prompts[k], meta["samples"][k]["max_new_tokens"], eog,
+                                   chunk=args.chunk)
+                answers[k] = {"taken": got["taken"], "end_logp": got["end_logp"],
+                              "margin": [a - b for a, b in zip(got["top1"], got["top2"])]}
+            print(f"full answered {len(wanted)} samples  {time.perf_counter() - t0:.0f} s", flush=True)
         if simulate:
             from background_fidelity import SimulatedTopK  # noqa: PLC0415  (torch-only simulation, on request)
 
@@ -206,7 +240,7 @@ def main() -> None:
                                   forced=full["taken"], chunk=args.chunk)
             rec = records[k] = {
                 "task": s["task"], "index": s["index"], "answer": full["taken"],
-                "full_margin": [a - b for a, b in zip(full["top1"], full["top2"])],
+                "full_margin": full["margin"],
                 "sparse_margin": [a - b for a, b in zip(sparse["top1"], sparse["top2"])],
                 "flip": [a != b for a, b in zip(sparse["argmax"], full["taken"])], "escalated": {},
                 "sparse_argmax": sparse["argmax"], "full_end_logp": full["end_logp"],

@@ -198,3 +198,27 @@ def test_simulated_topk_reading_everything_follows_full_on_smollm2() -> None:
     assert got["argmax"] == greedy["taken"]
     np.testing.assert_allclose(got["top1"], greedy["top1"], atol=1e-3)
     assert min(sim.read) == pytest.approx(1.0) and max(narrow.read) < 1.0 and len(small["argmax"]) == 10
+
+
+def test_full_answers_from_reads_an_earlier_run_and_names_mismatches(tmp_path) -> None:
+    import argparse
+    import json
+
+    from margin_flips import full_answers_from
+
+    rec = {"task": "cwe", "index": 1, "answer": [5, 6, 7], "full_margin": [1.0, 2.0, 0.5],
+           "full_end_logp": [-9.0, -8.0, -0.1]}
+    old = {"gguf": "qwen2.5-coder-0.5b", "length": 4096, "device": "cpu", "dtype": "bfloat16", "samples": {"cwe": [rec]}}
+    path = tmp_path / "mf.json"
+    path.write_text(json.dumps(old))
+    meta = {"samples": [{"task": "cwe", "index": 0}, {"task": "cwe", "index": 1}]}
+    args = argparse.Namespace(gguf="qwen2.5-coder-0.5b", length=4096, device="cpu", dtype="bfloat16")
+    got = full_answers_from(path, meta, [1], args)
+    assert got == {1: {"taken": [5, 6, 7], "margin": [1.0, 2.0, 0.5], "end_logp": [-9.0, -8.0, -0.1]}}
+    with pytest.raises(SystemExit, match="no cwe #0"):
+        full_answers_from(path, meta, [0, 1], args)
+    with pytest.raises(SystemExit, match="its length is 4096"):
+        full_answers_from(path, meta, [1], argparse.Namespace(**{**vars(args), "length": 8192}))
+    path.write_text("{not json")
+    with pytest.raises(SystemExit, match="not a margin_flips result"):
+        full_answers_from(path, meta, [1], args)
