@@ -29,7 +29,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ruler_paired import Key, bootstrap_interval, task_mean_difference, write_out  # noqa: E402
+from ruler_paired import Key, bootstrap_interval, pooled_records, task_mean_difference, write_out  # noqa: E402
 
 from fluxion_lite.ruler import TASK_SPECS, score_output  # noqa: E402
 
@@ -49,23 +49,12 @@ def word_count(text: str) -> int:
 
 
 def load_records(specs: list[str]) -> dict[Key, dict[str, Any]]:
-    """Several FILE:MODE scored runs of disjoint samples -> their records by (task, index)."""
-    pooled: dict[Key, dict[str, Any]] = {}
-    for spec in specs:
-        path, sep, mode = spec.rpartition(":")
-        if not sep or not path:
-            sys.exit(f"error: {spec!r}: use FILE:MODE")
-        try:
-            records = json.loads(Path(path).read_text())["modes"][mode]["records"]
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            sys.exit(f"error: {spec}: not a scored RULER file with per-sample records of that mode ({e!r})")
-        for r in records:
-            key = (r["task"], int(r["index"]))
-            if key in pooled:
-                sys.exit(f"error: sample {key[0]} #{key[1]} is in two of the runs: pool disjoint runs")
-            if "output" not in r or "answers" not in r:
-                sys.exit(f"error: {spec}: records lack output / answers (score it again with bench/ruler_split.py)")
-            pooled[key] = r
+    """Several FILE:MODE scored runs of disjoint samples -> their records by (task, index), each with its answer."""
+    _, pooled = pooled_records(specs)
+    for (task, index), r in pooled.items():
+        if "output" not in r or "answers" not in r:
+            sys.exit(f"error: {task} #{index} of {' + '.join(specs)}: records lack output / answers "
+                     "(score it again with bench/ruler_split.py score)")
     return pooled
 
 

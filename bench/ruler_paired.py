@@ -31,8 +31,9 @@ import numpy as np
 Key = tuple[str, int]  # (task, sample index)
 
 
-def load_scores(spec: str) -> tuple[int, dict[Key, float]]:
-    """FILE:MODE -> (context length, score per (task, index)) from a scored RULER file."""
+def load_records(spec: str) -> tuple[int, dict[Key, dict[str, Any]]]:
+    """FILE:MODE -> (context length, the mode's per-sample records by (task, index)) from a scored RULER file; each
+    record has at least a task, an index and a score."""
     path, sep, mode = spec.rpartition(":")
     if not sep or not path:
         sys.exit(f"error: {spec!r}: use FILE:MODE")
@@ -50,19 +51,27 @@ def load_scores(spec: str) -> tuple[int, dict[Key, float]]:
     if not records:
         sys.exit(f"error: {path}: mode {mode!r} has no per-sample records (score it again with bench/ruler_split.py score)")
     try:
-        return length, {(r["task"], int(r["index"])): float(r["score"]) for r in records}
+        for r in records:
+            float(r["score"])
+        return length, {(r["task"], int(r["index"])): r for r in records}
     except (KeyError, TypeError, ValueError) as e:
         sys.exit(f"error: {path}: mode {mode!r}: a record lacks task / index / score ({e})")
 
 
-def pooled_scores(specs: list[str]) -> tuple[int, dict[Key, float]]:
-    """Several FILE:MODE runs of one side -> (length, scores of all their samples); a sample in two runs is an error
-    (pooling must not count it twice), as are runs at different lengths."""
+def load_scores(spec: str) -> tuple[int, dict[Key, float]]:
+    """FILE:MODE -> (context length, score per (task, index)) from a scored RULER file."""
+    length, records = load_records(spec)
+    return length, {key: float(r["score"]) for key, r in records.items()}
+
+
+def pooled_records(specs: list[str]) -> tuple[int, dict[Key, dict[str, Any]]]:
+    """Several FILE:MODE runs of one side -> (length, records of all their samples); a sample in two runs is an
+    error (pooling must not count it twice), as are runs at different lengths."""
     length: int | None = None
-    pooled: dict[Key, float] = {}
+    pooled: dict[Key, dict[str, Any]] = {}
     origin: dict[Key, str] = {}
     for spec in specs:
-        spec_len, scores = load_scores(spec)
+        spec_len, scores = load_records(spec)
         if length is not None and spec_len != length:
             sys.exit(f"error: {spec} is at length {spec_len}, {specs[0]} at {length}: pool runs of one length")
         length = spec_len
@@ -72,6 +81,12 @@ def pooled_scores(specs: list[str]) -> tuple[int, dict[Key, float]]:
             pooled[key], origin[key] = value, spec
     assert length is not None  # argparse gives each side at least one spec
     return length, pooled
+
+
+def pooled_scores(specs: list[str]) -> tuple[int, dict[Key, float]]:
+    """pooled_records, each sample's score only."""
+    length, records = pooled_records(specs)
+    return length, {key: float(r["score"]) for key, r in records.items()}
 
 
 def paired_by_task(ref: dict[Key, float], cand: dict[Key, float]) -> dict[str, np.ndarray]:
