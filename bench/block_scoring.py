@@ -62,8 +62,7 @@ def block_scores(scoring: str, q: torch.Tensor, keys: torch.Tensor, g: int, scal
                  near_out: torch.Tensor | None = None) -> torch.Tensor:
     """q [r, D] (one group's query heads), keys [N, D] -> a score per g-token block [ceil(N / g)], higher = read.
     The value-aware scorings also take values [N, D] and near_out [r, D], the heads' sink + window output."""
-    n, d = keys.shape
-    n_blocks = -(-n // g)
+    n = keys.shape[0]
     if scoring in ("quest", "quest_meanv"):
         padded = _blocks(keys, g)
         kmin, kmax = padded.amin(1), padded.amax(1)  # [nb, D] (padding rows are zeros: still a valid bound)
@@ -93,7 +92,7 @@ def block_scores(scoring: str, q: torch.Tensor, keys: torch.Tensor, g: int, scal
     else:
         raise ValueError(f"unknown scoring {scoring!r}")
     mass = torch.softmax((approx_q @ approx_k.T) * scale, dim=-1).sum(0)  # [N], over the group's heads
-    return torch.nn.functional.pad(mass, (0, n_blocks * g - n)).view(n_blocks, g).sum(1)
+    return _blocks(mass[:, None], g).sum((-1, -2))  # [nb]
 
 
 def _mean_value_distance(values: torch.Tensor, near_out: torch.Tensor, g: int, n: int) -> torch.Tensor:

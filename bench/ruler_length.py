@@ -72,35 +72,38 @@ def compare(ref: dict[Key, dict[str, Any]], cand: dict[Key, dict[str, Any]], cut
         sys.exit("error: the two sides share no (task, index) sample")
     tasks = sorted({k[0] for k in common})
     longest = max(words)
+    cuts: dict[int | None, str] = {None: "as answered", **{n: f"first {n} words" for n in words}}
+    # every sample's (reference, candidate) score at each cut, computed once: only the cut tasks are cut
+    scored = {n: {k: (cut_score(ref[k], n if k[0] in cut_tasks else None),
+                      cut_score(cand[k], n if k[0] in cut_tasks else None)) for k in common} for n in cuts}
     per_task: dict[str, Any] = {}
     for task in cut_tasks:
         keys = [k for k in common if k[0] == task]
         if not keys:
             sys.exit(f"error: --cut-tasks {task}: no sample of it in both runs (tasks: {', '.join(tasks)})")
         rows = {}
-        for n in [None, *words]:
-            r = np.array([cut_score(ref[k], n) for k in keys])
-            c = np.array([cut_score(cand[k], n) for k in keys])
-            rows["as answered" if n is None else f"first {n} words"] = {
-                "reference": float(r.mean()), "candidate": float(c.mean()), "difference": float((c - r).mean()),
-                "better": int((c > r).sum()), "worse": int((c < r).sum())}
+        for n, label in cuts.items():
+            r, c = np.array([scored[n][k] for k in keys]).T  # [n_task] each
+            rows[label] = {"reference": float(r.mean()), "candidate": float(c.mean()),
+                           "difference": float((c - r).mean()), "better": int((c > r).sum()),
+                           "worse": int((c < r).sum())}
+        ref_words = np.array([word_count(ref[k]["output"]) for k in keys])
+        cand_words = np.array([word_count(cand[k]["output"]) for k in keys])
         per_task[task] = {
             "samples": len(keys), "cuts": rows,
-            "reference_words": float(np.mean([word_count(ref[k]["output"]) for k in keys])),
-            "candidate_words": float(np.mean([word_count(cand[k]["output"]) for k in keys])),
-            f"reference_shorter_than_{longest}": float(np.mean([word_count(ref[k]["output"]) < longest for k in keys])),
-            f"candidate_shorter_than_{longest}": float(np.mean([word_count(cand[k]["output"]) < longest for k in keys])),
+            "reference_words": float(ref_words.mean()), "candidate_words": float(cand_words.mean()),
+            f"reference_shorter_than_{longest}": float((ref_words < longest).mean()),
+            f"candidate_shorter_than_{longest}": float((cand_words < longest).mean()),
         }
     overall = {}
-    for n in [None, *words]:
+    for n, label in cuts.items():
         diffs: dict[str, list[float]] = {t: [] for t in tasks}
         for k in common:
-            cut = n if k[0] in cut_tasks else None
-            diffs[k[0]].append(cut_score(cand[k], cut) - cut_score(ref[k], cut))
+            r_score, c_score = scored[n][k]
+            diffs[k[0]].append(c_score - r_score)
         arrays = {t: np.asarray(d, dtype=np.float64) for t, d in diffs.items()}
         lo, hi = bootstrap_interval(arrays, resamples, seed)
-        overall["as answered" if n is None else f"first {n} words"] = {
-            "difference": task_mean_difference(arrays), "interval95": [lo, hi]}
+        overall[label] = {"difference": task_mean_difference(arrays), "interval95": [lo, hi]}
     return {"samples": len(common), "tasks": tasks, "cut_tasks": cut_tasks, "per_task": per_task, "overall": overall}
 
 

@@ -106,18 +106,14 @@ class _GraphSet:
         gc.collect()
         gc_was_on = gc.isenabled()
         gc.disable()
+        # a whole-step backend is one graph over every segment; otherwise one graph per segment
+        groups = [self.segments] if _whole_step(self.hooks) else [[seg] for seg in self.segments]
         try:
-            if _whole_step(self.hooks):
+            for group in groups:
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool):
-                    for seg in self.segments:
+                    for seg in group:
                         seg()
-                self.graphs.append(g)
-                return
-            for seg in self.segments:
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g, pool=self.pool):
-                    seg()
                 self.graphs.append(g)
         finally:
             if gc_was_on:

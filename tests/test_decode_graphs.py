@@ -4,11 +4,16 @@ is the plumbing (layer order, static q/k/v and o buffers, RoPE rows, batch-size 
 a CUDA host by bench/tpot.py --check-graphs."""
 from __future__ import annotations
 
+import gc
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+from fluxion_lite import decode_graphs
 from fluxion_lite.attention import DenseAttention, SeqChunk
 from fluxion_lite.decode_graphs import MAX_GRAPH_SETS, DecodeGraphs, graphs_wanted
 from fluxion_lite.gguf_loader import GGUFModel
@@ -150,3 +155,55 @@ def test_a_dropped_sparse_backend_is_not_kept_alive_by_the_graph_cache() -> None
         del a
     gc.collect()
     assert refs[0]() is None and refs[1]() is None
+
+
+class _FakeStream:
+    def wait_stream(self, other: object) -> None:
+        pass
+
+
+def test_capture_holds_the_garbage_collector_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen: list[bool] = []
+
+    @contextmanager
+    def fake_graph(g: object, pool: object = None) -> Iterator[None]:
+        seen.append(gc.isenabled())
+        yield
+
+    @contextmanager
+    def fake_stream(s: object) -> Iterator[None]:
+        yield
+
+    monkeypatch.setattr(torch.cuda, "Stream", lambda dev=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", fake_stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
+    gs = decode_graphs._GraphSet.__new__(decode_graphs._GraphSet)
+    gs.model, gs.pool, gs.hooks, gs.graphs = SimpleNamespace(device=torch.device("cpu")), (0, 1), None, []
+    ran: list[int] = []
+    gs.segments = [lambda i=i: ran.append(i) for i in range(3)]
+    assert gc.isenabled()
+    gs._capture()
+    assert ran == [0, 1, 2, 0, 1, 2]  # the warm-up pass, then one capture per segment
+    assert seen == [False, False, False] and gc.isenabled() and len(gs.graphs) == 3
+
+    calls: list[int] = []
+
+    def broken() -> None:  # runs in the warm-up, fails inside the capture
+        calls.append(1)
+        if len(calls) > 1:
+            raise RuntimeError("capture invalidated")
+
+    gs.graphs, gs.segments = [], [broken]
+    gc.disable()  # a caller that keeps the collector off gets it back off
+    try:
+        with pytest.raises(RuntimeError, match="invalidated"):
+            gs._capture()
+        assert len(calls) == 2 and not gc.isenabled()
+    finally:
+        gc.enable()
+    gs.graphs, gs.segments = [], [lambda: None]
+    seen.clear()
+    gs._capture()
+    assert seen == [False] and gc.isenabled()

@@ -1,14 +1,10 @@
 """bench/margin_flips.py: the escalation bookkeeping on hand-worked cases, and its answer loop on the real smollm2-135m
-(a forced pass along the greedy answer reproduces it; a sparse mode's flips are exactly its argmax leaving it).
-Also decode_graphs' capture with the garbage collector held off (fakes stand in for the CUDA calls)."""
+(a forced pass along the greedy answer reproduces it; a sparse mode's flips are exactly its argmax leaving it)."""
 from __future__ import annotations
 
-import gc
 import sys
-from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,8 +14,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from margin_flips import answer_steps, summarise  # noqa: E402
-
-from fluxion_lite import decode_graphs  # noqa: E402
 
 
 def _sample(margins: list[float], flips: list[bool]) -> dict[str, Any]:
@@ -108,58 +102,6 @@ def test_answer_steps_forced_along_greedy_reproduces_it_on_smollm2() -> None:
         ends = answer_steps(engine.model, engine.attn, prompt, 12, {end_id}, forced=greedy["taken"], chunk=64)
     assert ends["taken"] == greedy["taken"] and len(ends["end_logp"]) == 12
     assert all(-80.0 < e < 0.0 for e in ends["end_logp"])  # log P(end_id) at every step, a real probability
-
-
-class _FakeStream:
-    def wait_stream(self, other: object) -> None:
-        pass
-
-
-def test_capture_holds_the_garbage_collector_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    seen: list[bool] = []
-
-    @contextmanager
-    def fake_graph(g: object, pool: object = None) -> Iterator[None]:
-        seen.append(gc.isenabled())
-        yield
-
-    @contextmanager
-    def fake_stream(s: object) -> Iterator[None]:
-        yield
-
-    monkeypatch.setattr(torch.cuda, "Stream", lambda dev=None: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", fake_stream)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda dev=None: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
-    monkeypatch.setattr(torch.cuda, "graph", fake_graph)
-    gs = decode_graphs._GraphSet.__new__(decode_graphs._GraphSet)
-    gs.model, gs.pool, gs.hooks, gs.graphs = SimpleNamespace(device=torch.device("cpu")), (0, 1), None, []
-    ran: list[int] = []
-    gs.segments = [lambda i=i: ran.append(i) for i in range(3)]
-    assert gc.isenabled()
-    gs._capture()
-    assert ran == [0, 1, 2, 0, 1, 2]  # the warm-up pass, then one capture per segment
-    assert seen == [False, False, False] and gc.isenabled() and len(gs.graphs) == 3
-
-    calls: list[int] = []
-
-    def broken() -> None:  # runs in the warm-up, fails inside the capture
-        calls.append(1)
-        if len(calls) > 1:
-            raise RuntimeError("capture invalidated")
-
-    gs.graphs, gs.segments = [], [broken]
-    gc.disable()  # a caller that keeps the collector off gets it back off
-    try:
-        with pytest.raises(RuntimeError, match="invalidated"):
-            gs._capture()
-        assert len(calls) == 2 and not gc.isenabled()
-    finally:
-        gc.enable()
-    gs.graphs, gs.segments = [], [lambda: None]
-    seen.clear()
-    gs._capture()
-    assert seen == [False] and gc.isenabled()
 
 
 @pytest.mark.parametrize("spec,want", [("16:0.05", (16, 0.05, None)), ("32:0.1:128", (32, 0.1, 128))])
