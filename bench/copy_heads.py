@@ -18,6 +18,10 @@ Two what-ifs per retrieval group at the same block count (variant_masks): "oracl
 full-attention mass; "sampled*", the top-k's weakest share swapped for an even sample of the unread blocks (weighted
 by unread / sampled, or at weight 1). Each reports the sum over groups of c*d, mean over the answer's steps.
 
+With --line i only the reference answer's i-th listed value is aligned (a multi-value answer copies each value
+from another needle; lines split at newline tokens, short ones such as a lone ':' skipped), so src and read follow
+that value's needle.
+
 It prints, per sample, the step where a candidate run (another answers file) first leaves the reference, the groups
 that attend most to the copied token there and whether the plan reads it, and per step the src-mass-weighted share
 of groups that read it. A simulation in fp32 (the engine runs bf16, and its top-k takes the plan's summaries): it
@@ -61,6 +65,30 @@ def copy_offset(prompt: list[int], out: list[int]) -> tuple[int, np.ndarray]:
         if hits > best:
             best, best_o = hits, off
     return best_o, p[best_o : best_o + len(o)] == o
+
+
+def answer_lines(out: list[int], newline_ids: set[int], min_tokens: int = 5) -> list[list[int]]:
+    """The answer's lines, each as its list of step indices, split at tokens holding a newline; lines shorter than
+    min_tokens (a lone ':' or a blank line before a numbered list) are left out, so line i is the i-th listed value."""
+    lines, current = [], []
+    for j, token in enumerate(out):
+        if token in newline_ids:
+            lines.append(current)
+            current = []
+        else:
+            current.append(j)
+    lines.append(current)
+    return [line for line in lines if len(line) >= min_tokens]
+
+
+def line_offset(prompt: list[int], out: list[int], steps: list[int]) -> tuple[int, np.ndarray]:
+    """copy_offset for one line of the answer (its step indices `steps`): a multi-value answer copies each value from
+    another place of the prompt. Returns the offset o with prompt[o + j] == out[j] for the most j of the line, and
+    the mask [len(out)] of those j (False outside the line)."""
+    off, hits = copy_offset(prompt, [out[j] for j in steps])
+    copied = np.zeros(len(out), dtype=bool)
+    copied[steps] = hits
+    return off - steps[0], copied
 
 
 def plan_blocks(plan: SparsePlan, gp: GroupPlan, n: int, bound: torch.Tensor, pins: np.ndarray
@@ -149,8 +177,10 @@ def quest_bound(qg: torch.Tensor, keys: torch.Tensor, g: int, n: int) -> torch.T
     return torch.maximum(qg[:, None, :] * kmin, qg[:, None, :] * kmax).sum(-1).sum(0)
 
 
-def analyse(engine: Engine, plan: SparsePlan, prompt: list[int], out: list[int]) -> dict[str, Any]:
-    """Per answer step and group: src mass, read flag, deviation and contribution (see the module docstring)."""
+def analyse(engine: Engine, plan: SparsePlan, prompt: list[int], out: list[int],
+            line_steps: list[int] | None = None) -> dict[str, Any]:
+    """Per answer step and group: src mass, read flag, deviation and contribution (see the module docstring);
+    line_steps: align only that line of the answer (line_offset), else the whole answer (copy_offset)."""
     cfg = engine.model.cfg
     hkv, r, d = cfg.n_kv_heads, cfg.gqa_ratio, cfg.head_dim
     seq = prompt + out[:-1]
@@ -164,7 +194,7 @@ def analyse(engine: Engine, plan: SparsePlan, prompt: list[int], out: list[int])
             engine.model.forward(torch.tensor(seq[s : s + c]), torch.arange(s, s + c), [SeqChunk(0, s, c)], cap)
     cap.capture_kv(0)
     cap.free(0)
-    offset, copied = copy_offset(prompt, out)
+    offset, copied = line_offset(prompt, out, line_steps) if line_steps else copy_offset(prompt, out)
     n_prompt = len(prompt)
     scale = d**-0.5
     masses = {}
@@ -236,6 +266,9 @@ def main() -> None:
     ap.add_argument("--candidate", help="FILE:MODE of a sparse run: the step where it leaves the reference")
     ap.add_argument("--samples", nargs="+", required=True, help="task:index")
     ap.add_argument("--top", type=int, default=8, help="groups listed per looked-at step")
+    ap.add_argument("--line", type=int, default=None,
+                    help="align only this line of the reference answer (0 = its first listed value): a multi-value "
+                         "answer copies each value from another needle")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     tag = model_tag(args.gguf)
@@ -253,11 +286,19 @@ def main() -> None:
         k = index[(task, int(i))]
         out = [t for t in ref[k] if t not in meta["eog_ids"]]
         t0 = time.perf_counter()
-        a = analyse(engine, plan, prompts[k], out)
+        line_steps = None
+        if args.line is not None:
+            newline_ids = {t for t in set(out) if "\n" in engine.tokenizer.decode([t])}
+            lines = answer_lines(out, newline_ids)
+            if args.line >= len(lines):
+                sys.exit(f"error: --line {args.line}: {spec}'s reference answer lists {len(lines)} values")
+            line_steps = lines[args.line]
+        a = analyse(engine, plan, prompts[k], out, line_steps)
         leave = first_difference(out, cand[k]) if cand is not None else None
         src, read, dev, contrib = a["src"], a["read"], a["dev"], a["contrib"]
         steps = []
-        print(f"\n{spec}: {len(prompts[k])} prompt tokens, answer of {len(out)} tokens copied from {a['offset']} "
+        what = f"line {args.line} (steps {line_steps[0]}..{line_steps[-1]})" if line_steps else "answer"
+        print(f"\n{spec}: {len(prompts[k])} prompt tokens, {what} of {len(out)} tokens copied from {a['offset']} "
               f"({sum(a['copied'])} aligned); candidate leaves at step {leave}; {time.perf_counter() - t0:.0f} s")
         for j in range(len(out)):
             if not a["copied"][j]:
@@ -292,7 +333,8 @@ def main() -> None:
                 top.append(row)
                 print(f"    {layer:2d}.{h} {kind:>16}: {row['src_mass']:.3f} {'read' if row['read'] else 'MISS':>4} "
                       f"dev {row['dev']:.3f} c {row['contrib']:.3f} unread {row['unread']:.3f}")
-        results.append({"sample": spec, "prompt_tokens": len(prompts[k]), "offset": a["offset"], "leaves_at": leave,
+        results.append({"sample": spec, "line": args.line, "prompt_tokens": len(prompts[k]), "offset": a["offset"],
+                        "leaves_at": leave,
                         "steps": steps, "top_at_leave": top, "cd_totals": totals,
                         "src": src.tolist(), "read": read.tolist(), "dev": dev.tolist(), "contrib": contrib.tolist()})
     Path(args.out).write_text(json.dumps({"gguf": tag, "length": args.length, "plan": args.plan,

@@ -13,7 +13,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from copy_heads import copy_offset, read_mask  # noqa: E402
+from copy_heads import answer_lines, copy_offset, line_offset, read_mask  # noqa: E402
 from sampled_background import group_step, sampled_selection  # noqa: E402
 
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
@@ -90,6 +90,23 @@ def test_copy_offset_finds_the_best_alignment() -> None:
     offset, copied = copy_offset(prompt, out)
     assert offset == 123
     assert copied.tolist() == [j != 5 for j in range(len(out))]
+
+
+def test_answer_lines_and_line_offset_align_each_listed_value_to_its_own_needle() -> None:
+    rng = np.random.default_rng(8)
+    prompt = rng.integers(100, 200, 600).tolist()
+    nl, colon = 7, 8  # token ids standing for a newline and ':' (none of them in the prompt)
+    first, second = prompt[50:57], prompt[400:407]  # two 7-token values at different places
+    second = second[:3] + [999] + second[4:]  # miscopied fourth token
+    out = [colon, nl, nl, 1, 2, *first, nl, 3, 2, *second]
+    lines = answer_lines(out, {nl})
+    assert lines == [list(range(3, 12)), list(range(13, 22))]  # ':' and the blank line are skipped
+    offset, copied = line_offset(prompt, out, lines[1])
+    # value tokens of line 1 start at step 15 and come from prompt 400: offset + 15 == 400
+    assert offset == 400 - 15
+    assert copied.tolist() == [j in (15, 16, 17, 19, 20, 21) for j in range(len(out))]
+    offset, copied = line_offset(prompt, out, lines[0])
+    assert offset == 50 - 5 and copied.sum() == 7 and copied[5:12].all()
 
 
 def test_read_mask_holds_sink_window_pins_and_topk() -> None:
