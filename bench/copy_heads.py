@@ -334,8 +334,7 @@ def main() -> None:
                 print(f"    {layer:2d}.{h} {kind:>16}: {row['src_mass']:.3f} {'read' if row['read'] else 'MISS':>4} "
                       f"dev {row['dev']:.3f} c {row['contrib']:.3f} unread {row['unread']:.3f}")
         results.append({"sample": spec, "line": args.line, "prompt_tokens": len(prompts[k]), "offset": a["offset"],
-                        "leaves_at": leave,
-                        "steps": steps, "top_at_leave": top, "cd_totals": totals,
+                        "leaves_at": leave, "steps": steps, "top_at_leave": top, "cd_totals": totals,
                         "src": src.tolist(), "read": read.tolist(), "dev": dev.tolist(), "contrib": contrib.tolist()})
     Path(args.out).write_text(json.dumps({"gguf": tag, "length": args.length, "plan": args.plan,
                                           "reference": args.reference, "candidate": args.candidate,

@@ -28,7 +28,7 @@ import platform
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
@@ -71,12 +71,43 @@ def summarise(records: list[dict[str, Any]]) -> dict[str, Any]:
             "left_full_path_before_end": sum(bool(r["leaves"]) for r in records)}
 
 
+def pick_paths(run: dict[str, Any], meta: dict[str, Any], eog: set[int], tasks: list[str] | None,
+               per_task: int) -> dict[int, list[int]]:
+    """The first per_task answers of each task (index order) in `run` (a ruler_split answers run) that end by
+    themselves, cut after their end token, by exported-sample number."""
+    paths: dict[int, list[int]] = {}
+    taken: dict[str, int] = {}
+    for k in run["answered"]:
+        task = meta["samples"][k]["task"]
+        path = ended_path(run["outputs"][k], eog)
+        if (tasks is None or task in tasks) and path is not None and taken.get(task, 0) < per_task:
+            paths[k] = path
+            taken[task] = taken.get(task, 0) + 1
+    return paths
+
+
+def describe(rec: dict[str, Any], decode: Callable[[list[int]], str]) -> str:
+    """One sample's line: full's and the sparse mode's P(end) at the end step, and where the answer left full's path."""
+    path, last = rec["path"], len(rec["path"]) - 1
+    word = "<end>" if rec["full_ends_too"] else decode([rec["full_argmax"][last]])
+    left = "never left full's path"
+    if rec["leaves"]:
+        j = rec["leaves"][0]
+        left = (f"left full's path at step {j} ({decode([path[j]])!r} where full had "
+                f"{decode([rec['full_argmax'][j]])!r}, full margin {rec['full_margin'][j]:.2f}; "
+                f"{len(rec['leaves'])} steps in all)")
+    return (f"{rec['task']}#{rec['index']}: {len(path)} tokens; at its end full's P(end) "
+            f"{np.exp(rec['full_end_logp'][last]):.3f} (argmax {word!r}, margin {rec['full_margin'][last]:.2f}), "
+            f"the sparse mode's {np.exp(rec['sparse_end_logp'][last]):.3f}; {left}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gguf", required=True, help="catalog name or GGUF path")
     ap.add_argument("--dir", default=".ruler_ids")
     ap.add_argument("--length", type=int, required=True)
-    ap.add_argument("--answers", required=True, metavar="FILE:MODE", help="the sparse engine run whose answers are followed")
+    ap.add_argument("--answers", required=True, metavar="FILE:MODE",
+                    help="the sparse engine run whose answers are followed")
     ap.add_argument("--mode", default="fluxion", help="the sparse mode teacher-forced along them")
     ap.add_argument("--plan", default=None, help="fluxion with this plan file instead of the shipped one")
     ap.add_argument("--tasks", nargs="*", default=None)
@@ -90,17 +121,11 @@ def main() -> None:
     eog = set(meta["eog_ids"])
     file, _, mode = args.answers.rpartition(":")
     try:
-        run = next(r for r in json.loads(Path(file).read_text())["runs"] if r["mode"] == mode and r["length"] == args.length)
+        runs = json.loads(Path(file).read_text())["runs"]
+        run = next(r for r in runs if r["mode"] == mode and r["length"] == args.length)
     except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
         sys.exit(f"error: --answers {args.answers}: no {mode!r} run at {args.length} in it ({e!r})")
-    paths: dict[int, list[int]] = {}
-    taken: dict[str, int] = {}
-    for k in run["answered"]:
-        s = meta["samples"][k]
-        path = ended_path(run["outputs"][k], eog)
-        if (args.tasks is None or s["task"] in args.tasks) and path is not None and taken.get(s["task"], 0) < args.per_task:
-            paths[k] = path
-            taken[s["task"]] = taken.get(s["task"], 0) + 1
+    paths = pick_paths(run, meta, eog, args.tasks, args.per_task)
     if not paths:
         sys.exit(f"error: no answer of {args.tasks} in {args.answers} ends by itself")
     plan = SparsePlan.load(Path(args.plan)) if args.plan else None
@@ -118,15 +143,7 @@ def main() -> None:
             s = meta["samples"][k]
             rec = path_record(p, full[k], sparse, eog) | {"task": s["task"], "index": s["index"]}
             records.setdefault(s["task"], []).append(rec)
-            last = len(p) - 1
-            word = engine.tokenizer.decode([rec["full_argmax"][last]]) if not rec["full_ends_too"] else "<end>"
-            first = rec["leaves"][0] if rec["leaves"] else None
-            left = (f"left full's path at step {first} ({engine.tokenizer.decode([p[first]])!r} where full had "
-                    f"{engine.tokenizer.decode([rec['full_argmax'][first]])!r}, full margin {rec['full_margin'][first]:.2f}; "
-                    f"{len(rec['leaves'])} steps in all)" if first is not None else "never left full's path")
-            print(f"{s['task']}#{s['index']}: {len(p)} tokens; at its end full's P(end) {np.exp(rec['full_end_logp'][last]):.3f} "
-                  f"(argmax {word!r}, margin {rec['full_margin'][last]:.2f}), the sparse mode's "
-                  f"{np.exp(rec['sparse_end_logp'][last]):.3f}; {left}", flush=True)
+            print(describe(rec, engine.tokenizer.decode), flush=True)
     summary = {task: summarise(recs) for task, recs in records.items()}
     summary["all"] = summarise([r for recs in records.values() for r in recs])
     label = args.mode + (f"@{Path(args.plan).stem}" if args.plan else "")

@@ -12,7 +12,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from end_path import ended_path, path_record, summarise  # noqa: E402
+from end_path import describe, ended_path, path_record, pick_paths, summarise  # noqa: E402
 
 
 def test_ended_path_cuts_at_the_first_end_and_skips_answers_that_run_out() -> None:
@@ -28,7 +28,8 @@ def _steps(argmax: list[int], top1: list[float], top2: list[float], end: list[fl
 def test_path_record_and_summary_by_hand() -> None:
     eog = {0}
     # a: full takes another token at step 1 (margin 0.5) and ends where the answer ends
-    full_a = _steps([4, 8, 6, 0], [-0.1, -0.4, -0.2, -0.05], [-3.0, -0.9, -2.0, -4.0], np.log([1e-3, 0.01, 0.02, 0.9]).tolist())
+    full_a = _steps([4, 8, 6, 0], [-0.1, -0.4, -0.2, -0.05], [-3.0, -0.9, -2.0, -4.0],
+                    np.log([1e-3, 0.01, 0.02, 0.9]).tolist())
     sparse_a = _steps([4, 5, 6, 0], [0.0] * 4, [-1.0] * 4, np.log([1e-3, 0.01, 0.05, 0.95]).tolist())
     a = path_record([4, 5, 6, 0], full_a, sparse_a, eog)
     assert a["leaves"] == [1] and a["full_ends_too"] and a["full_margin"][1] == pytest.approx(0.5)
@@ -40,6 +41,17 @@ def test_path_record_and_summary_by_hand() -> None:
     assert got == {"samples": 2, "full_ends_too": 1, "full_end_prob_mean": pytest.approx((0.9 + 0.2) / 2),
                    "sparse_end_prob_mean": pytest.approx((0.95 + 0.7) / 2), "left_full_path_before_end": 1}
     assert summarise([]) == {"samples": 0}
+    lines = describe(a | {"task": "cwe", "index": 3}, lambda ids: f"<{ids[0]}>")
+    assert lines.startswith("cwe#3: 4 tokens; at its end full's P(end) 0.900 (argmax '<end>', margin 3.95)")
+    assert "left full's path at step 1 ('<5>' where full had '<8>', full margin 0.50; 1 steps in all)" in lines
+
+
+def test_pick_paths_takes_the_first_ended_answers_of_each_task() -> None:
+    meta = {"samples": [{"task": t} for t in ("a", "a", "b", "a", "b")]}
+    run = {"answered": [0, 1, 2, 3, 4], "outputs": [[5, 0, 7], [5, 6], [9, 0], [4, 0], [8, 8, 0]]}
+    # sample 1 never ends; per task at most one
+    assert pick_paths(run, meta, {0}, None, 1) == {0: [5, 0], 2: [9, 0]}
+    assert pick_paths(run, meta, {0}, ["a"], 5) == {0: [5, 0], 3: [4, 0]}
 
 
 @pytest.mark.slow
