@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from margin_flips import answer_steps  # noqa: E402
+from margin_flips import answer_steps, margins  # noqa: E402
 from ruler_split import exported_samples, model_tag  # noqa: E402
 
 from fluxion_lite.engine import Engine  # noqa: E402
@@ -52,7 +52,7 @@ def path_record(path: list[int], full: dict[str, list], sparse: dict[str, list],
     last = len(path) - 1
     leaves = [j for j in range(last) if full["argmax"][j] != path[j]]
     return {"path": path, "full_argmax": full["argmax"],
-            "full_margin": [a - b for a, b in zip(full["top1"], full["top2"])],
+            "full_margin": margins(full),
             "full_end_logp": full["end_logp"], "sparse_end_logp": sparse["end_logp"],
             "sparse_argmax": sparse["argmax"], "leaves": leaves,
             "full_ends_too": full["argmax"][last] in eog}

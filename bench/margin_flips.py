@@ -16,9 +16,9 @@ The first answer token comes from the dense prefill in both modes and is left ou
 decode steps, flips, samples with a flip, samples every one of whose flips the threshold catches, the share of
 steps escalated, and whether the sparse mode leans toward ending the answer ("end shift": the log-odds of an
 end-of-generation token under the sparse mode minus under full, mean over decode steps along full's answer);
-writes JSON with every step's margins, end log-probabilities and sparse argmax. With --escalate-plan, a larger plan is teacher-forced along
-the same answer too, and the summary counts the flipped samples that would follow full's answer if each step below
-t took that plan's token instead (an escalation that reads more, not everything).
+writes JSON with every step's margins, end log-probabilities and sparse argmax. With --escalate-plan, a larger plan
+is teacher-forced along the same answer too, and the summary counts the flipped samples that would follow full's
+answer if each step below t took that plan's token instead (an escalation that reads more, not everything).
 
   python bench/margin_flips.py --gguf qwen2.5-coder-0.5b --dir .ruler_ids --length 4096 --per-task 5 \\
       --mode fluxion --out bench/results/margin_flips.json
@@ -81,6 +81,11 @@ def answer_steps(model: Transformer, attn: AttentionBackend, prompt: list[int], 
     finally:
         attn.free(SEQ_ID)
     return out
+
+
+def margins(steps: dict[str, list]) -> list[float]:
+    """Per output token of answer_steps' output, the gap between its two best log-probabilities."""
+    return [a - b for a, b in zip(steps["top1"], steps["top2"])]
 
 
 def _log_odds(logp: np.ndarray) -> np.ndarray:
@@ -222,7 +227,7 @@ def main() -> None:
                 got = answer_steps(engine.model, engine.attn, prompts[k], meta["samples"][k]["max_new_tokens"], eog,
                                    chunk=args.chunk)
                 answers[k] = {"taken": got["taken"], "end_logp": got["end_logp"],
-                              "margin": [a - b for a, b in zip(got["top1"], got["top2"])]}
+                              "margin": margins(got)}
             print(f"full answered {len(wanted)} samples  {time.perf_counter() - t0:.0f} s", flush=True)
         if simulate:
             from background_fidelity import SimulatedTopK  # noqa: PLC0415  (torch-only simulation, on request)
@@ -241,7 +246,7 @@ def main() -> None:
             rec = records[k] = {
                 "task": s["task"], "index": s["index"], "answer": full["taken"],
                 "full_margin": full["margin"],
-                "sparse_margin": [a - b for a, b in zip(sparse["top1"], sparse["top2"])],
+                "sparse_margin": margins(sparse),
                 "flip": [a != b for a, b in zip(sparse["argmax"], full["taken"])], "escalated": {},
                 "sparse_argmax": sparse["argmax"], "full_end_logp": full["end_logp"],
                 "sparse_end_logp": sparse["end_logp"]}

@@ -29,7 +29,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ruler_paired import Key, bootstrap_interval, pooled_records, task_mean_difference, write_out  # noqa: E402
+from ruler_paired import (  # noqa: E402
+    Key, bootstrap_interval, paired_by_task, pooled_records, task_mean_difference, write_out)
 
 from fluxion_lite.ruler import TASK_SPECS, score_output  # noqa: E402
 
@@ -97,11 +98,7 @@ def compare(ref: dict[Key, dict[str, Any]], cand: dict[Key, dict[str, Any]], cut
         }
     overall = {}
     for n, label in cuts.items():
-        diffs: dict[str, list[float]] = {t: [] for t in tasks}
-        for k in common:
-            r_score, c_score = scored[n][k]
-            diffs[k[0]].append(c_score - r_score)
-        arrays = {t: np.asarray(d, dtype=np.float64) for t, d in diffs.items()}
+        arrays = paired_by_task({k: rc[0] for k, rc in scored[n].items()}, {k: rc[1] for k, rc in scored[n].items()})
         lo, hi = bootstrap_interval(arrays, resamples, seed)
         overall[label] = {"difference": task_mean_difference(arrays), "interval95": [lo, hi]}
     return {"samples": len(common), "tasks": tasks, "cut_tasks": cut_tasks, "per_task": per_task, "overall": overall}
@@ -133,7 +130,8 @@ def main() -> None:
         longest = max(args.words)
         print(f"\n{task}: {t['samples']} samples; mean words reference {t['reference_words']:.1f}, candidate "
               f"{t['candidate_words']:.1f}; under {longest} words: reference "
-              f"{100 * t[f'reference_shorter_than_{longest}']:.0f}%, candidate {100 * t[f'candidate_shorter_than_{longest}']:.0f}%")
+              f"{100 * t[f'reference_shorter_than_{longest}']:.0f}%, "
+              f"candidate {100 * t[f'candidate_shorter_than_{longest}']:.0f}%")
         print(f"{'answer':>16} {'reference':>10} {'candidate':>10} {'diff':>7} {'better':>7} {'worse':>6}")
         for cut, row in t["cuts"].items():
             print(f"{cut:>16} {100 * row['reference']:10.1f} {100 * row['candidate']:10.1f} "

@@ -71,11 +71,11 @@ def pooled_records(specs: list[str]) -> tuple[int, dict[Key, dict[str, Any]]]:
     pooled: dict[Key, dict[str, Any]] = {}
     origin: dict[Key, str] = {}
     for spec in specs:
-        spec_len, scores = load_records(spec)
+        spec_len, records = load_records(spec)
         if length is not None and spec_len != length:
             sys.exit(f"error: {spec} is at length {spec_len}, {specs[0]} at {length}: pool runs of one length")
         length = spec_len
-        for key, value in scores.items():
+        for key, value in records.items():
             if key in pooled:
                 sys.exit(f"error: sample {key[0]} #{key[1]} is in both {origin[key]} and {spec}: pool disjoint runs")
             pooled[key], origin[key] = value, spec
