@@ -31,13 +31,14 @@ from fluxion_lite.calibration import Config, group_outputs  # noqa: E402
 
 class SimulatedTopK(SimulatedBackend):
     """Dense prefill; each single-token decode step attends, per KV group, over sink + window + the top `budget`
-    blocks of g tokens (Quest bound), plus the unread-background term at summary size `summary_g` if given."""
+    blocks of g tokens (Quest bound), plus the unread-background term at summary size `summary_g` if given, its
+    mass estimated from the mean key (`mass="mean"`) or taken from the true scores (`"oracle"`, a ceiling)."""
 
     def __init__(self, base: DenseAttention, g: int, budget: float, sink: int, window: int,
-                 summary_g: int | None) -> None:
+                 summary_g: int | None, mass: str = "mean") -> None:
         self.cache, self.scale = base.cache, base.scale  # share the loaded engine's (empty) cache
         self.config = Config(False, g, budget)
-        self.sink, self.window, self.summary_g = sink, window, summary_g
+        self.sink, self.window, self.summary_g, self.mass = sink, window, summary_g, mass
         self.read: list[float] = []
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -57,7 +58,8 @@ class SimulatedTopK(SimulatedBackend):
             if self.summary_g is None:
                 outs.append(res[self.config.key][0])
             else:
-                outs.append(background_output(qg[h], kh, vh, allowed, causal, self.summary_g, self.scale, "mean")[0])
+                outs.append(background_output(qg[h], kh, vh, allowed, causal, self.summary_g, self.scale,
+                                             self.mass)[0])
         return torch.stack(outs, dim=1).reshape(q.shape).to(q.dtype)  # [M=1, Hkv, r, D] -> [1, Hq, D]
 
 

@@ -36,18 +36,22 @@ from ruler_split import exported_samples  # noqa: E402
 from fluxion_lite.calibration import Config, capture_prompt, group_outputs  # noqa: E402
 
 
+MASSES = ("mean", "oracle", "minmax", "midrange")  # background_output's mass rules
+
+
 def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
                       causal: torch.Tensor, block: int, scale: float, mass: str,
                       scores: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """Read tokens exactly plus one estimated term per summary block for its unread tokens.
 
-    mass: "mean" (|U| exp(s q.kbar)) or "oracle" (the unread tokens' true mass: a ceiling for any mass estimate
-    that keeps the mean value). qg: [M, r, D]; keys/values: [N, D]; allowed/causal: [M, N] bool. Returns the
+    mass: "mean" (|U| exp(s q.kbar)), "oracle" (the unread tokens' true mass: a ceiling for any mass estimate
+    that keeps the mean value), "minmax" or "midrange" (from the per-16-token key minimum and maximum the top-k's
+    summaries already hold: see minmax_logits). qg: [M, r, D]; keys/values: [N, D]; allowed/causal: [M, N] bool. Returns the
     output [M, r, D] and the estimated over the true unread mass (mean over M, r). scores: s q.k [M, r, N] if the
     caller has them (computed here otherwise).
     """
-    if mass not in ("mean", "oracle"):
-        raise ValueError(f"mass={mass!r}: use 'mean' or 'oracle'")
+    if mass not in MASSES:
+        raise ValueError(f"mass={mass!r}: use one of {', '.join(MASSES)}")
     m, r, d = qg.shape
     n = keys.shape[0]
     nb = -(-n // block)
@@ -75,10 +79,49 @@ def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     ratio = float((logit.logsumexp(-1) - true_total).exp().mean()) if bool(has.any()) else 1.0
     if mass == "oracle":
         logit, ratio = s_unread, 1.0
+    elif mass in ("minmax", "midrange"):
+        logit = minmax_logits(qg, keys, unread, block, scale, variance=mass == "minmax")
+        ratio = float((logit.logsumexp(-1) - true_total).exp().mean()) if bool(has.any()) else 1.0
     s = s_all.masked_fill(~allowed[:, None, :], float("-inf"))
     both = torch.cat([s, logit], dim=-1)  # [M, r, N + nb]
     p = torch.softmax(both, dim=-1)
     return (p[..., :n] @ values.double() + torch.einsum("mrb,mbd->mrd", p[..., n:], vbar)).float(), ratio
+
+
+SUMMARY_SUB = 16  # the retrieval block whose key min / max the engine keeps (g = 16)
+RANGE_PER_SIGMA = 3.5  # expected range of 16 normal samples, in standard deviations
+
+
+def minmax_logits(qg: torch.Tensor, keys: torch.Tensor, unread: torch.Tensor, block: int,
+                  scale: float, variance: bool = True) -> torch.Tensor:
+    """Log of each summary block's unread mass, estimated per 16-token sub-block from its keys' min and max alone.
+
+    A sub-block's scores s q.k are taken as normal with mean s q.mid (mid = (min + max) / 2 per dimension) and
+    variance s^2 sum_d q_d^2 sigma_d^2 (sigma_d = range_d / RANGE_PER_SIGMA, dimensions independent), so its mean
+    exp-score is exp(mean + variance / 2) (log-normal), times the sub-block's unread count; variance=False drops
+    the variance term (the midrange key as the sub-block's typical key). qg: [M, r, D]; keys: [N, D]; unread:
+    [M, N] (0 / 1). Returns [M, r, nb] (-inf where a block has nothing unread).
+    """
+    if block % SUMMARY_SUB:
+        raise ValueError(f"summary block {block} is not a multiple of {SUMMARY_SUB}")
+    m, r, d = qg.shape
+    n = keys.shape[0]
+    ns = -(-n // SUMMARY_SUB)
+    nb = -(-n // block)
+    k64 = keys.double()
+    pad = ns * SUMMARY_SUB - n
+    kmin = torch.nn.functional.pad(k64, (0, 0, 0, pad), value=float("inf")).view(ns, SUMMARY_SUB, d).amin(1)
+    kmax = torch.nn.functional.pad(k64, (0, 0, 0, pad), value=float("-inf")).view(ns, SUMMARY_SUB, d).amax(1)
+    mid, sigma = (kmin + kmax) / 2, (kmax - kmin) / RANGE_PER_SIGMA  # [ns, D]
+    q64 = qg.double()
+    mean = torch.einsum("mrd,sd->mrs", q64, mid) * scale  # [M, r, ns]
+    var = torch.einsum("mrd,sd->mrs", q64 * q64, sigma * sigma) * scale * scale
+    count = torch.nn.functional.pad(unread, (0, pad)).view(m, ns, SUMMARY_SUB).sum(-1)  # [M, ns]
+    sub = mean + (var / 2 if variance else 0.0) + count.clamp(min=1.0).log()[:, None, :]
+    sub = sub.masked_fill((count == 0)[:, None, :], float("-inf"))
+    per = block // SUMMARY_SUB
+    sub = torch.nn.functional.pad(sub, (0, nb * per - ns), value=float("-inf")).view(m, r, nb, per)
+    return sub.logsumexp(-1)  # [M, r, nb]
 
 
 def prompt_errors(model: Any, ids: list[int], m: int, configs: list[Config], summary_g: list[int], sink: int,
@@ -121,7 +164,7 @@ def prompt_errors(model: Any, ids: list[int], m: int, configs: list[Config], sum
                 unread_mass = float((probs * (~allowed)[:, None, :]).sum(-1).mean())
                 collected.setdefault(f"{cfg.key} unread mass", []).append(unread_mass)
                 for gs in summary_g:
-                    for mass in ("mean", "oracle"):
+                    for mass in MASSES:
                         est, ratio = background_output(q[:, h], keys[h], values[h], allowed, causal, gs, d**-0.5,
                                                        mass, scores)
                         name = f"{cfg.key} +bg{gs}" + ("" if mass == "mean" else f"+{mass}")
@@ -177,7 +220,9 @@ def main() -> None:
         meta_cost = ""
         if "+bg" in k and "oracle" not in k:
             gs = int(k.split("+bg")[1].split("+")[0])
-            meta_cost = f"{2 / gs:.1%}"  # fp32 K and V sums: 8 bytes a dim per gs tokens of bf16 K, V (4 gs)
+            # fp32 K and V sums: 8 bytes a dim per gs tokens of bf16 K, V (4 gs); minmax keeps the V sums only (its
+            # key statistics are the g = 16 min / max the top-k scans anyway)
+            meta_cost = f"{(1 if 'minmax' in k or 'midrange' in k else 2) / gs:.1%}"
         ratio = mean.get(f"{k} mass ratio")
         print(f"{k:<28} {mean[k]:10.4f} {('' if um is None else f'{um:.3f}'):>12} "
               f"{('' if ratio is None else f'{ratio:.2f}'):>11} {meta_cost:>16}")

@@ -37,6 +37,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from background_mass import MASSES  # noqa: E402
 from fidelity import prefill_chunks  # noqa: E402
 from ruler_split import exported_samples, model_tag  # noqa: E402
 
@@ -159,19 +160,22 @@ def full_answers_from(path: Path, meta: dict[str, Any], wanted: list[int],
     return out
 
 
-def parse_simulate(spec: str) -> tuple[int, float, int | None]:
-    """'G:BUDGET[:SUMMARY_G]' -> (g, budget, summary_g or None), or exit naming the flag."""
+def parse_simulate(spec: str) -> tuple[int, float, int | None, str]:
+    """'G:BUDGET[:SUMMARY_G[:MASS]]' -> (g, budget, summary_g or None, mass), or exit naming the flag."""
     parts = spec.split(":")
     try:
-        if len(parts) not in (2, 3):
-            raise ValueError("two or three fields")
+        if len(parts) not in (2, 3, 4):
+            raise ValueError("two to four fields")
         g, budget = int(parts[0]), float(parts[1])
-        summary_g = int(parts[2]) if len(parts) == 3 else None
+        summary_g = int(parts[2]) if len(parts) >= 3 else None
+        mass = parts[3] if len(parts) == 4 else "mean"
         if g < 1 or not 0.0 < budget <= 1.0 or (summary_g is not None and summary_g < 1):
             raise ValueError("G >= 1, 0 < BUDGET <= 1, SUMMARY_G >= 1")
+        if mass not in MASSES:
+            raise ValueError(f"MASS is one of {', '.join(MASSES)}")
     except ValueError as e:
-        sys.exit(f"error: --simulate {spec!r}: use G:BUDGET[:SUMMARY_G] ({e})")
-    return g, budget, summary_g
+        sys.exit(f"error: --simulate {spec!r}: use G:BUDGET[:SUMMARY_G[:MASS]] ({e})")
+    return g, budget, summary_g, mass
 
 
 def main() -> None:
@@ -189,10 +193,12 @@ def main() -> None:
     ap.add_argument("--escalate-plan", nargs="*", default=[],
                     help="larger plans a small-margin step would switch to: each is teacher-forced too, and the "
                          "summary counts the flipped samples that would follow full's answer with it")
-    ap.add_argument("--simulate", default=None, metavar="G:BUDGET[:SUMMARY_G]",
+    ap.add_argument("--simulate", default=None, metavar="G:BUDGET[:SUMMARY_G[:MASS]]",
                     help="instead of an engine mode: bench/background_fidelity.py's simulated top-k (every group "
                          "sink + window + the top BUDGET of its G-token blocks), with the unread-background term at "
-                         "summary size SUMMARY_G if given")
+                         "summary size SUMMARY_G if given, its mass from the mean key (MASS mean, the default), "
+                         "the unread tokens' true mass (oracle: a ceiling for any estimate) or from the 16-token "
+                         "key min / max the top-k scans (minmax: log-normal; midrange: the midrange key)")
     ap.add_argument("--sink", type=int, default=16, help="--simulate: sink tokens")
     ap.add_argument("--window", type=int, default=64, help="--simulate: window tokens")
     ap.add_argument("--full-from", default=None, metavar="FILE",
@@ -210,7 +216,8 @@ def main() -> None:
     plan = SparsePlan.load(Path(args.plan)) if args.plan else None
     label = args.mode + (f"@{Path(args.plan).stem}" if args.plan else "")
     if simulate:
-        label = f"sim g{simulate[0]} b{simulate[1]:g}" + (f" +bg{simulate[2]}" if simulate[2] else "")
+        label = (f"sim g{simulate[0]} b{simulate[1]:g}" + (f" +bg{simulate[2]}" if simulate[2] else "")
+                 + (f" {simulate[3]} mass" if simulate[2] and simulate[3] != "mean" else ""))
     escalate = [(Path(p).stem.removesuffix(".plan"), SparsePlan.load(Path(p))) for p in args.escalate_plan]
     engine = Engine(args.gguf, attention="full", device=args.device, dtype=args.dtype,
                     max_context=args.length + 256, prefix_cache_entries=0, load_tokenizer=False)
@@ -234,7 +241,7 @@ def main() -> None:
 
             assert isinstance(engine.attn, DenseAttention)
             sparse_attn: AttentionBackend = SimulatedTopK(engine.attn, simulate[0], simulate[1], args.sink,
-                                                          args.window, simulate[2])
+                                                          args.window, simulate[2], simulate[3])
         else:
             engine.set_attention(args.mode, plan)
             sparse_attn = engine.attn

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 from background_fidelity import SimulatedTopK  # noqa: E402
-from background_mass import background_output  # noqa: E402
+from background_mass import RANGE_PER_SIGMA, SUMMARY_SUB, background_output, minmax_logits  # noqa: E402
 
 from test_sparse import decode_logits, engine, essay_tokens  # noqa: E402,F401  (fixtures)
 
@@ -106,3 +106,47 @@ def test_unknown_mass_rule_is_refused() -> None:
     qg, keys, values, allowed, causal = _case(1, 1, 20, 8, seed=1)
     with pytest.raises(ValueError, match="mass="):
         background_output(qg, keys, values, allowed, causal, 4, 0.3, "median")
+
+
+@pytest.mark.parametrize("m,r,n,d,block", [(1, 1, 40, 8, 16), (2, 3, 150, 16, 32), (3, 2, 257, 64, 128)])
+def test_minmax_logits_match_a_token_by_token_reference(m: int, r: int, n: int, d: int, block: int) -> None:
+    """Each 16-token sub-block's log-normal mass from its keys' min / max, times its unread count, summed per summary
+    block: float64 reference written out sub-block by sub-block."""
+    qg, keys, _, allowed, causal = _case(m, r, n, d, seed=n * 3 + d)
+    unread = (causal & ~allowed).double()
+    got = minmax_logits(qg, keys, unread, block, d**-0.5)
+    scale = d**-0.5
+    for i in range(m):
+        for h in range(r):
+            q = qg[i, h].double()
+            for b0 in range(0, n, block):
+                terms = []
+                for s0 in range(b0, min(n, b0 + block), SUMMARY_SUB):
+                    ks = keys[s0 : min(n, s0 + SUMMARY_SUB)].double()
+                    lo, hi = ks.min(0).values, ks.max(0).values
+                    count = float(unread[i, s0 : s0 + SUMMARY_SUB].sum())
+                    if count == 0:
+                        continue
+                    mean = float(q @ (lo + hi) / 2) * scale
+                    var = float((q * q) @ ((hi - lo) / RANGE_PER_SIGMA) ** 2) * scale * scale
+                    terms.append(mean + var / 2 + math.log(count))
+                want = torch.tensor(terms, dtype=torch.float64).logsumexp(0) if terms else float("-inf")
+                assert float(got[i, h, b0 // block]) == pytest.approx(float(want), rel=1e-9, abs=1e-9)
+
+
+def test_minmax_mass_is_exact_when_a_sub_block_keys_are_equal() -> None:
+    """Keys equal within each 16-token sub-block have zero range: the estimate is then the true mass, and the output
+    the oracle's."""
+    m, r, n, d = 2, 3, 160, 16
+    qg, _, values, allowed, causal = _case(m, r, n, d, seed=11)
+    keys = torch.randn(n // SUMMARY_SUB, d, generator=torch.Generator().manual_seed(3)).repeat_interleave(SUMMARY_SUB, 0)
+    got, ratio = background_output(qg, keys, values, allowed, causal, 32, d**-0.5, "minmax")
+    want, _ = background_output(qg, keys, values, allowed, causal, 32, d**-0.5, "oracle")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert ratio == pytest.approx(1.0, rel=1e-9)
+
+
+def test_minmax_needs_whole_sub_blocks() -> None:
+    qg, keys, _, allowed, causal = _case(1, 1, 40, 8, seed=2)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        minmax_logits(qg, keys, (causal & ~allowed).double(), 24, 0.3)

@@ -104,14 +104,16 @@ def test_answer_steps_forced_along_greedy_reproduces_it_on_smollm2() -> None:
     assert all(-80.0 < e < 0.0 for e in ends["end_logp"])  # log P(end_id) at every step, a real probability
 
 
-@pytest.mark.parametrize("spec,want", [("16:0.05", (16, 0.05, None)), ("32:0.1:128", (32, 0.1, 128))])
+@pytest.mark.parametrize("spec,want", [("16:0.05", (16, 0.05, None, "mean")), ("32:0.1:128", (32, 0.1, 128, "mean")),
+                                       ("16:0.05:4096:oracle", (16, 0.05, 4096, "oracle"))])
 def test_parse_simulate(spec: str, want: tuple) -> None:
     from margin_flips import parse_simulate
 
     assert parse_simulate(spec) == want
 
 
-@pytest.mark.parametrize("spec", ["16", "16:0", "16:1.5", "0:0.05", "16:0.05:0", "a:b", "16:0.05:64:1"])
+@pytest.mark.parametrize("spec", ["16", "16:0", "16:1.5", "0:0.05", "16:0.05:0", "a:b", "16:0.05:64:1",
+                                  "16:0.05:64:mean:1"])
 def test_parse_simulate_rejects_bad_specs(spec: str) -> None:
     from margin_flips import parse_simulate
 
