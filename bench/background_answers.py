@@ -7,8 +7,9 @@ that changes the *answers* needs them generated: this answers exported RULER sam
 attention in torch over the engine's dense cache, model weights in --dtype) with a backend that reads what a plan
 would read -- sink + window, the pins from the prompt's last obs_window queries (fluxion_lite.pinned, as the engine
 picks them) and the per-step top-k of the group-summed Quest bound (bench/copy_heads.py's read_mask) -- and with
---background G:MASS also the background term. A simulation, not the engine's kernels: it compares variants under
-the same selection, and its `sim` run without the term is the check against the engine's own answers.
+--background G:MASS also the background term (--retrieval-only: in retrieval groups alone). A simulation, not
+the engine's kernels: it compares variants under the same selection, and its `sim` run without the term is the
+check against the engine's own answers.
 
 Writes an answers file that `bench/ruler_split.py score` reads (one run per variant, outputs as token ids).
 
@@ -45,9 +46,13 @@ class PlanSimulated(SimulatedBackend):
     per KV group, what `plan` selects (read_mask), plus the unread-background term at summary size `summary_g` if
     given. One sequence at a time: call start(prompt_len) before each prompt."""
 
-    def __init__(self, base: DenseAttention, plan: SparsePlan, summary_g: int | None, mass: str = "mean") -> None:
+    def __init__(self, base: DenseAttention, plan: SparsePlan, summary_g: int | None, mass: str = "mean",
+                 retrieval_only: bool = False) -> None:
         self.cache, self.scale = base.cache, base.scale  # share the loaded engine's (empty) cache
         self.plan, self.summary_g, self.mass = plan, summary_g, mass
+        # the term for retrieval groups only: their block summaries are scanned by the top-k anyway, a streaming
+        # group's are not (reading them would cost it 2 D values per 16 tokens)
+        self.retrieval_only = retrieval_only
         self.read: list[float] = []
         self.start(0)
 
@@ -91,7 +96,7 @@ class PlanSimulated(SimulatedBackend):
             bound = quest_bound(qg[h], kh, gp.g, n) if retrieving else None
             mask = read_mask(plan, gp, n, bound, pins)  # [N]
             self.read.append(float(mask.float().mean()))
-            if self.summary_g is None:
+            if self.summary_g is None or (self.retrieval_only and not retrieving):
                 s = (qg[h] @ kh.T) * self.scale  # [r, N]
                 outs.append(torch.softmax(s.masked_fill(~mask[None, :], float("-inf")), dim=-1) @ vh)
             else:
@@ -130,6 +135,8 @@ def main() -> None:
     ap.add_argument("--background", nargs="+", default=["none"], metavar="none|G:MASS",
                     help="variants: none (the plan's selection alone) or the background term at summary size G "
                          f"with mass {' / '.join(MASSES)}")
+    ap.add_argument("--retrieval-only", action="store_true",
+                    help="the background term for retrieval groups only (streaming groups read sink + window alone)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     variants = [parse_background(b) for b in args.background]
@@ -151,8 +158,9 @@ def main() -> None:
                                "simulated": True, "plan": str(plan_path), "runs": []}
     t0 = time.perf_counter()
     for summary_g, mass in variants:
-        label = f"sim@{plan_path.stem}" + ("" if summary_g is None else f"+bg{summary_g}-{mass}")
-        sim = PlanSimulated(engine.attn, plan, summary_g, mass)
+        label = f"sim@{plan_path.stem}" + ("" if summary_g is None else f"+bg{summary_g}-{mass}"
+                                           + ("-retrieval" if args.retrieval_only else ""))
+        sim = PlanSimulated(engine.attn, plan, summary_g, mass, args.retrieval_only)
         outputs: list[list[int]] = [[] for _ in prompts]
         finished: list[int] = []
         run: dict[str, Any] = {"mode": label, "length": meta["length"], "model": meta["model"],

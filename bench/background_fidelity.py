@@ -32,7 +32,7 @@ from fluxion_lite.calibration import Config, group_outputs  # noqa: E402
 class SimulatedTopK(SimulatedBackend):
     """Dense prefill; each single-token decode step attends, per KV group, over sink + window + the top `budget`
     blocks of g tokens (Quest bound), plus the unread-background term at summary size `summary_g` if given, its
-    mass estimated from the mean key (`mass="mean"`) or taken from the true scores (`"oracle"`, a ceiling)."""
+    mass estimated from the mean key (`mass="mean"`) or taken from the true scores (`"oracle"`, exact)."""
 
     def __init__(self, base: DenseAttention, g: int, budget: float, sink: int, window: int,
                  summary_g: int | None, mass: str = "mean") -> None:

@@ -46,9 +46,9 @@ def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
 
     mass: "mean" (|U| exp(s q.kbar)), "oracle" (the unread tokens' true mass: a ceiling for any mass estimate
     that keeps the mean value), "minmax" or "midrange" (from the per-16-token key minimum and maximum the top-k's
-    summaries already hold: see minmax_logits). qg: [M, r, D]; keys/values: [N, D]; allowed/causal: [M, N] bool. Returns the
-    output [M, r, D] and the estimated over the true unread mass (mean over M, r). scores: s q.k [M, r, N] if the
-    caller has them (computed here otherwise).
+    summaries already hold: see minmax_logits). qg: [M, r, D]; keys/values: [N, D]; allowed/causal: [M, N] bool.
+    Returns the output [M, r, D] and the estimated over the true unread mass (mean over M, r). scores: s q.k
+    [M, r, N] if the caller has them (computed here otherwise).
     """
     if mass not in MASSES:
         raise ValueError(f"mass={mass!r}: use one of {', '.join(MASSES)}")

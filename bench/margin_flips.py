@@ -197,7 +197,7 @@ def main() -> None:
                     help="instead of an engine mode: bench/background_fidelity.py's simulated top-k (every group "
                          "sink + window + the top BUDGET of its G-token blocks), with the unread-background term at "
                          "summary size SUMMARY_G if given, its mass from the mean key (MASS mean, the default), "
-                         "the unread tokens' true mass (oracle: a ceiling for any estimate) or from the 16-token "
+                         "the unread tokens' true mass (oracle: exact) or from the 16-token "
                          "key min / max the top-k scans (minmax: log-normal; midrange: the midrange key)")
     ap.add_argument("--sink", type=int, default=16, help="--simulate: sink tokens")
     ap.add_argument("--window", type=int, default=64, help="--simulate: window tokens")

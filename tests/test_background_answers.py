@@ -18,7 +18,7 @@ from fluxion_lite.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
 
 
 @pytest.mark.parametrize("spec,want", [("none", (None, "mean")), ("128:oracle", (128, "oracle")),
-                                       ("64:minmax", (64, "minmax"))])
+                                       ("64:minmax", (64, "minmax")), ("128:midrange", (128, "midrange"))])
 def test_parse_background(spec: str, want: tuple) -> None:
     assert parse_background(spec) == want
 
@@ -55,6 +55,15 @@ def test_plan_simulated_follows_dense_when_it_reads_everything_and_reads_less_ot
             got = answer_steps(engine.model, sim, prompt, 10, set(), forced=greedy["taken"], chunk=128)
             assert got["argmax"] == greedy["taken"]
             assert min(sim.read) == pytest.approx(1.0)
+        streaming = SparsePlan(sink=4, window=16, groups=[[GroupPlan(True)] * cfg.n_kv_heads
+                                                          for _ in range(cfg.n_layers)])
+        plain = PlanSimulated(engine.attn, streaming, None)
+        plain.start(len(prompt))
+        want = answer_steps(engine.model, plain, prompt, 4, set(), forced=greedy["taken"][:4], chunk=128)
+        skipped = PlanSimulated(engine.attn, streaming, 64, "midrange", retrieval_only=True)
+        skipped.start(len(prompt))
+        got = answer_steps(engine.model, skipped, prompt, 4, set(), forced=greedy["taken"][:4], chunk=128)
+        assert got["top1"] == want["top1"]  # no retrieval group: the term is never added
         small = PlanSimulated(engine.attn, _plan(cfg.n_layers, cfg.n_kv_heads, 0.05), 64, "mean")
         small.start(len(prompt))
         answer_steps(engine.model, small, prompt, 4, set(), chunk=128)  # free-running, the term on

@@ -139,7 +139,8 @@ def test_minmax_mass_is_exact_when_a_sub_block_keys_are_equal() -> None:
     the oracle's."""
     m, r, n, d = 2, 3, 160, 16
     qg, _, values, allowed, causal = _case(m, r, n, d, seed=11)
-    keys = torch.randn(n // SUMMARY_SUB, d, generator=torch.Generator().manual_seed(3)).repeat_interleave(SUMMARY_SUB, 0)
+    distinct = torch.randn(n // SUMMARY_SUB, d, generator=torch.Generator().manual_seed(3))
+    keys = distinct.repeat_interleave(SUMMARY_SUB, 0)  # [N, D], one key per sub-block
     got, ratio = background_output(qg, keys, values, allowed, causal, 32, d**-0.5, "minmax")
     want, _ = background_output(qg, keys, values, allowed, causal, 32, d**-0.5, "oracle")
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
