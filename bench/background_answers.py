@@ -41,6 +41,7 @@ from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention  #
 from fluxion_lite.engine import Engine  # noqa: E402
 from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
 
+
 class PlanSimulated(SimulatedBackend):
     """Dense prefill that keeps the prompt's last obs_window queries per layer; each single-token decode step reads,
     per KV group, what `plan` selects (read_mask), plus the unread-background term at summary size `summary_g` if

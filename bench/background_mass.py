@@ -44,8 +44,8 @@ def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
                       scores: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
     """Read tokens exactly plus one estimated term per summary block for its unread tokens.
 
-    mass: "mean" (|U| exp(s q.kbar)), "oracle" (the unread tokens' true mass: a ceiling for any mass estimate
-    that keeps the mean value), "minmax" or "midrange" (from the per-16-token key minimum and maximum the top-k's
+    mass: "mean" (|U| exp(s q.kbar)), "oracle" (the unread tokens' true mass: what a mass estimate aims at; not
+    the best on RULER's cwe, docs/design-notes.md), "minmax" or "midrange" (from the per-16-token key minimum and maximum the top-k's
     summaries already hold: see minmax_logits). qg: [M, r, D]; keys/values: [N, D]; allowed/causal: [M, N] bool.
     Returns the output [M, r, D] and the estimated over the true unread mass (mean over M, r). scores: s q.k
     [M, r, N] if the caller has them (computed here otherwise).
@@ -68,20 +68,20 @@ def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     has = count > 0
     c = count.clamp(min=1.0)[..., None]
     kbar, vbar = ksum / c, vsum / c  # [M, nb, D]
-    logit = torch.einsum("mrd,mbd->mrb", qg.double(), kbar) * scale  # [M, r, nb]
-    logit = logit + count.clamp(min=1.0).log()[:, None, :]
-    logit = logit.masked_fill(~has[:, None, :], float("-inf"))
     s_all = (torch.einsum("mrd,nd->mrn", qg.double(), keys.double()) * scale if scores is None
              else scores.double())  # [M, r, N]
     s_unread = torch.nn.functional.pad(s_all.masked_fill(~(unread > 0)[:, None, :], float("-inf")), (0, pad),
                                        value=float("-inf")).view(m, r, nb, block).logsumexp(-1)  # [M, r, nb]
-    true_total = s_unread.logsumexp(-1)  # [M, r]
-    ratio = float((logit.logsumexp(-1) - true_total).exp().mean()) if bool(has.any()) else 1.0
     if mass == "oracle":
-        logit, ratio = s_unread, 1.0
+        logit = s_unread
     elif mass in ("minmax", "midrange"):
         logit = minmax_logits(qg, keys, unread, block, scale, variance=mass == "minmax")
-        ratio = float((logit.logsumexp(-1) - true_total).exp().mean()) if bool(has.any()) else 1.0
+    else:
+        logit = torch.einsum("mrd,mbd->mrb", qg.double(), kbar) * scale  # [M, r, nb]
+        logit = logit + count.clamp(min=1.0).log()[:, None, :]
+        logit = logit.masked_fill(~has[:, None, :], float("-inf"))
+    true_total = s_unread.logsumexp(-1)  # [M, r]
+    ratio = float((logit.logsumexp(-1) - true_total).exp().mean()) if bool(has.any()) else 1.0
     s = s_all.masked_fill(~allowed[:, None, :], float("-inf"))
     both = torch.cat([s, logit], dim=-1)  # [M, r, N + nb]
     p = torch.softmax(both, dim=-1)
