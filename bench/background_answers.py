@@ -34,7 +34,7 @@ from background_mass import MASSES, background_output  # noqa: E402  (bench scri
 from copy_heads import quest_bound, read_mask  # noqa: E402
 from margin_flips import answer_steps  # noqa: E402
 from policy_sim import SimulatedBackend  # noqa: E402
-from ruler_split import exported_samples, model_tag  # noqa: E402
+from ruler_split import exported_samples, model_tag, picked_samples  # noqa: E402
 
 from fluxion_lite import pinned  # noqa: E402
 from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention  # noqa: E402
@@ -143,10 +143,7 @@ def main() -> None:
     variants = [parse_background(b) for b in args.background]
     meta, prompts = exported_samples(args.dir, args.gguf, args.length)
     eog = set(meta["eog_ids"])
-    wanted = [k for k, s in enumerate(meta["samples"])
-              if (args.tasks is None or s["task"] in args.tasks) and s["index"] < args.per_task]
-    if not wanted:
-        sys.exit(f"error: no sample of {args.tasks} among {args.gguf}'s exported samples at {args.length}")
+    wanted = picked_samples(meta, args.tasks, args.per_task, args.gguf)
     plan_path = Path(args.plan) if args.plan else Path("models") / f"{model_tag(args.gguf)}.plan.json"
     if not plan_path.exists():
         sys.exit(f"error: --plan {plan_path}: no such file")

@@ -39,7 +39,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from background_mass import MASSES  # noqa: E402
 from fidelity import prefill_chunks  # noqa: E402
-from ruler_split import exported_samples, model_tag  # noqa: E402
+from ruler_split import exported_samples, model_tag, picked_samples  # noqa: E402
 
 from fluxion_lite.attention import AttentionBackend, DenseAttention, SeqChunk  # noqa: E402
 from fluxion_lite.engine import Engine  # noqa: E402
@@ -209,10 +209,7 @@ def main() -> None:
     simulate = parse_simulate(args.simulate) if args.simulate else None
     meta, prompts = exported_samples(args.dir, args.gguf, args.length)
     eog = set(meta["eog_ids"])
-    wanted = [k for k, s in enumerate(meta["samples"])
-              if (args.tasks is None or s["task"] in args.tasks) and s["index"] < args.per_task]
-    if not wanted:
-        sys.exit(f"error: no sample of {args.tasks} among {args.gguf}'s exported samples at {args.length}")
+    wanted = picked_samples(meta, args.tasks, args.per_task, args.gguf)
     plan = SparsePlan.load(Path(args.plan)) if args.plan else None
     label = args.mode + (f"@{Path(args.plan).stem}" if args.plan else "")
     if simulate:

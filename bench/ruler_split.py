@@ -89,6 +89,16 @@ def exported_samples(directory: str | Path, model: str, length: int) -> tuple[di
     return load_ids(meta_path, ids_path)
 
 
+def picked_samples(meta: dict[str, Any], tasks: list[str] | None, per_task: int, model: str) -> list[int]:
+    """Indices into meta["samples"] of the first `per_task` samples of each of `tasks` (every task if None), or exit
+    naming what was asked for when there is none."""
+    picked = [k for k, s in enumerate(meta["samples"])
+              if (tasks is None or s["task"] in tasks) and s["index"] < per_task]
+    if not picked:
+        sys.exit(f"error: no sample of {tasks} among {model}'s exported samples at {meta['length']}")
+    return picked
+
+
 def load_ids(meta_path: Path, ids_path: Path) -> tuple[dict[str, Any], list[list[int]]]:
     meta = json.loads(meta_path.read_text())
     flat = np.frombuffer(lzma.decompress(ids_path.read_bytes()), dtype=np.int32)

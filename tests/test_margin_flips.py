@@ -166,3 +166,14 @@ def test_full_answers_from_reads_an_earlier_run_and_names_mismatches(tmp_path) -
     path.write_text("{not json")
     with pytest.raises(SystemExit, match="not a margin_flips result"):
         full_answers_from(path, meta, [1], args)
+
+
+def test_picked_samples_takes_the_first_per_task_of_each_task_and_names_an_empty_pick() -> None:
+    from ruler_split import picked_samples
+
+    samples = [{"task": t, "index": i} for t in ("cwe", "vt", "qa_1") for i in range(4)]
+    meta = {"length": 4096, "samples": samples}
+    assert picked_samples(meta, ["vt", "cwe"], 2, "m") == [0, 1, 4, 5]
+    assert picked_samples(meta, None, 1, "m") == [0, 4, 8]
+    with pytest.raises(SystemExit, match="no sample of \\['fwe'\\] among m's exported samples at 4096"):
+        picked_samples(meta, ["fwe"], 3, "m")
