@@ -63,11 +63,10 @@ def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     # the block sums minus the read tokens' part = the unread tokens' sums (what a reader with the block's running
     # sums and the tokens it read can form); here summed over the unread tokens directly, which is the same number
     count = u.sum(-1)  # [M, nb]
-    ksum = torch.einsum("mbg,bgd->mbd", u, kp)
     vsum = torch.einsum("mbg,bgd->mbd", u, vp)
     has = count > 0
     c = count.clamp(min=1.0)[..., None]
-    kbar, vbar = ksum / c, vsum / c  # [M, nb, D]
+    vbar = vsum / c  # [M, nb, D]
     s_all = (torch.einsum("mrd,nd->mrn", qg.double(), keys.double()) * scale if scores is None
              else scores.double())  # [M, r, N]
     s_unread = torch.nn.functional.pad(s_all.masked_fill(~(unread > 0)[:, None, :], float("-inf")), (0, pad),
@@ -77,6 +76,7 @@ def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     elif mass in ("minmax", "midrange"):
         logit = minmax_logits(qg, keys, unread, block, scale, variance=mass == "minmax")
     else:
+        kbar = torch.einsum("mbg,bgd->mbd", u, kp) / c  # [M, nb, D]: the unread tokens' mean key
         logit = torch.einsum("mrd,mbd->mrb", qg.double(), kbar) * scale  # [M, r, nb]
         logit = logit + count.clamp(min=1.0).log()[:, None, :]
         logit = logit.masked_fill(~has[:, None, :], float("-inf"))

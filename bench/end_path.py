@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from margin_flips import answer_steps, margins  # noqa: E402
+from ruler_diverge import answer_run  # noqa: E402
 from ruler_split import exported_samples, model_tag  # noqa: E402
 
 from fluxion_lite.engine import Engine  # noqa: E402
@@ -119,13 +120,7 @@ def main() -> None:
     args = ap.parse_args()
     meta, prompts = exported_samples(args.dir, args.gguf, args.length)
     eog = set(meta["eog_ids"])
-    file, _, mode = args.answers.rpartition(":")
-    try:
-        runs = json.loads(Path(file).read_text())["runs"]
-        run = next(r for r in runs if r["mode"] == mode and r["length"] == args.length)
-    except (OSError, ValueError, KeyError, TypeError, StopIteration) as e:
-        sys.exit(f"error: --answers {args.answers}: no {mode!r} run at {args.length} in it ({e!r})")
-    paths = pick_paths(run, meta, eog, args.tasks, args.per_task)
+    paths = pick_paths(answer_run(args.answers, args.length), meta, eog, args.tasks, args.per_task)
     if not paths:
         sys.exit(f"error: no answer of {args.tasks} in {args.answers} ends by itself")
     plan = SparsePlan.load(Path(args.plan)) if args.plan else None

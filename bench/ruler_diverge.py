@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ruler_split import model_tag  # noqa: E402
 
 
-def answer_outputs(spec: str, length: int) -> list[list[int]]:
-    """FILE:MODE -> that run's output ids per sample (the run of that mode at that length)."""
+def answer_run(spec: str, length: int) -> dict[str, Any]:
+    """FILE:MODE -> the ruler_split answers run of that mode at that length (outputs, answered, ...)."""
     path, sep, mode = spec.rpartition(":")
     if not sep or not path:
         sys.exit(f"error: {spec!r}: use FILE:MODE")
@@ -40,7 +40,12 @@ def answer_outputs(spec: str, length: int) -> list[list[int]]:
     if not found:
         have = sorted({f"{r['mode']}@{r['length']}" for r in runs})
         sys.exit(f"error: {path} has no {mode} run at {length} (has {', '.join(have)})")
-    return found[0]["outputs"]
+    return found[0]
+
+
+def answer_outputs(spec: str, length: int) -> list[list[int]]:
+    """FILE:MODE -> that run's output ids per sample (the run of that mode at that length)."""
+    return answer_run(spec, length)["outputs"]
 
 
 def first_difference(a: list[int], b: list[int]) -> int:
