@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from background_mass import MASSES, background_output  # noqa: E402  (bench scripts import each other from their folder)
+from background_mass import MASSES, VALUES, background_output  # noqa: E402  (bench scripts import each other from their folder)
 from copy_heads import quest_bound, read_mask  # noqa: E402
 from margin_flips import answer_steps  # noqa: E402
 from policy_sim import SimulatedBackend  # noqa: E402
@@ -48,9 +48,9 @@ class PlanSimulated(SimulatedBackend):
     given. One sequence at a time: call start(prompt_len) before each prompt."""
 
     def __init__(self, base: DenseAttention, plan: SparsePlan, summary_g: int | None, mass: str = "mean",
-                 retrieval_only: bool = False) -> None:
+                 retrieval_only: bool = False, value: str = "unread") -> None:
         self.cache, self.scale = base.cache, base.scale  # share the loaded engine's (empty) cache
-        self.plan, self.summary_g, self.mass = plan, summary_g, mass
+        self.plan, self.summary_g, self.mass, self.value = plan, summary_g, mass, value
         # the term for retrieval groups only: their block summaries are scanned by the top-k anyway, a streaming
         # group's are not (reading them would cost it 2 D values per 16 tokens)
         self.retrieval_only = retrieval_only
@@ -102,25 +102,27 @@ class PlanSimulated(SimulatedBackend):
                 outs.append(torch.softmax(s.masked_fill(~mask[None, :], float("-inf")), dim=-1) @ vh)
             else:
                 out, _ = background_output(qg[h][None], kh, vh, mask[None], causal, self.summary_g, self.scale,
-                                           self.mass)
+                                           self.mass, value=self.value)
                 outs.append(out[0])
         return torch.stack(outs).reshape(q.shape).to(q.dtype)  # [Hkv, r, D] -> [1, Hq, D]
 
 
-def parse_background(spec: str) -> tuple[int | None, str]:
-    """'none' or 'G:MASS' -> (summary_g or None, mass), or exit naming the flag."""
+def parse_background(spec: str) -> tuple[int | None, str, str]:
+    """'none' or 'G:MASS[:VALUE]' -> (summary_g or None, mass, value), or exit naming the flag."""
     if spec == "none":
-        return None, "mean"
+        return None, "mean", "unread"
     parts = spec.split(":")
     try:
-        if len(parts) != 2 or parts[1] not in MASSES:
+        if len(parts) not in (2, 3) or parts[1] not in MASSES:
             raise ValueError(f"MASS is one of {', '.join(MASSES)}")
+        if len(parts) == 3 and parts[2] not in VALUES:
+            raise ValueError(f"VALUE is one of {', '.join(VALUES)}")
         g = int(parts[0])
         if g < 1:
             raise ValueError("G >= 1")
     except ValueError as e:
-        sys.exit(f"error: --background {spec!r}: use none or G:MASS ({e})")
-    return g, parts[1]
+        sys.exit(f"error: --background {spec!r}: use none or G:MASS[:VALUE] ({e})")
+    return g, parts[1], parts[2] if len(parts) == 3 else "unread"
 
 
 def main() -> None:
@@ -133,9 +135,9 @@ def main() -> None:
     ap.add_argument("--per-task", type=int, default=20)
     ap.add_argument("--dtype", default="bfloat16", help="model weights and activations; attention is fp32")
     ap.add_argument("--chunk", type=int, default=1024, help="prefill chunk")
-    ap.add_argument("--background", nargs="+", default=["none"], metavar="none|G:MASS",
+    ap.add_argument("--background", nargs="+", default=["none"], metavar="none|G:MASS[:VALUE]",
                     help="variants: none (the plan's selection alone) or the background term at summary size G "
-                         f"with mass {' / '.join(MASSES)}")
+                         f"with mass {' / '.join(MASSES)} and value {' / '.join(VALUES)} (default unread)")
     ap.add_argument("--retrieval-only", action="store_true",
                     help="the background term for retrieval groups only (streaming groups read sink + window alone)")
     ap.add_argument("--out", required=True)
@@ -155,10 +157,11 @@ def main() -> None:
     results: dict[str, Any] = {"machine": platform.node(), "device": "cpu", "dtype": args.dtype, "gpu": None,
                                "simulated": True, "plan": str(plan_path), "runs": []}
     t0 = time.perf_counter()
-    for summary_g, mass in variants:
+    for summary_g, mass, value in variants:
         label = f"sim@{plan_path.stem}" + ("" if summary_g is None else f"+bg{summary_g}-{mass}"
+                                           + ("" if value == "unread" else f"-{value}value")
                                            + ("-retrieval" if args.retrieval_only else ""))
-        sim = PlanSimulated(engine.attn, plan, summary_g, mass, args.retrieval_only)
+        sim = PlanSimulated(engine.attn, plan, summary_g, mass, args.retrieval_only, value)
         outputs: list[list[int]] = [[] for _ in prompts]
         finished: list[int] = []
         run: dict[str, Any] = {"mode": label, "length": meta["length"], "model": meta["model"],

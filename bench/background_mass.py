@@ -37,21 +37,26 @@ from fluxion_lite.calibration import Config, capture_prompt, group_outputs  # no
 
 
 MASSES = ("mean", "oracle", "minmax", "midrange")  # background_output's mass rules
+VALUES = ("unread", "block")  # its value rules
 
 
 def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
                       causal: torch.Tensor, block: int, scale: float, mass: str,
-                      scores: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+                      scores: torch.Tensor | None = None, value: str = "unread") -> tuple[torch.Tensor, float]:
     """Read tokens exactly plus one estimated term per summary block for its unread tokens.
 
     mass: "mean" (|U| exp(s q.kbar)), "oracle" (the unread tokens' true mass: what a mass estimate aims at; not
     the best on RULER's cwe, docs/design-notes.md), "minmax" or "midrange" (from the per-16-token key minimum and maximum the top-k's
-    summaries already hold: see minmax_logits). qg: [M, r, D]; keys/values: [N, D]; allowed/causal: [M, N] bool.
+    summaries already hold: see minmax_logits). value: "unread" (the unread tokens' mean value: needs the read
+    tokens' values subtracted from the block's sum) or "block" (the whole block's mean value, read tokens included:
+    what a per-block running sum alone gives). qg: [M, r, D]; keys/values: [N, D]; allowed/causal: [M, N] bool.
     Returns the output [M, r, D] and the estimated over the true unread mass (mean over M, r). scores: s q.k
     [M, r, N] if the caller has them (computed here otherwise).
     """
     if mass not in MASSES:
         raise ValueError(f"mass={mass!r}: use one of {', '.join(MASSES)}")
+    if value not in VALUES:
+        raise ValueError(f"value={value!r}: use one of {', '.join(VALUES)}")
     m, r, d = qg.shape
     n = keys.shape[0]
     nb = -(-n // block)
@@ -67,6 +72,9 @@ def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     has = count > 0
     c = count.clamp(min=1.0)[..., None]
     vbar = vsum / c  # [M, nb, D]
+    if value == "block":  # every valid token of the block, read or not
+        valid = torch.nn.functional.pad(causal.double(), (0, pad)).view(m, nb, block)  # [M, nb, G]
+        vbar = torch.einsum("mbg,bgd->mbd", valid, vp) / valid.sum(-1).clamp(min=1.0)[..., None]
     s_all = (torch.einsum("mrd,nd->mrn", qg.double(), keys.double()) * scale if scores is None
              else scores.double())  # [M, r, N]
     s_unread = torch.nn.functional.pad(s_all.masked_fill(~(unread > 0)[:, None, :], float("-inf")), (0, pad),

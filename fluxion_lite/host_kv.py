@@ -2,7 +2,8 @@
 
 One page = P tokens of one layer for all KV heads of one sequence: K [Hkv, P, D], V [Hkv, P, D] (fp16/bf16), then
 min/max summaries [Hkv, P/g, 2, D] in the same 16-bit dtype (exact: min and max of 16-bit values are 16-bit
-values) for each kept granularity g.  Pages are carved out of large slabs (one
+values) for each kept granularity g, and with value_sums the fp32 sums of each 128-token block's values (what the
+unread-background term reads, native.background).  Pages are carved out of large slabs (one
 torch allocation each, pinned when CUDA is available): pinning once per slab instead of once per page keeps torch's
 pinned allocator from rounding every 1.12 MiB page up to 2 MiB, and lets the GPU read the pages in place through one
 alias per slab (fluxion_lite/zero_copy.py).  Pages sit at a fixed stride inside a slab and never straddle two slabs;
@@ -70,7 +71,8 @@ class HostKVStore:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
                  max_seqs: int = 16, page_tokens: int = 256, granularities: Sequence[int] = (16, 32, 64, 128),
                  pin_memory: bool | None = None, initial_pages_per_seq: int = 4,
-                 slab_bytes: int = DEFAULT_SLAB_BYTES, max_bytes: int | None = None) -> None:
+                 slab_bytes: int = DEFAULT_SLAB_BYTES, max_bytes: int | None = None,
+                 value_sums: bool = False) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("max_seqs", max_seqs)):
@@ -80,8 +82,9 @@ class HostKVStore:
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.dtype, self.max_seqs, self.page_tokens = dtype, max_seqs, page_tokens
         self.granularities = tuple(sorted(set(granularities)))
+        self.value_sums = value_sums
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
-        self.page_bytes = native.page_bytes(n_kv_heads, head_dim, page_tokens, self.granularities)
+        self.page_bytes = native.page_bytes(n_kv_heads, head_dim, page_tokens, self.granularities, value_sums)
         self.page_stride = page_stride(self.page_bytes, head_dim)
         self.chunk_bytes = CHUNK_TOKENS * head_dim * 2
         if slab_bytes < 1 or slab_bytes & (slab_bytes - 1):
@@ -236,6 +239,21 @@ class HostKVStore:
             return torch.empty(H, 0, 2, D, dtype=self.dtype)
         return torch.cat(parts, dim=1)[:, :n_blocks].clone()
 
+    def value_block_sums(self, layer: int, slot: int) -> torch.Tensor:
+        """Copy of the slot's per-128-token value sums: fp32 [Hkv, n_blocks, D] (value_sums stores only)."""
+        if not self.value_sums:
+            raise ValueError("this store keeps no value sums (HostKVStore(value_sums=True))")
+        self._check_layer(layer)
+        self._check_slot(slot)
+        n, P, H, D = self.n_tokens(layer, slot), self.page_tokens, self.n_kv_heads, self.head_dim
+        off = 2 * H * P * D * 2 + sum(H * (P // g) * 2 * D * 2 for g in self.granularities)
+        per_page = P // native.MAX_BLOCK
+        parts = [page[off: off + H * per_page * D * 4].view(torch.float32).view(H, per_page, D)
+                 for page in self._pages[layer][slot]]
+        if not parts:
+            return torch.empty(H, 0, D)
+        return torch.cat(parts, dim=1)[:, :-(-n // native.MAX_BLOCK)].clone()
+
     # ---- internals ----
 
     def _prepare(self, x: torch.Tensor, name: str) -> torch.Tensor:
@@ -308,7 +326,7 @@ class HostKVStore:
         self._views = [
             native.KVView(self._pages_table[layer], self._n_tokens[layer], n_kv_heads=self.n_kv_heads,
                           head_dim=self.head_dim, page_tokens=self.page_tokens, dtype=self.dtype,
-                          granularities=self.granularities)
+                          granularities=self.granularities, value_sums=self.value_sums)
             for layer in range(self.n_layers)
         ]
 

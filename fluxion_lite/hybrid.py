@@ -41,6 +41,21 @@ def lse_merge(o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: 
     return (o_a * w_a[..., None] + o_b * w_b[..., None]) / (w_a + w_b)[..., None]
 
 
+def lse_merge_parts(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """lse_merge of any number of partial attentions over disjoint keys (or terms standing for them): [(o [..., D],
+    lse [...]), ...] -> o. At least one lse per row must be finite."""
+    m = parts[0][1]
+    for _, lse in parts[1:]:
+        m = torch.maximum(m, lse)
+    num = den = None
+    for o, lse in parts:
+        w = torch.exp(lse - m)
+        num = o * w[..., None] if num is None else num + o * w[..., None]
+        den = w if den is None else den + w
+    assert num is not None and den is not None
+    return num / den[..., None]
+
+
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lens: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of each task's query heads over its gathered tokens.
@@ -123,6 +138,7 @@ class StepStats:
     cpu_bytes: float = 0.0  # retrieval K+V bytes attended on the CPU
     gpu_bytes: float = 0.0  # ... sent to and attended on the GPU
     zero_copy_bytes: float = 0.0  # read by the GPU from host pages through the alias (zero-copy feeder)
+    cpu_background_s: float = 0.0  # the unread-background term (native.background), plan.background != "off"
 
     def as_dict(self) -> dict[str, float]:
         n = max(1, self.steps)
@@ -136,6 +152,7 @@ class StepStats:
             "gpu_wait_ratio": self.gpu_wait_s / self.step_s if self.step_s else 0.0,
             "cpu_topk_ms": self.cpu_topk_s * ms,
             "cpu_attn_ms": self.cpu_attn_s * ms,
+            "cpu_background_ms": self.cpu_background_s * ms,
             "gather_ms": self.gather_s * ms,
             "host_wait_ms": self.host_wait_s * ms,
             "pcie_mb": self.pcie_bytes / n / 1e6,

@@ -161,8 +161,9 @@ def set_stream_stores(on: bool) -> None:
     lib.fx_set_stream_stores(1 if on else 0)
 
 
-def gran_mask(granularities: Sequence[int]) -> int:
-    mask = 0
+def gran_mask(granularities: Sequence[int], value_sums: bool = False) -> int:
+    """The view's layout mask: one bit per kept granularity, and FX_KEEP_VALUE_SUMS if the pages hold value sums."""
+    mask = lib.FX_KEEP_VALUE_SUMS if value_sums else 0
     for g in granularities:
         if g not in GRANULARITIES:
             raise ValueError(f"granularities: {g!r} is not one of {GRANULARITIES}")
@@ -170,9 +171,11 @@ def gran_mask(granularities: Sequence[int]) -> int:
     return mask
 
 
-def page_bytes(n_kv_heads: int, head_dim: int, page_tokens: int, granularities: Sequence[int]) -> int:
-    """Bytes of one page: K and V [Hkv, P, D] 16-bit, then per kept g the summaries [Hkv, P/g, 2, D] 16-bit."""
-    return int(lib.fx_page_bytes(n_kv_heads, head_dim, page_tokens, gran_mask(granularities)))
+def page_bytes(n_kv_heads: int, head_dim: int, page_tokens: int, granularities: Sequence[int],
+               value_sums: bool = False) -> int:
+    """Bytes of one page: K and V [Hkv, P, D] 16-bit, then per kept g the summaries [Hkv, P/g, 2, D] 16-bit, then
+    (value_sums) the per-128-token value sums [Hkv, P/128, D] fp32."""
+    return int(lib.fx_page_bytes(n_kv_heads, head_dim, page_tokens, gran_mask(granularities, value_sums)))
 
 
 def _init_from_env() -> None:
@@ -362,7 +365,7 @@ class KVView:
     """
 
     def __init__(self, pages: np.ndarray, n_tokens: np.ndarray, *, n_kv_heads: int, head_dim: int,
-                 page_tokens: int, dtype: Any, granularities: Sequence[int]) -> None:
+                 page_tokens: int, dtype: Any, granularities: Sequence[int], value_sums: bool = False) -> None:
         pages = _arr(pages, "pages", _U64, ndim=2)
         n_tokens = _arr(n_tokens, "n_tokens", _I64, ndim=1, shape=(pages.shape[0],), writable=True)
         if n_kv_heads < 1:
@@ -377,12 +380,13 @@ class KVView:
         # the torch dtype append() accepts for k/v (None without torch)
         self.torch_dtype = None if torch is None else getattr(torch, self.dtype)
         self.granularities = tuple(sorted(set(granularities)))
+        self.value_sums = value_sums  # the pages hold per-128-token value sums (what background() reads)
         self._n_slots = int(pages.shape[0])
         self.struct = ffi.new("fx_kv_view *")
         s = self.struct
         s.n_slots, s.max_pages = pages.shape
         s.n_kv_heads, s.head_dim, s.page_tokens = n_kv_heads, head_dim, page_tokens
-        s.dtype, s.gran_mask = _dtype_code(dtype), gran_mask(self.granularities)
+        s.dtype, s.gran_mask = _dtype_code(dtype), gran_mask(self.granularities, value_sums)
         s.n_tokens = _ptr(n_tokens, "int64_t *")
         s.pages = _ptr(pages, "uint8_t **")
 
@@ -392,7 +396,7 @@ class KVView:
 
     @property
     def page_bytes(self) -> int:
-        return page_bytes(self.n_kv_heads, self.head_dim, self.page_tokens, self.granularities)
+        return page_bytes(self.n_kv_heads, self.head_dim, self.page_tokens, self.granularities, self.value_sums)
 
 
 # -------------------------------------------------------------------------------------------------------- tasks --
@@ -683,6 +687,54 @@ def sparse_attention(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, sc
     return out, lse
 
 
+def background(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, scale: float,
+               out: Any | None = None, lse: Any | None = None) -> tuple[Any, Any]:
+    """The unread-background term of each task (fluxion.h, "unread background"): out fp32 [T, r, D], lse fp32 [T, r].
+
+    For the tokens a task's selection (ids int32 [T, k_cap] strictly ascending per row, counts int32 [T], at the
+    task's g) leaves unread between its excluded ranges: one softmax term per 128-token block, its mass from the
+    16-token blocks' midrange keys, its value the block's mean value; merge (out, lse) with the read part by
+    log-sum-exp.  No unread block: out 0, lse -inf.  Needs a view with the g = 16 summaries and value sums
+    (HostKVStore(value_sums=True)).  out/lse: optional preallocated buffers, filled and returned as given.
+    """
+    if not view.value_sums or GRANULARITIES[0] not in view.granularities:
+        raise ValueError("background: the KV store keeps no value sums or no g=16 summaries "
+                         "(HostKVStore(value_sums=True, granularities including 16))")
+    q_ptr, q_rows, n_q_heads, r = _check_q(view, q)
+    t = _tasks_array(tasks)
+    n = len(t)
+    ids_a, counts_a = _selection_arrays(t, ids, counts)
+    if not (0.0 < scale < _INF):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    d = view.head_dim
+    if out is None:
+        out = np.empty((n, r, d), _F32)
+    out_ptr, _ = _buf(out, "out", _F32, 3, (n, r, d), writable=True)
+    if lse is None:
+        lse = np.empty((n, r), _F32)
+    lse_ptr, _ = _buf(lse, "lse", _F32, 2, (n, r), writable=True)
+    t_ptr, ids_ptr, counts_ptr, k_cap, scratch = _cptr(t), _cptr(ids_a), _cptr(counts_a), ids_a.shape[1], _scratch
+    err = scratch.err
+
+    def call() -> int:
+        return lib.fx_background(view.struct, q_ptr, q_rows, n_q_heads, t_ptr, n, ids_ptr, counts_ptr, k_cap,
+                                 float(scale), out_ptr, lse_ptr, scratch.ws_ptr, scratch.ws_floats, err)
+
+    rc = call()
+    if rc == _E_OUTPUT:
+        scratch.grow(int(lib.fx_background_workspace_floats(n, r, d)))
+        rc = call()
+    if rc == lib.FX_E_BLOCK:
+        i = int(err[0])
+        row = ids_a[i, :counts_a[i]].tolist()
+        raise ValueError(f"background: ids[{i}, :{int(counts_a[i])}]={row} must be strictly ascending block "
+                         f"ids in [0, {-(-int(view.n_tokens[int(t[i, 0])]) // int(t[i, 3]))}) (slot {int(t[i, 0])}, "
+                         f"g={int(t[i, 3])})")
+    if rc:
+        raise _native_error(rc, err, "background", view, t, q_rows=q_rows, k_cap=k_cap, ids=ids_a, counts=counts_a)
+    return out, lse
+
+
 def gather(view: KVView, tasks: Any, ids: Any, counts: Any, k_out: Any, v_out: Any,
            out_offset: Any | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Copy each task's selected blocks (valid tokens, in the given order) into staging k_out/v_out [cap, D].
@@ -894,5 +946,5 @@ __all__ = [
     "TASK_FIELDS", "GRANULARITIES", "SIMD_PATHS", "SCORINGS", "KVView", "make_tasks", "append", "summaries_update",
     "group_topk", "sparse_attention", "gather", "read_bandwidth_probe", "read_blocks_probe", "set_threads", "get_threads",
     "set_simd", "get_simd", "simd_supported", "set_checks", "set_stream_stores", "physical_cores", "page_bytes",
-    "gran_mask", "PreparedAppend", "PreparedSelection",
+    "gran_mask", "PreparedAppend", "PreparedSelection", "background",
 ]

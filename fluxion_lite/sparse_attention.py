@@ -32,15 +32,16 @@ from .attention import AttentionBackend, SeqChunk, causal_attention
 from .config import ModelConfig
 from .device_select import DeviceSummaries
 from .host_kv import HostKVStore
-from .hybrid import HybridExecutor, StepStats, Timer, biased_attention, lse_merge
+from .hybrid import HybridExecutor, StepStats, Timer, biased_attention, lse_merge_parts
 from .kv_cache import DenseKVCache
 from .pinned import PinnedBlocks
 from .request_plan import RequestPlanner, RowPlan
 from .scheduler import Costs, CostModel, Placement, measure_costs
-from .sparse_plan import GRANULARITIES, SparsePlan
+from .sparse_plan import BACKGROUNDS, GRANULARITIES, SparsePlan
 from .device_graph import DeviceGraphedDecode
 from .sparse_graph import GraphedDecode
-from .sparse_step import DecodeStep, active_retrieval, bias_rows, build_step, group_rows, retrieval_tasks
+from .sparse_step import (DecodeStep, active_retrieval, background_tasks, bias_rows, build_step, group_rows,
+                          retrieval_tasks)
 from . import zero_copy as zc
 
 MAX_G = max(GRANULARITIES)
@@ -57,6 +58,11 @@ class SparseAttention(AttentionBackend):
                  placement: Placement = "auto", selection: Selection = "cpu", costs: Costs | None = None,
                  zero_copy: bool | None = None, topk_scoring: str | None = None,
                  mixed_select: Literal["host", "device"] | None = None):
+        background = os.environ.get("FLUXION_BACKGROUND")  # the plan's unread-background term, overridden (A/B)
+        if background:
+            plan = replace(plan, background=background)
+            if background not in BACKGROUNDS:
+                raise ValueError(f"FLUXION_BACKGROUND={background!r}: use one of {', '.join(BACKGROUNDS)}")
         plan.validate(cfg.n_layers, cfg.n_kv_heads)
         if plan.window < 1:
             raise ValueError("the sparse backend needs window >= 1 (the newest token is attended on the device)")
@@ -65,7 +71,8 @@ class SparseAttention(AttentionBackend):
         self.scale = cfg.head_dim**-0.5
         self.r = cfg.n_heads // cfg.n_kv_heads
         self.store = HostKVStore(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16, max_seqs=max_seqs,
-                                 page_tokens=256, granularities=GRANULARITIES)
+                                 page_tokens=256, granularities=GRANULARITIES,
+                                 value_sums=plan.background != "off")
         self.sink_cap = _align_up(max(plan.sink, 1), MAX_G)
         self.ring_cap = plan.window + MAX_G
         self.scratch = DenseKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype, device)
@@ -178,7 +185,7 @@ class SparseAttention(AttentionBackend):
         """The captured form of this decode step (sparse_graph.py; device_graph.py for device-side selection with
         the zero-copy feeder), or None where it must run eagerly: prefill chunks or a sequence's first decode step,
         a token still landing in the sink, per-request plans, device selection without the zero-copy feeder."""
-        if self.planner is not None:
+        if self.planner is not None or self.plan.background != "off":  # the captured step has no background term yet
             return None
         if any(c.length != 1 or c.seq_id in self._prefilling or c.start < self.sink_cap for c in chunks):
             return None
@@ -506,9 +513,12 @@ class SparseAttention(AttentionBackend):
         gi_read = self._gidx[layer][None, :] if rp is None else rp.gidx[layer]  # [1 or B, Hkv]
         self._read_tokens += float(st.stream_read[gi_read, np.arange(B)[:, None]].sum())
         self._context_tokens += float(st.n.sum()) * hkv
+        parts = [(out, lse_s)]  # partial attentions (and the background term) merged by log-sum-exp
+        ids = counts = None
+        q_host = None
+        bi, h, k_blocks, lo, hi = meta
         if len(tasks):
             view = self.store.view(layer)
-            bi, h, k_blocks, lo, hi = meta
             t0 = time.perf_counter()
             if on_host:
                 if ev_q is not None:
@@ -519,21 +529,60 @@ class SparseAttention(AttentionBackend):
                 ids, _, counts = native.group_topk(view, q_host, tasks, scoring=self.topk_scoring, pins=pin_ids,
                                                    pin_counts=pin_counts)
             else:
-                q_host = q
                 ids, counts = self._select_on_device(layer, st, qg, bi, h, k_blocks, lo, hi, pinned)
             self._st.cpu_topk_s += time.perf_counter() - t0
-            o_r, lse_r = self.executor.run(view, q_host, qg.reshape(B * hkv, r, d), tasks, ids, counts, bi * hkv + h,
-                                           B * hkv, self.scale,
+            o_r, lse_r = self.executor.run(view, q if q_host is None else q_host, qg.reshape(B * hkv, r, d), tasks,
+                                           ids, counts, bi * hkv + h, B * hkv, self.scale,
                                            placement=None if self._dsum is None else "auto" if host_select else "gpu",
                                            layer=layer)
             self._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
-            m2 = self.timer.mark()
-            out = lse_merge(out, lse_s, o_r.view(B, hkv, r, d), lse_r.view(B, hkv, r))
-        else:
-            m2 = self.timer.mark()
+            parts.append((o_r.view(B, hkv, r, d), lse_r.view(B, hkv, r)))
+        if self.plan.background != "off":
+            if q_host is None:
+                q_host = q.float().cpu().contiguous()
+            bg = self._background(layer, st, q_host, tasks, ids, counts, bi * hkv + h, gi_read)
+            if bg is not None:
+                parts.append(bg)
+        m2 = self.timer.mark()
+        if len(parts) > 1:
+            out = lse_merge_parts(parts)
         self.timer.span("window", m1, m2)
         self.timer.span("merge", m2, self.timer.mark())
         return out.view(B, hkv * r, d).to(q.dtype)
+
+    def _background(self, layer: int, st: DecodeStep, q_host: torch.Tensor, tasks: np.ndarray,
+                    ids: np.ndarray | None, counts: np.ndarray | None, task_rows: np.ndarray, gi: np.ndarray
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The unread-background term of this layer (plan.background): for the retrieval tasks over what their
+        selections left unread, and with "all" for every other group over the gap between its sink and window.
+        Returns (o [B, Hkv, r, D], lse [B, Hkv, r]) on the device (lse -inf for groups without a term), or None
+        when no group has one."""
+        B, hkv, r, d = st.batch, self.cfg.n_kv_heads, self.r, self.cfg.head_dim
+        all_tasks, rows = tasks, task_rows
+        if len(tasks):
+            assert ids is not None and counts is not None
+            # ascending ids (the device selection's are not): pad entries sort last and stay past counts
+            pad = np.arange(ids.shape[1])[None, :] >= counts[:, None]
+            ids = np.sort(np.where(pad, np.iinfo(np.int32).max, ids), axis=1).astype(np.int32)
+        if self.plan.background == "all":
+            more, more_rows = background_tasks(st, gi, task_rows)
+            if len(more):
+                k_cap = ids.shape[1] if ids is not None else 1
+                all_tasks = np.concatenate([tasks, more]) if len(tasks) else more
+                rows = np.concatenate([task_rows, more_rows])
+                ids = np.concatenate([ids, np.zeros((len(more), k_cap), np.int32)]) if ids is not None \
+                    else np.zeros((len(more), k_cap), np.int32)
+                counts = np.concatenate([counts, np.zeros(len(more), np.int32)]) if counts is not None \
+                    else np.zeros(len(more), np.int32)
+        if not len(all_tasks):
+            return None
+        t0 = time.perf_counter()
+        o_b, lse_b = native.background(self.store.view(layer), q_host, all_tasks, ids, counts, self.scale)
+        self._st.cpu_background_s += time.perf_counter() - t0
+        o = torch.zeros(B * hkv, r, d)
+        lse = torch.full((B * hkv, r), float("-inf"))
+        o[rows], lse[rows] = torch.from_numpy(o_b), torch.from_numpy(lse_b)
+        return o.view(B, hkv, r, d).to(self.device), lse.view(B, hkv, r).to(self.device)
 
     def _row_plan(self, st: DecodeStep) -> RowPlan | None:
         """The step's per-row plan arrays when some sequence has a per-request plan, else None (static plan)."""

@@ -11,6 +11,7 @@ import numpy as np
 from .errors import ModelFileError
 
 GRANULARITIES = (16, 32, 64, 128)
+BACKGROUNDS = ("off", "retrieval", "all")  # SparsePlan.background
 MAX_PIN_SPAN = 8  # a span of pinned blocks longer than this would be a dense region, not a needle's value
 MAX_PIN_SPAN_TOKENS = MAX_PIN_SPAN * min(GRANULARITIES)  # pin_span_tokens: at most MAX_PIN_SPAN blocks at any g
 DEFAULT_SHORT_TOKENS = 8192
@@ -118,6 +119,12 @@ class SparsePlan:
     # share of each group's pin mass replaced by the mean of all retrieval groups' (normalised) masses, so a needle
     # that some groups' prompt-end attention found is pinned by the others too (pinned.consensus_masses; 0 = own)
     pin_consensus: float = 0.0
+    # the unread-background term (native.background): "off"; "retrieval": each retrieval group's unread tokens
+    # between sink and window become one softmax term per 128-token block (mass from the 16-token blocks' midrange
+    # keys, value the block's mean value), so the softmax no longer renormalises over the read tokens alone;
+    # "all": streaming groups too. Costs the host store 0.78% more bytes (fp32 value sums per 128 tokens) and,
+    # per step, a scan of the 16-token summaries (docs/design-notes.md, fortieth session).
+    background: str = "off"
 
     def __post_init__(self) -> None:
         self._check_scales()
@@ -192,6 +199,9 @@ class SparsePlan:
                     raise ModelFileError(f"sparse plan: bad group entry {gp}")
                 if gp.streaming and gp.long_only:
                     raise ModelFileError(f"sparse plan: a streaming group cannot be long_only ({gp})")
+        if self.background not in BACKGROUNDS:
+            raise ModelFileError(f"sparse plan: background must be one of {', '.join(BACKGROUNDS)} "
+                                 f"(got {self.background!r})")
         if self.scoring not in ("group", "per-head", "midrange"):
             raise ModelFileError(f"sparse plan: scoring must be 'group', 'per-head' or 'midrange' (got {self.scoring!r})")
         if not 0.0 <= self.pin_fraction <= 1.0 or self.obs_window < 1:
@@ -240,6 +250,8 @@ class SparsePlan:
             data["budget_curve"] = [[t, s] for t, s in self.budget_curve]
         if self.pin_consensus:
             data["pin_consensus"] = self.pin_consensus
+        if self.background != "off":
+            data["background"] = self.background
         path.write_text(json.dumps(data, indent=1))
 
     @classmethod
@@ -267,7 +279,7 @@ class SparsePlan:
                        str(data.get("scoring", "group")), pin_span,
                        float(data.get("pin_decay", 1.0)), short_scale, short_tokens, span_tokens, long_exact,
                        float(data.get("pin_stride", 0.0)), min_blocks, data.get("budget_curve", ()),
-                       float(data.get("pin_consensus", 0.0)))
+                       float(data.get("pin_consensus", 0.0)), background=str(data.get("background", "off")))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise ModelFileError(f"{path}: unreadable sparse plan ({exc})") from exc
 
@@ -275,6 +287,9 @@ class SparsePlan:
         lines = [f"sparse plan ({self.source}): sink {self.sink}, window {self.window}"]
         if self.scoring != "group":
             lines.append(f"  blocks scored per query head ({self.scoring})")
+        if self.background != "off":
+            lines.append("  unread tokens as one softmax term per 128-token block (midrange mass, mean value) in "
+                         + ("retrieval groups" if self.background == "retrieval" else "every group"))
         if self.pin_fraction:
             lines.append(f"  {self.pin_fraction:.0%} of each retrieval budget pinned at prefill end "
                          f"(attention of the last {self.obs_window} prompt tokens"

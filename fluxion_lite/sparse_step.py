@@ -136,3 +136,23 @@ def retrieval_tasks(st: DecodeStep, gi: np.ndarray, g: np.ndarray, retrieval: np
     lo_t, hi_t = lo[li, bi, h], hi[li, bi, h]
     tasks = native.make_tasks(st.slots[bi], bi, h, gh, k_blocks, exclude=[(0, lo_t), (hi_t, st.n[bi])])
     return tasks, li, bi, h, k_blocks, lo_t, hi_t
+
+
+BACKGROUND_G = 16  # the unread-background term's tasks without a selection scan the 16-token summaries
+
+
+def background_tasks(st: DecodeStep, gi: np.ndarray, task_rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The unread-background term's tasks for the groups of one layer that have no retrieval task this step
+    (streaming groups, long-only groups still streaming, gaps shorter than a block): one per (sequence row, group)
+    whose result row (row * Hkv + group) is not in task_rows, at g = 16 with an empty selection, excluding what that
+    group's streaming part reads (its row of sink_hi / win_lo). So the term covers the whole 16-token blocks between
+    them: never a token the streaming part reads (an exact sink or window leaves up to 15 tokens at each edge in
+    neither part). gi: [1 or B, Hkv] the layer's rows of the per-g arrays (group_rows). Returns the native task table
+    int32 [T, 9] and each task's result row (int64 [T])."""
+    b, hkv = st.batch, gi.shape[-1]
+    rest = np.setdiff1d(np.arange(b * hkv), task_rows)
+    bi, h = rest // hkv, rest % hkv
+    rows = np.broadcast_to(gi, (b, hkv))[bi, h]
+    lo, hi = st.sink_hi[rows, bi], st.win_lo[rows, bi]
+    tasks = native.make_tasks(st.slots[bi], bi, h, BACKGROUND_G, 0, exclude=[(0, lo), (hi, st.n[bi])])
+    return tasks, rest

@@ -22,7 +22,7 @@ from cffi import FFI
 
 NATIVE_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(NATIVE_DIR)
-SOURCES = ["fluxion.c", "fx_pool.c", "fx_simd_portable.c", "fx_simd_avx2.c", "fx_simd_avx512.c",
+SOURCES = ["fluxion.c", "fx_background.c", "fx_pool.c", "fx_simd_portable.c", "fx_simd_avx2.c", "fx_simd_avx512.c",
            "fx_simd_avx512bf16.c"]
 
 HEADER = os.path.join(NATIVE_DIR, "fluxion.h")
@@ -65,7 +65,7 @@ def make_builder(sanitize: bool = False, absolute_paths: bool = False) -> FFI:
         '#include "fluxion.h"',
         sources=[os.path.join(base, s) for s in SOURCES],
         include_dirs=[base],
-        depends=[os.path.join(base, h) for h in ("fluxion.h", "fx_internal.h", "fx_simd_avx512.h")],
+        depends=[os.path.join(base, h) for h in ("fluxion.h", "fx_internal.h", "fx_layout.h", "fx_simd_avx512.h")],
         extra_compile_args=args,
         extra_link_args=link,
     )

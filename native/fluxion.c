@@ -4,11 +4,12 @@
 #include <string.h>
 #include <time.h>
 #include "fx_internal.h"
+#include "fx_layout.h"
 #if defined(__x86_64__) || defined(__i386__)
 #include <cpuid.h>
 #endif
 
-int fx_version(void) { return 6; } /* 6: midrange scoring, 5: pinned blocks (4: block summaries in the KV dtype, 3: per-head scoring) */
+int fx_version(void) { return 7; } /* 7: value sums + unread background, 6: midrange scoring, 5: pinned blocks (4: block summaries in the KV dtype, 3: per-head scoring) */
 
 /* ------------------------------------------------------------------------------------------------ settings -- */
 
@@ -77,7 +78,7 @@ int fx_get_simd(void) {
     return g_simd;
 }
 
-static const fx_kernels *kern(void) {
+const fx_kernels *fx_kern(void) {
     if (!g_kern) fx_set_simd(FX_SIMD_AUTO);
     return g_kern;
 }
@@ -87,59 +88,27 @@ int fx_get_threads(void) { return fx_pool_threads(); }
 int64_t fx_set_spin_ns(int64_t ns) { return fx_pool_set_spin_ns(ns); }
 void fx_wake_threads(void) { fx_pool_wake(); }
 void fx_set_checks(int on) { g_checks = on != 0; }
+int fx_checks_on(void) { return g_checks; }
 
 /* ---------------------------------------------------------------------------------------------- page layout -- */
-
-static int gran_index(int g) {
-    switch (g) {
-        case 16: return 0;
-        case 32: return 1;
-        case 64: return 2;
-        case 128: return 3;
-        default: return -1;
-    }
-}
 
 int64_t fx_page_bytes(int32_t n_kv_heads, int32_t head_dim, int32_t page_tokens, int32_t gran_mask) {
     int64_t bytes = 2 * (int64_t)n_kv_heads * page_tokens * head_dim * 2;
     for (int i = 0; i < 4; i++)
         if (gran_mask & (1 << i)) bytes += (int64_t)n_kv_heads * (page_tokens / (16 << i)) * 2 * head_dim * 2;
+    if (gran_mask & FX_KEEP_VALUE_SUMS) bytes += (int64_t)n_kv_heads * (page_tokens / FX_MAX_BLOCK) * head_dim * 4;
     return bytes;
-}
-
-static inline uint8_t *page_of(const fx_kv_view *kv, int slot, int64_t tok) {
-    return kv->pages[(int64_t)slot * kv->max_pages + tok / kv->page_tokens];
-}
-
-/* K row of token `tok` (head h); V is the same offset plus Hkv*P*D elements. */
-static inline uint16_t *k_row(const fx_kv_view *kv, int slot, int h, int64_t tok) {
-    int64_t P = kv->page_tokens;
-    return (uint16_t *)page_of(kv, slot, tok) + ((int64_t)h * P + tok % P) * kv->head_dim;
-}
-
-static inline int64_t v_offset(const fx_kv_view *kv) {
-    return (int64_t)kv->n_kv_heads * kv->page_tokens * kv->head_dim;
-}
-
-/* Summary [2][D] (16-bit, the KV dtype) of block b (granularity index gi) of head h. */
-static inline uint16_t *summary(const fx_kv_view *kv, int slot, int h, int gi, int64_t b) {
-    int64_t P = kv->page_tokens, D = kv->head_dim, H = kv->n_kv_heads, g = 16 << gi;
-    int64_t off = 2 * H * P * D * 2;
-    for (int i = 0; i < gi; i++)
-        if (kv->gran_mask & (1 << i)) off += H * (P / (16 << i)) * 2 * D * 2;
-    uint8_t *page = page_of(kv, slot, b * g);
-    return (uint16_t *)(page + off) + ((int64_t)h * (P / g) + (b * g % P) / g) * 2 * D;
 }
 
 /* ------------------------------------------------------------------------------------------------ validation -- */
 
-static int check_view(const fx_kv_view *kv) {
+int fx_check_view(const fx_kv_view *kv) {
     if (!kv || !kv->pages || !kv->n_tokens) return FX_E_VIEW;
     if (kv->n_slots <= 0 || kv->max_pages <= 0 || kv->n_kv_heads <= 0) return FX_E_VIEW;
     if (kv->head_dim <= 0 || kv->head_dim % 16 || kv->head_dim > FX_MAX_DIM) return FX_E_VIEW;
     if (kv->page_tokens <= 0 || kv->page_tokens % FX_MAX_BLOCK) return FX_E_VIEW;
     if (kv->dtype != FX_F16 && kv->dtype != FX_BF16) return FX_E_VIEW;
-    if (kv->gran_mask < 0 || kv->gran_mask > 15) return FX_E_VIEW;
+    if (kv->gran_mask < 0 || kv->gran_mask > (15 | FX_KEEP_VALUE_SUMS)) return FX_E_VIEW;
     return FX_OK;
 }
 
@@ -152,14 +121,14 @@ static int check_slot_pages(const fx_kv_view *kv, int slot, int64_t n_tok) {
     return FX_OK;
 }
 
-static int check_group(const fx_kv_view *kv, int32_t n_q_heads) {
+int fx_check_group(const fx_kv_view *kv, int32_t n_q_heads) {
     if (n_q_heads <= 0 || n_q_heads % kv->n_kv_heads) return FX_E_GROUP;
     if (n_q_heads / kv->n_kv_heads > FX_MAX_GROUP) return FX_E_GROUP;
     return FX_OK;
 }
 
 /* Common task fields; need_kept: the granularity's summaries must be in the pages. */
-static int check_task(const fx_kv_view *kv, const int32_t *t, int64_t q_rows, int need_kept) {
+int fx_check_task(const fx_kv_view *kv, const int32_t *t, int64_t q_rows, int need_kept) {
     if (t[0] < 0 || t[0] >= kv->n_slots) return FX_E_SLOT;
     if (q_rows >= 0 && (t[1] < 0 || t[1] >= q_rows)) return FX_E_QROW;
     if (t[2] < 0 || t[2] >= kv->n_kv_heads) return FX_E_HEAD;
@@ -180,7 +149,7 @@ static int check_selection(const fx_kv_view *kv, const int32_t *t, const int32_t
  * within k_cap, and (with checks on) its block ids. */
 static int check_selected_task(const fx_kv_view *kv, const int32_t *t, int64_t q_rows, const int32_t *ids,
                                int32_t count, int32_t k_cap) {
-    int rc = check_task(kv, t, q_rows, 0);
+    int rc = fx_check_task(kv, t, q_rows, 0);
     if (!rc) rc = count < 0 || count > k_cap ? FX_E_K : FX_OK;
     if (!rc && g_checks) rc = check_selection(kv, t, ids, count, k_cap);
     return rc;
@@ -245,6 +214,23 @@ typedef struct {
     const fx_kernels *kern;
 } append_job;
 
+/* Fold the values of tokens [lo, hi) (one page, head h) into their 128-token blocks' fp32 sums, token by token in
+ * order; a block whose first token is in the range starts from zero. */
+static void add_value_sums(const fx_kv_view *kv, int slot, int h, int64_t lo, int64_t hi) {
+    int64_t D = kv->head_dim, voff = v_offset(kv);
+    int bf16 = kv->dtype == FX_BF16;
+    for (int64_t b = lo / FX_MAX_BLOCK; b * FX_MAX_BLOCK < hi; b++) {
+        int64_t t0 = b * FX_MAX_BLOCK > lo ? b * FX_MAX_BLOCK : lo;
+        int64_t t1 = (b + 1) * FX_MAX_BLOCK < hi ? (b + 1) * FX_MAX_BLOCK : hi;
+        float *vs = value_sums(kv, slot, h, b);
+        if (t0 == b * FX_MAX_BLOCK) memset(vs, 0, sizeof(float) * (size_t)D);
+        for (int64_t t = t0; t < t1; t++) {
+            const uint16_t *v = k_row(kv, slot, h, t) + voff;
+            for (int64_t e = 0; e < D; e++) vs[e] += bf16 ? fx_bf16_to_f32(v[e]) : fx_f16_to_f32(v[e]);
+        }
+    }
+}
+
 /* Units: (item, page touched, head). */
 static void append_unit(append_job *J, int64_t i, int64_t page, int h) {
     const fx_kv_view *kv = J->kv;
@@ -272,6 +258,7 @@ static void append_unit(append_job *J, int64_t i, int64_t page, int h) {
             J->kern->minmax(k_row(kv, slot, h, t0), (int)(t1 - t0), (int)D, bf16, s, s + D, t0 == b * g);
         }
     }
+    if (kv->gran_mask & FX_KEEP_VALUE_SUMS) add_value_sums(kv, slot, h, lo, hi);
 }
 
 static void append_worker(void *ctx, int tid, int nthreads) {
@@ -306,7 +293,7 @@ enum { FX_APPEND_INLINE_UNITS = 64 };
 
 static int run_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *lo, const int64_t *hi,
                       const int64_t *row_start, int64_t n_items, const void *src_k, const void *src_v) {
-    append_job J = {kv, slots, lo, hi, row_start, src_k, src_v, n_items, 0, kern()};
+    append_job J = {kv, slots, lo, hi, row_start, src_k, src_v, n_items, 0, fx_kern()};
     int64_t units = 0, P = kv->page_tokens;
     for (int64_t i = 0; i < n_items && units <= FX_APPEND_INLINE_UNITS; i++)
         if (hi[i] > lo[i]) units += ((hi[i] - 1) / P - lo[i] / P + 1) * kv->n_kv_heads;
@@ -323,7 +310,7 @@ enum { FX_RANGE_CHUNK = 512 };
 int fx_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *row_start, const int64_t *row_count,
               int64_t n_items, const void *src_k, const void *src_v, int64_t n_rows, int64_t *err_index) {
     *err_index = -1;
-    int rc = check_view(kv);
+    int rc = fx_check_view(kv);
     if (rc) return rc;
     int64_t los[FX_RANGE_CHUNK], his[FX_RANGE_CHUNK];
     for (int64_t base = 0; base < n_items; base += FX_RANGE_CHUNK) {
@@ -351,7 +338,7 @@ int fx_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *row_sta
 int fx_summaries_update(const fx_kv_view *kv, const int32_t *slots, const int64_t *from_token, int64_t n_items,
                         int64_t *err_index) {
     *err_index = -1;
-    int rc = check_view(kv);
+    int rc = fx_check_view(kv);
     if (rc) return rc;
     int64_t los[FX_RANGE_CHUNK], his[FX_RANGE_CHUNK];
     for (int64_t base = 0; base < n_items; base += FX_RANGE_CHUNK) {
@@ -516,29 +503,8 @@ static uint32_t kth_key_direct(const float *s, int64_t n, int64_t k, int64_t *ne
     return kth;
 }
 
-/* A task's excluded token ranges as block ranges [ex_lo[x], ex_hi[x]) (a block is excluded when it intersects a
- * range; an empty range becomes [0, 0)). */
-static void excluded_blocks(const int32_t *t, int64_t n_tok, int64_t ex_lo[2], int64_t ex_hi[2]) {
-    int g = t[3];
-    for (int x = 0; x < 2; x++) {
-        int64_t lo = t[5 + 2 * x], hi = t[6 + 2 * x];
-        if (lo < 0) lo = 0;
-        if (hi > n_tok) hi = n_tok;
-        if (lo >= hi) {
-            ex_lo[x] = ex_hi[x] = 0;
-            continue;
-        }
-        ex_lo[x] = lo / g;
-        ex_hi[x] = (hi - 1) / g + 1;
-    }
-}
-
-static inline int block_excluded(int64_t b, const int64_t ex_lo[2], const int64_t ex_hi[2]) {
-    return (b >= ex_lo[0] && b < ex_hi[0]) || (b >= ex_lo[1] && b < ex_hi[1]);
-}
-
 /* Task t's pinned ids (fluxion.h, PINNED BLOCKS): 0 <= count <= min(k, stride), strictly ascending, blocks of the
- * slot outside the excluded ranges.  t passed check_task. */
+ * slot outside the excluded ranges.  t passed fx_check_task. */
 static int check_pins(const fx_kv_view *kv, const int32_t *t, const int32_t *pin, int32_t count, int32_t stride) {
     if (count < 0 || count > stride || count > t[4]) return FX_E_PIN;
     if (count > 0 && !pin) return FX_E_PIN;
@@ -765,8 +731,8 @@ int fx_group_topk_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, i
                          int32_t *out_counts, float *workspace, int64_t workspace_floats, int64_t *err_index) {
     *err_index = -1;
     if (scoring != FX_SCORE_GROUP && scoring != FX_SCORE_PER_HEAD && scoring != FX_SCORE_MIDRANGE) return FX_E_SCORING;
-    int rc = check_view(kv);
-    if (!rc) rc = check_group(kv, n_q_heads);
+    int rc = fx_check_view(kv);
+    if (!rc) rc = fx_check_group(kv, n_q_heads);
     if (rc) return rc;
     if (k_cap < 0) return FX_E_K;
     if (pin_counts && pin_stride < 0) return FX_E_PIN;
@@ -774,7 +740,7 @@ int fx_group_topk_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, i
     for (int64_t i = 0; i < n_tasks; i++) {
         const int32_t *t = tasks + i * FX_TASK_FIELDS;
         *err_index = i;
-        rc = check_task(kv, t, q_rows, 1); /* O(tasks + pages): always on */
+        rc = fx_check_task(kv, t, q_rows, 1); /* O(tasks + pages): always on */
         if (rc) return rc;
         if (t[4] < 0 || t[4] > k_cap) return FX_E_K;
         if (pin_counts) { /* always checked: a bad pin would break the selection's invariants, not just a read */
@@ -799,7 +765,7 @@ int fx_group_topk_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows, i
     int64_t target = FX_ITEMS_PER_THREAD * (int64_t)fx_pool_threads(), cb = (total + target - 1) / target;
     if (cb < 32) cb = 32;
     topk_job J = {kv, q, n_q_heads, k_cap, tasks, n_tasks, out_ids, out_scores, out_counts, workspace, max_blocks,
-                  nb, done, (int32_t)cb, 0, kern(), scoring,
+                  nb, done, (int32_t)cb, 0, fx_kern(), scoring,
                   workspace + fx_topk_workspace_floats(n_tasks, max_blocks), pins, pin_counts, pin_stride};
     fx_pool_run(topk_worker, &J);
     return FX_OK;
@@ -892,11 +858,15 @@ static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int3
 static void merge_task(attn_job *J, int64_t ti, int64_t first, int64_t nc) {
     int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
     int64_t stride = (int64_t)r * (D + 1), row = J->rows ? J->rows[ti] : ti;
-    float *out = J->out + row * r * D, *lse = J->lse + row * r;
+    fx_merge_partials(J->ws + first * stride, nc, r, D, J->out + row * r * D, J->lse + row * r);
+}
+
+void fx_merge_partials(const float *parts, int64_t nc, int r, int D, float *out, float *lse) {
+    int64_t stride = (int64_t)r * (D + 1);
     for (int j = 0; j < r; j++) {
         float mx = -INFINITY;
         for (int64_t c = 0; c < nc; c++) {
-            float v = J->ws[(first + c) * stride + (int64_t)r * D + j];
+            float v = parts[c * stride + (int64_t)r * D + j];
             mx = v > mx ? v : mx;
         }
         float *o = out + (int64_t)j * D;
@@ -907,7 +877,7 @@ static void merge_task(attn_job *J, int64_t ti, int64_t first, int64_t nc) {
         }
         float wsum = 0.0f;
         for (int64_t c = 0; c < nc; c++) {
-            const float *part = J->ws + (first + c) * stride;
+            const float *part = parts + c * stride;
             float w = expf(part[(int64_t)r * D + j] - mx);
             wsum += w;
             for (int e = 0; e < D; e++) o[e] += w * part[(int64_t)j * D + e];
@@ -988,8 +958,8 @@ static int attention_run(const fx_kv_view *kv, const float *q, int64_t q_rows, i
                          int32_t k_cap, float scale, float *out, float *lse, const int64_t *rows, float *workspace,
                          int64_t workspace_floats, int64_t *err_index) {
     *err_index = -1;
-    int rc = check_view(kv);
-    if (!rc) rc = check_group(kv, n_q_heads);
+    int rc = fx_check_view(kv);
+    if (!rc) rc = fx_check_group(kv, n_q_heads);
     if (rc) return rc;
     if (k_cap < 0) return FX_E_K;
     for (int64_t i = 0; i < n_tasks; i++) {
@@ -1015,7 +985,7 @@ static int attention_run(const fx_kv_view *kv, const float *q, int64_t q_rows, i
         }
     }
     attn_job J = {kv, q, n_q_heads, k_cap, cb, tasks, ids, counts, n_tasks, scale, out, lse, workspace, rows, done,
-                  0, kern()};
+                  0, fx_kern()};
     fx_pool_run(attn_worker, &J);
     return FX_OK;
 }
@@ -1052,8 +1022,8 @@ int fx_select_attend_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows
                             float *out, float *lse, float *workspace, int64_t workspace_floats,
                             int64_t *selected_tokens, double *seconds, int64_t *err_index) {
     *err_index = -1;
-    int rc = check_view(kv);
-    if (!rc) rc = check_group(kv, n_q_heads);
+    int rc = fx_check_view(kv);
+    if (!rc) rc = fx_check_group(kv, n_q_heads);
     if (rc) return rc;
     int32_t r = n_q_heads / kv->n_kv_heads;
     for (int64_t i = 0; i < n_tasks; i++) { /* strictly ascending rows inside [0, n_rows): no two tasks share one */
@@ -1150,7 +1120,7 @@ int fx_gather(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const
               const int32_t *counts, int32_t k_cap, const int64_t *out_offset, int64_t cap_tokens, void *k_out,
               void *v_out, int32_t *out_tokens, int64_t *err_index) {
     *err_index = -1;
-    int rc = check_view(kv);
+    int rc = fx_check_view(kv);
     if (rc) return rc;
     if (k_cap < 0) return FX_E_K;
     for (int64_t i = 0; i < n_tasks; i++) {
@@ -1166,7 +1136,7 @@ int fx_gather(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const
     }
     *err_index = -1;
     gather_job J = {kv, tasks, ids, counts, n_tasks, k_cap, chunk_blocks(counts, n_tasks), out_offset, k_out, v_out, 0,
-                    kern()};
+                    fx_kern()};
     fx_pool_run(gather_worker, &J);
     return FX_OK;
 }
@@ -1280,7 +1250,7 @@ static void blocks_probe_worker(void *ctx, int tid, int nthreads) {
 int fx_read_blocks_probe(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const int32_t *ids,
                          const int32_t *counts, int32_t k_cap, uint64_t *checksum, int64_t *err_index) {
     *err_index = -1;
-    int rc = check_view(kv);
+    int rc = fx_check_view(kv);
     if (rc) return rc;
     if (k_cap < 0) return FX_E_K;
     for (int64_t i = 0; i < n_tasks; i++) {

@@ -18,8 +18,12 @@
  *                     Min and max of 16-bit values are 16-bit values: the summaries are exact, and top-k widens
  *                     them to fp32 (the bound is computed in fp32, as with fp32 summaries, bit for bit).
  *
- *   Byte offsets inside a page: K at 0, V at Hkv*P*D*2, S_g after V, each S_g Hkv*(P/g)*2*D*2 bytes.
- *   fx_page_bytes() computes the size.  Pages should be 64-byte aligned (torch and cudaHostAlloc are).
+ *     VS [Hkv][P/128][D] fp32, only when gran_mask has FX_KEEP_VALUE_SUMS: VS[h][b][:] = the sum of the values of
+ *                     128-token block b's valid tokens (fp32, added token by token in order as they are appended;
+ *                     a rebuild sums the block again from its first token).  Read by fx_background.
+ *
+ *   Byte offsets inside a page: K at 0, V at Hkv*P*D*2, S_g after V, each S_g Hkv*(P/g)*2*D*2 bytes, then VS
+ *   (Hkv*(P/128)*D*4 bytes).  fx_page_bytes() computes the size.  Pages should be 64-byte aligned (torch and cudaHostAlloc are).
  *
  *   A layer's page table is `pages[n_slots][max_pages]` of page base pointers (NULL where not allocated) and
  *   `n_tokens[n_slots]` valid token counts.  Token t of slot s is row (t % P) of page pages[s][t / P].
@@ -52,6 +56,7 @@
 #define FX_MAX_GROUP 16   /* query heads per KV head */
 #define FX_MAX_DIM 256    /* head_dim, a multiple of 16 */
 #define FX_MAX_BLOCK 128  /* largest granularity */
+#define FX_KEEP_VALUE_SUMS 16 /* gran_mask bit: the pages hold per-128-token value sums (VS, HOST KV LAYOUT) */
 
 enum { FX_F16 = 0, FX_BF16 = 1 };
 /* SIMD paths.  FX_SIMD_AVX512_BF16 is FX_SIMD_AVX512 plus q.k by AVX512-BF16 dot products (vdpbf16ps) for bf16 KV
@@ -86,7 +91,8 @@ typedef struct fx_kv_view {
     int32_t head_dim;       /* D, multiple of 16, <= FX_MAX_DIM */
     int32_t page_tokens;    /* P, multiple of 128 */
     int32_t dtype;          /* FX_F16 or FX_BF16 */
-    int32_t gran_mask;      /* bit i set: granularity 16<<i summaries are kept in the pages */
+    int32_t gran_mask;      /* bit i < 4 set: granularity 16<<i summaries are kept in the pages; FX_KEEP_VALUE_SUMS:
+                               so are the value sums */
     int64_t *n_tokens;      /* [n_slots] */
     uint8_t **pages;        /* [n_slots * max_pages] page base pointers */
 } fx_kv_view;
@@ -116,8 +122,8 @@ int64_t fx_page_bytes(int32_t n_kv_heads, int32_t head_dim, int32_t page_tokens,
 int fx_append(const fx_kv_view *kv, const int32_t *slots, const int64_t *row_start, const int64_t *row_count,
               int64_t n_items, const void *src_k, const void *src_v, int64_t n_rows, int64_t *err_index);
 
-/* Rebuild the summaries of tokens [from_token[i], n_tokens) of slots[i] from the stored keys (all heads, all kept
- * g).  fx_append already does this; use it when K was written into the pages by other means. */
+/* Rebuild the summaries (and value sums, if kept) of tokens [from_token[i], n_tokens) of slots[i] from the stored
+ * keys and values (all heads, all kept g).  fx_append already does this; use it when K was written into the pages by other means. */
 int fx_summaries_update(const fx_kv_view *kv, const int32_t *slots, const int64_t *from_token, int64_t n_items,
                         int64_t *err_index);
 
@@ -200,6 +206,30 @@ int fx_select_attend_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows
                             float *out_scores, int32_t *out_counts, float scale, const int64_t *rows, int64_t n_rows,
                             float *out, float *lse, float *workspace, int64_t workspace_floats,
                             int64_t *selected_tokens, double *seconds, int64_t *err_index);
+
+/* ---- unread background ----
+ * One more softmax term per task standing for the tokens its selection leaves unread, computed from summaries alone
+ * (no K or V row is read).  Task fields as for top-k (g, the excluded ranges; k is not used) with ids/counts its
+ * selection at g (ids[i][0 .. counts[i]) strictly ascending, as top-k returns them; counts[i] = 0 for a task that
+ * reads nothing beyond its excluded ranges, e.g. a streaming group's sink + window).  Task i's background: every
+ * 16-token block inside an eligible g-block (one that intersects no excluded range) that is not inside a selected
+ * g-block.  For 128-token block B and query head j of the group:
+ *   m_j(B)  = log of the sum over B's background 16-token blocks b of  n_b exp(scale q_j . (min_b + max_b) / 2)
+ *             (n_b: b's valid tokens; min_b, max_b: its g = 16 summary) -- each block's midrange key stands for its
+ *             tokens' scores, an estimate of their softmax mass (docs/design-notes.md)
+ *   vbar(B) = VS[B] / B's valid tokens: the mean value of ALL of B's tokens, read ones included
+ *   out[i][j][:] = sum_B exp(m_j(B) - lse[i][j]) vbar(B),   lse[i][j] = log sum_B exp(m_j(B))
+ * so merging (out, lse) with the read part's attention by log-sum-exp adds one term per block to its softmax.  No
+ * background block: out = 0, lse = -inf.  out [n_tasks][r][D], lse [n_tasks][r] fp32.
+ * Needs the g = 16 summaries and FX_KEEP_VALUE_SUMS in the view (else FX_E_GRAN); a selection that is not strictly
+ * ascending or holds a block outside the slot's is FX_E_BLOCK (checked on every call: O(counts)).
+ * workspace: >= fx_background_workspace_floats(n_tasks, r, D) floats (FX_E_OUTPUT, *err_index = -1, before any
+ * work if short; the size depends on the pool's thread count).  No allocation; runs on the pool, each task's
+ * 128-token blocks split into work items. */
+int64_t fx_background_workspace_floats(int64_t n_tasks, int32_t group, int32_t head_dim);
+int fx_background(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
+                  int64_t n_tasks, const int32_t *ids, const int32_t *counts, int32_t k_cap, float scale, float *out,
+                  float *lse, float *workspace, int64_t workspace_floats, int64_t *err_index);
 
 /* ---- gather ----
  * Copy each task's selected blocks (valid tokens only, in the order given) into staging buffers

@@ -40,12 +40,13 @@ def rotated_cases() -> list[Case]:
     return [Case(simd, ratio, *next(rot)) for simd in PATHS for ratio in RATIOS]
 
 
-def ragged_store(head_dim: int, dtype: torch.dtype, rng: np.random.Generator
+def ragged_store(head_dim: int, dtype: torch.dtype, rng: np.random.Generator, value_sums: bool = False
                  ) -> tuple[HostKVStore, list[int], list[np.ndarray], list[np.ndarray]]:
     """Sequences of LENGTHS tokens of random K/V offset from zero, each written as a prefill chunk plus five single
     decode tokens (partial-block summary updates), in pages allocated one at a time. -> store, slots, and the
     stored keys and values as float64 [n, Hkv, D] (the exact stored values)."""
-    store = HostKVStore(1, N_KV, head_dim, dtype=dtype, max_seqs=4, page_tokens=256, initial_pages_per_seq=1)
+    store = HostKVStore(1, N_KV, head_dim, dtype=dtype, max_seqs=4, page_tokens=256, initial_pages_per_seq=1,
+                        value_sums=value_sums)
     slots, keys, values = [], [], []
     for n in LENGTHS:
         slot = store.allocate()

@@ -85,3 +85,35 @@ def exact_topk(ids: np.ndarray, scores: np.ndarray, k: int) -> tuple[np.ndarray,
 def midrange_scores(q_group: np.ndarray, mins: np.ndarray, maxs: np.ndarray) -> np.ndarray:
     """Midrange scoring: the summed query heads . (block min + block max) / 2.  -> [n_blocks]"""
     return (mins + maxs) @ q_group.astype(np.float64).sum(axis=0) / 2
+
+
+def background(q_group: np.ndarray, keys: np.ndarray, values: np.ndarray, g: int, exclude: list[tuple[int, int]],
+               selected: np.ndarray, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """The unread-background term (fluxion.h, "unread background") in float64, token by token from the keys and
+    values themselves: q_group [r, D], keys/values [n, D] of one KV head, the selection's block ids at g.
+    Returns out [r, D] and lse [r] (0 and -inf when nothing is in the background)."""
+    n = len(keys)
+    eligible = set(eligible_blocks(n, g, exclude).tolist()) - set(np.asarray(selected).tolist())
+    r, d = q_group.shape
+    logits, vbars = [], []
+    for b in range(-(-n // 128)):
+        lo, hi = 128 * b, min(n, 128 * (b + 1))
+        terms = []  # log(n_s) + scale q . mid_s per background 16-token block, [r] each
+        for s0 in range(lo, hi, 16):
+            if s0 // g not in eligible:
+                continue
+            sub = keys[s0:min(hi, s0 + 16)]
+            mid = (sub.min(axis=0) + sub.max(axis=0)) / 2
+            terms.append(np.log(len(sub)) + scale * (q_group @ mid))
+        if terms:
+            t = np.stack(terms)  # [subs, r]
+            top = t.max(axis=0)
+            logits.append(top + np.log(np.exp(t - top).sum(axis=0)))
+            vbars.append(values[lo:hi].mean(axis=0))
+    if not logits:
+        return np.zeros((r, d)), np.full(r, -np.inf)
+    m = np.stack(logits, axis=1)  # [r, blocks]
+    top = m.max(axis=1, keepdims=True)
+    w = np.exp(m - top)
+    lse = top[:, 0] + np.log(w.sum(axis=1))
+    return (w / w.sum(axis=1, keepdims=True)) @ np.stack(vbars), lse

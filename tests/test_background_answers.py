@@ -17,13 +17,15 @@ from fluxion_lite.attention import DenseAttention  # noqa: E402
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
 
 
-@pytest.mark.parametrize("spec,want", [("none", (None, "mean")), ("128:oracle", (128, "oracle")),
-                                       ("64:minmax", (64, "minmax")), ("128:midrange", (128, "midrange"))])
+@pytest.mark.parametrize("spec,want", [("none", (None, "mean", "unread")), ("128:oracle", (128, "oracle", "unread")),
+                                       ("64:minmax", (64, "minmax", "unread")),
+                                       ("128:midrange", (128, "midrange", "unread")),
+                                       ("128:midrange:block", (128, "midrange", "block"))])
 def test_parse_background(spec: str, want: tuple) -> None:
     assert parse_background(spec) == want
 
 
-@pytest.mark.parametrize("spec", ["128", "0:mean", "x:mean", "128:median", "128:mean:1"])
+@pytest.mark.parametrize("spec", ["128", "0:mean", "x:mean", "128:median", "128:mean:1", "128:mean:block:x"])
 def test_parse_background_rejects_bad_specs(spec: str) -> None:
     with pytest.raises(SystemExit, match="--background"):
         parse_background(spec)

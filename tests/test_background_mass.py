@@ -74,6 +74,32 @@ def test_oracle_mass_keeps_each_block_mean_value(block: int) -> None:
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("block", [4, 16])
+def test_block_value_is_the_whole_block_mean(block: int) -> None:
+    """value="block" keeps the oracle mass but gives each block with unread tokens the mean value of all its valid
+    tokens, read ones included: float64 reference built token by token."""
+    m, r, n, d = 2, 3, 90, 8
+    qg, keys, values, allowed, causal = _case(m, r, n, d, seed=30 + block)
+    causal[1, 70:] = False  # a shorter row: its last blocks' means count only its valid tokens
+    allowed &= causal
+    got, _ = background_output(qg, keys, values, allowed, causal, block, d**-0.5, "oracle", value="block")
+    s = torch.einsum("mrd,nd->mrn", qg.double(), keys.double()) * d**-0.5  # [M, r, N]
+    ref = torch.zeros(m, r, d, dtype=torch.float64)
+    for i in range(m):
+        for h in range(r):
+            weights = [math.exp(float(s[i, h, j])) for j in range(n) if allowed[i, j]]
+            vecs = [values[j].double() for j in range(n) if allowed[i, j]]
+            for b0 in range(0, n, block):
+                span = [j for j in range(b0, min(n, b0 + block)) if causal[i, j] and not allowed[i, j]]
+                valid = [j for j in range(b0, min(n, b0 + block)) if causal[i, j]]
+                if span:
+                    weights.append(sum(math.exp(float(s[i, h, j])) for j in span))
+                    vecs.append(torch.stack([values[j].double() for j in valid]).mean(0))
+            w = torch.tensor(weights, dtype=torch.float64)
+            ref[i, h] = (w[:, None] * torch.stack(vecs)).sum(0) / w.sum()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+
+
 def test_mean_mass_underestimates_by_jensen() -> None:
     """|U| exp(s q.kbar) <= sum over U of exp(s q.k) (convexity): the estimated / true mass ratio is at most 1."""
     qg, keys, values, allowed, causal = _case(4, 3, 300, 32, seed=9)
@@ -106,6 +132,8 @@ def test_unknown_mass_rule_is_refused() -> None:
     qg, keys, values, allowed, causal = _case(1, 1, 20, 8, seed=1)
     with pytest.raises(ValueError, match="mass="):
         background_output(qg, keys, values, allowed, causal, 4, 0.3, "median")
+    with pytest.raises(ValueError, match="value="):
+        background_output(qg, keys, values, allowed, causal, 4, 0.3, "mean", value="median")
 
 
 @pytest.mark.parametrize("m,r,n,d,block", [(1, 1, 40, 8, 16), (2, 3, 150, 16, 32), (3, 2, 257, 64, 128)])

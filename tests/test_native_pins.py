@@ -244,4 +244,4 @@ def test_c_rejects_a_negative_stride_and_missing_pins() -> None:
     assert call(ffi.NULL, ffi.from_buffer("int32_t[]", np.zeros(2, np.int32)), 0) == 0 and (cnt == 3).all()
     assert call(ffi.from_buffer("int32_t[]", pins), ffi.from_buffer("int32_t[]", counts), 2) == 0
     assert ids[1].tolist()[:3] == sorted(set(ids[1].tolist())) and {3, 4} <= set(ids[1].tolist())
-    assert lib.fx_version() == 6
+    assert lib.fx_version() >= 6  # 7: value sums and the unread background (test_native_background.py)
