@@ -558,24 +558,22 @@ class SparseAttention(AttentionBackend):
         Returns (o [B, Hkv, r, D], lse [B, Hkv, r]) on the device (lse -inf for groups without a term), or None
         when no group has one."""
         B, hkv, r, d = st.batch, self.cfg.n_kv_heads, self.r, self.cfg.head_dim
-        all_tasks, rows = tasks, task_rows
+        k_cap = ids.shape[1] if ids is not None and len(tasks) else 1
+        parts = []  # (tasks, ids, counts, result rows)
         if len(tasks):
             assert ids is not None and counts is not None
             # ascending ids (the device selection's are not): pad entries sort last and stay past counts
-            pad = np.arange(ids.shape[1])[None, :] >= counts[:, None]
-            ids = np.sort(np.where(pad, np.iinfo(np.int32).max, ids), axis=1).astype(np.int32)
-        if self.plan.background == "all":
+            pad = np.arange(k_cap)[None, :] >= counts[:, None]
+            parts.append((tasks, np.sort(np.where(pad, np.iinfo(np.int32).max, ids), axis=1).astype(np.int32),
+                          counts, task_rows))
+        if self.plan.background == "all":  # the other groups over their gap between sink and window, no selection
             more, more_rows = background_tasks(st, gi, task_rows)
             if len(more):
-                k_cap = ids.shape[1] if ids is not None else 1
-                all_tasks = np.concatenate([tasks, more]) if len(tasks) else more
-                rows = np.concatenate([task_rows, more_rows])
-                ids = np.concatenate([ids, np.zeros((len(more), k_cap), np.int32)]) if ids is not None \
-                    else np.zeros((len(more), k_cap), np.int32)
-                counts = np.concatenate([counts, np.zeros(len(more), np.int32)]) if counts is not None \
-                    else np.zeros(len(more), np.int32)
-        if not len(all_tasks):
+                parts.append((more, np.zeros((len(more), k_cap), np.int32), np.zeros(len(more), np.int32),
+                              more_rows))
+        if not parts:
             return None
+        all_tasks, ids, counts, rows = (np.concatenate(x) if len(parts) > 1 else x[0] for x in zip(*parts))
         t0 = time.perf_counter()
         o_b, lse_b = native.background(self.store.view(layer), q_host, all_tasks, ids, counts, self.scale)
         self._st.cpu_background_s += time.perf_counter() - t0
