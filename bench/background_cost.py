@@ -17,30 +17,18 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
 import sys
-import time
 from pathlib import Path
-from typing import Any, Callable
 
 import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ruler_paired import write_out  # noqa: E402  (bench scripts import each other from their folder)
+from kernels import timed  # noqa: E402  (bench scripts import each other from their folder)
+from ruler_paired import write_out  # noqa: E402
 
 from fluxion_lite import native  # noqa: E402
 from fluxion_lite.host_kv import HostKVStore  # noqa: E402
-
-
-def median_seconds(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up (workspace growth)
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - t0)
-    return statistics.median(samples)
 
 
 def one_length(args: argparse.Namespace, n: int) -> dict[str, float]:
@@ -76,7 +64,7 @@ def one_length(args: argparse.Namespace, n: int) -> dict[str, float]:
         i = layer()
         native.background(store.view(i), q, tasks, sel[i][0], sel[i][2], scale)
 
-    t = {name: median_seconds(fn, args.repeats) for name, fn in
+    t = {name: timed(fn, args.repeats) for name, fn in
          (("topk", topk), ("attention", attention), ("background", background))}
     selected = int(sel[0][2].sum()) * g
     return {"tokens": n, "k_blocks": k,

@@ -648,6 +648,26 @@ def group_topk(view: KVView, q: Any, tasks: Any, k_cap: int | None = None,
     return ids, scores, counts
 
 
+class _SelectedCall:
+    """The checked arguments of a call over tasks with selections that writes out fp32 [T, r, D] and lse fp32 [T, r]
+    (sparse_attention, background): q, the task table, ids / counts, a positive finite scale, and the output
+    buffers (made here when not given)."""
+
+    def __init__(self, view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, scale: float, out: Any | None,
+                 lse: Any | None) -> None:
+        self.q_ptr, self.q_rows, self.n_q_heads, self.r = _check_q(view, q)
+        self.t = _tasks_array(tasks)
+        n, r, d = len(self.t), self.r, view.head_dim
+        self.n = n
+        self.ids, self.counts = _selection_arrays(self.t, ids, counts)
+        if not (0.0 < scale < _INF):
+            raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+        self.out = np.empty((n, r, d), _F32) if out is None else out
+        self.out_ptr, _ = _buf(self.out, "out", _F32, 3, (n, r, d), writable=True)
+        self.lse = np.empty((n, r), _F32) if lse is None else lse
+        self.lse_ptr, _ = _buf(self.lse, "lse", _F32, 2, (n, r), writable=True)
+
+
 def sparse_attention(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, scale: float,
                      out: Any | None = None, lse: Any | None = None) -> tuple[Any, Any]:
     """Each task's query heads attend over its selected blocks; returns out fp32 [T, r, D], lse fp32 [T, r].
@@ -656,25 +676,15 @@ def sparse_attention(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, sc
     merged with another partial attention.  out/lse: optional preallocated buffers (numpy arrays or CPU tensors),
     filled and returned as given.
     """
-    q_ptr, q_rows, n_q_heads, r = _check_q(view, q)
-    t = _tasks_array(tasks)
-    n = len(t)
-    ids_a, counts_a = _selection_arrays(t, ids, counts)
-    if not (0.0 < scale < _INF):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    d = view.head_dim
-    if out is None:
-        out = np.empty((n, r, d), _F32)
-    out_ptr, _ = _buf(out, "out", _F32, 3, (n, r, d), writable=True)
-    if lse is None:
-        lse = np.empty((n, r), _F32)
-    lse_ptr, _ = _buf(lse, "lse", _F32, 2, (n, r), writable=True)
+    a = _SelectedCall(view, q, tasks, ids, counts, scale, out, lse)
+    t, n, ids_a, counts_a, r, d = a.t, a.n, a.ids, a.counts, a.r, view.head_dim
     t_ptr, ids_ptr, counts_ptr, k_cap, scratch = _cptr(t), _cptr(ids_a), _cptr(counts_a), ids_a.shape[1], _scratch
     err = scratch.err
 
     def call() -> int:
-        return lib.fx_sparse_attention(view.struct, q_ptr, q_rows, n_q_heads, t_ptr, n, ids_ptr, counts_ptr, k_cap,
-                                       float(scale), out_ptr, lse_ptr, scratch.ws_ptr, scratch.ws_floats, err)
+        return lib.fx_sparse_attention(view.struct, a.q_ptr, a.q_rows, a.n_q_heads, t_ptr, n, ids_ptr, counts_ptr,
+                                       k_cap, float(scale), a.out_ptr, a.lse_ptr, scratch.ws_ptr, scratch.ws_floats,
+                                       err)
 
     # As in group_topk: the thread's workspace as it is first; sized by the C formula only when C says it is short.
     rc = call()
@@ -682,9 +692,9 @@ def sparse_attention(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, sc
         scratch.grow(int(lib.fx_attention_workspace_floats(n, r, d)))
         rc = call()
     if rc:
-        raise _native_error(rc, err, "sparse_attention", view, t, q_rows=q_rows, k_cap=ids_a.shape[1],
+        raise _native_error(rc, err, "sparse_attention", view, t, q_rows=a.q_rows, k_cap=ids_a.shape[1],
                             ids=ids_a, counts=counts_a)
-    return out, lse
+    return a.out, a.lse
 
 
 def background(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, scale: float,
@@ -700,25 +710,14 @@ def background(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, scale: f
     if not view.value_sums or GRANULARITIES[0] not in view.granularities:
         raise ValueError("background: the KV store keeps no value sums or no g=16 summaries "
                          "(HostKVStore(value_sums=True, granularities including 16))")
-    q_ptr, q_rows, n_q_heads, r = _check_q(view, q)
-    t = _tasks_array(tasks)
-    n = len(t)
-    ids_a, counts_a = _selection_arrays(t, ids, counts)
-    if not (0.0 < scale < _INF):
-        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
-    d = view.head_dim
-    if out is None:
-        out = np.empty((n, r, d), _F32)
-    out_ptr, _ = _buf(out, "out", _F32, 3, (n, r, d), writable=True)
-    if lse is None:
-        lse = np.empty((n, r), _F32)
-    lse_ptr, _ = _buf(lse, "lse", _F32, 2, (n, r), writable=True)
+    a = _SelectedCall(view, q, tasks, ids, counts, scale, out, lse)
+    t, n, ids_a, counts_a, r, d = a.t, a.n, a.ids, a.counts, a.r, view.head_dim
     t_ptr, ids_ptr, counts_ptr, k_cap, scratch = _cptr(t), _cptr(ids_a), _cptr(counts_a), ids_a.shape[1], _scratch
     err = scratch.err
 
     def call() -> int:
-        return lib.fx_background(view.struct, q_ptr, q_rows, n_q_heads, t_ptr, n, ids_ptr, counts_ptr, k_cap,
-                                 float(scale), out_ptr, lse_ptr, scratch.ws_ptr, scratch.ws_floats, err)
+        return lib.fx_background(view.struct, a.q_ptr, a.q_rows, a.n_q_heads, t_ptr, n, ids_ptr, counts_ptr, k_cap,
+                                 float(scale), a.out_ptr, a.lse_ptr, scratch.ws_ptr, scratch.ws_floats, err)
 
     rc = call()
     if rc == _E_OUTPUT:
@@ -731,8 +730,8 @@ def background(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, scale: f
                          f"ids in [0, {-(-int(view.n_tokens[int(t[i, 0])]) // int(t[i, 3]))}) (slot {int(t[i, 0])}, "
                          f"g={int(t[i, 3])})")
     if rc:
-        raise _native_error(rc, err, "background", view, t, q_rows=q_rows, k_cap=k_cap, ids=ids_a, counts=counts_a)
-    return out, lse
+        raise _native_error(rc, err, "background", view, t, q_rows=a.q_rows, k_cap=k_cap, ids=ids_a, counts=counts_a)
+    return a.out, a.lse
 
 
 def gather(view: KVView, tasks: Any, ids: Any, counts: Any, k_out: Any, v_out: Any,

@@ -843,6 +843,17 @@ static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int3
         }
         K->pv(s, r, len, kb + voff, len, D, bf16, acc, kn ? kn + voff : NULL, pf_lines);
     }
+    fx_finish_partial(acc, lse, m, l, r, D);
+}
+
+/* Merge one task's chunk results (items first .. first+nc-1 of the workspace) by log-sum-exp into out/lse. */
+static void merge_task(attn_job *J, int64_t ti, int64_t first, int64_t nc) {
+    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
+    int64_t stride = (int64_t)r * (D + 1), row = J->rows ? J->rows[ti] : ti;
+    fx_merge_partials(J->ws + first * stride, nc, r, D, J->out + row * r * D, J->lse + row * r);
+}
+
+void fx_finish_partial(float *acc, float *lse, const float *m, const float *l, int r, int D) {
     for (int j = 0; j < r; j++) {
         if (l[j] > 0.0f) {
             float inv = 1.0f / l[j];
@@ -852,13 +863,6 @@ static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int3
             lse[j] = -INFINITY;
         }
     }
-}
-
-/* Merge one task's chunk results (items first .. first+nc-1 of the workspace) by log-sum-exp into out/lse. */
-static void merge_task(attn_job *J, int64_t ti, int64_t first, int64_t nc) {
-    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
-    int64_t stride = (int64_t)r * (D + 1), row = J->rows ? J->rows[ti] : ti;
-    fx_merge_partials(J->ws + first * stride, nc, r, D, J->out + row * r * D, J->lse + row * r);
 }
 
 void fx_merge_partials(const float *parts, int64_t nc, int r, int D, float *out, float *lse) {

@@ -134,15 +134,7 @@ static void background_item(bg_job *J, int64_t ti, int64_t b0, int64_t b1, float
             }
         }
     }
-    for (int j = 0; j < r; j++) {
-        if (l[j] > 0.0f) {
-            float inv = 1.0f / l[j];
-            for (int e = 0; e < D; e++) acc[(int64_t)j * D + e] *= inv;
-            lse[j] = m[j] + logf(l[j]);
-        } else {
-            lse[j] = -INFINITY;
-        }
-    }
+    fx_finish_partial(acc, lse, m, l, r, D);
 }
 
 static void background_worker(void *ctx, int tid, int nthreads) {

@@ -86,6 +86,9 @@ int fx_check_task(const fx_kv_view *kv, const int32_t *t, int64_t q_rows, int ne
 /* Merge nc partial attentions of one task by log-sum-exp: parts [nc][r*D + r] (each: normalised out [r][D], then
  * lse [r]; lse -inf = empty) -> out [r][D], lse [r] (out 0, lse -inf where every part is empty). */
 void fx_merge_partials(const float *parts, int64_t nc, int r, int D, float *out, float *lse);
+/* End of an online softmax over one task's chunk: acc [r][D] (sum of weight x value, weights exp(x - m[j])) divided
+ * by l[j] (the weights' sum), lse[j] = m[j] + log l[j]; l[j] = 0 (nothing seen): lse -inf, acc left as is (0). */
+void fx_finish_partial(float *acc, float *lse, const float *m, const float *l, int r, int D);
 
 /* Scalar 16-bit -> fp32, shared by all paths for tails and the portable kernels. */
 static inline float fx_bf16_to_f32(uint16_t h) {

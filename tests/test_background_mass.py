@@ -55,23 +55,31 @@ def test_oracle_mass_keeps_each_block_mean_value(block: int) -> None:
     m, r, n, d = 2, 3, 150, 16
     qg, keys, values, allowed, causal = _case(m, r, n, d, seed=block)
     got, _ = background_output(qg, keys, values, allowed, causal, block, d**-0.5, "oracle")
-    s = torch.einsum("mrd,nd->mrn", qg.double(), keys.double()) * d**-0.5  # [M, r, N]
+    ref = _oracle_reference(qg, keys, values, allowed, causal, block, d**-0.5, block_value=False)
+    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+
+
+def _oracle_reference(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, allowed: torch.Tensor,
+                      causal: torch.Tensor, block: int, scale: float, block_value: bool) -> torch.Tensor:
+    """Token by token in float64: the read tokens exactly, plus per block one term with its unread tokens' true mass
+    and, as value, their mean (block_value: the mean of all the block's valid tokens). -> [M, r, D]"""
+    m, r, d = qg.shape
+    n = keys.shape[0]
+    s = torch.einsum("mrd,nd->mrn", qg.double(), keys.double()) * scale  # [M, r, N]
     ref = torch.zeros(m, r, d, dtype=torch.float64)
     for i in range(m):
         for h in range(r):
-            weights, vecs = [], []
-            for j in range(n):
-                if allowed[i, j]:
-                    weights.append(math.exp(float(s[i, h, j])))
-                    vecs.append(values[j].double())
+            weights = [math.exp(float(s[i, h, j])) for j in range(n) if allowed[i, j]]
+            vecs = [values[j].double() for j in range(n) if allowed[i, j]]
             for b0 in range(0, n, block):
-                span = [j for j in range(b0, min(n, b0 + block)) if not allowed[i, j]]
+                span = [j for j in range(b0, min(n, b0 + block)) if causal[i, j] and not allowed[i, j]]
+                valid = [j for j in range(b0, min(n, b0 + block)) if causal[i, j]]
                 if span:
                     weights.append(sum(math.exp(float(s[i, h, j])) for j in span))
-                    vecs.append(torch.stack([values[j].double() for j in span]).mean(0))
+                    vecs.append(torch.stack([values[j].double() for j in (valid if block_value else span)]).mean(0))
             w = torch.tensor(weights, dtype=torch.float64)
             ref[i, h] = (w[:, None] * torch.stack(vecs)).sum(0) / w.sum()
-    torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+    return ref
 
 
 @pytest.mark.parametrize("block", [4, 16])
@@ -83,20 +91,7 @@ def test_block_value_is_the_whole_block_mean(block: int) -> None:
     causal[1, 70:] = False  # a shorter row: its last blocks' means count only its valid tokens
     allowed &= causal
     got, _ = background_output(qg, keys, values, allowed, causal, block, d**-0.5, "oracle", value="block")
-    s = torch.einsum("mrd,nd->mrn", qg.double(), keys.double()) * d**-0.5  # [M, r, N]
-    ref = torch.zeros(m, r, d, dtype=torch.float64)
-    for i in range(m):
-        for h in range(r):
-            weights = [math.exp(float(s[i, h, j])) for j in range(n) if allowed[i, j]]
-            vecs = [values[j].double() for j in range(n) if allowed[i, j]]
-            for b0 in range(0, n, block):
-                span = [j for j in range(b0, min(n, b0 + block)) if causal[i, j] and not allowed[i, j]]
-                valid = [j for j in range(b0, min(n, b0 + block)) if causal[i, j]]
-                if span:
-                    weights.append(sum(math.exp(float(s[i, h, j])) for j in span))
-                    vecs.append(torch.stack([values[j].double() for j in valid]).mean(0))
-            w = torch.tensor(weights, dtype=torch.float64)
-            ref[i, h] = (w[:, None] * torch.stack(vecs)).sum(0) / w.sum()
+    ref = _oracle_reference(qg, keys, values, allowed, causal, block, d**-0.5, block_value=True)
     torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
 
 
