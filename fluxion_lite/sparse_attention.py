@@ -184,14 +184,15 @@ class SparseAttention(AttentionBackend):
     def decode_hooks(self, chunks: list[SeqChunk]) -> GraphedDecode | DeviceGraphedDecode | None:
         """The captured form of this decode step (sparse_graph.py; device_graph.py for device-side selection with
         the zero-copy feeder), or None where it must run eagerly: prefill chunks or a sequence's first decode step,
-        a token still landing in the sink, per-request plans, device selection without the zero-copy feeder."""
-        if self.planner is not None or self.plan.background != "off":  # the captured step has no background term yet
+        a token still landing in the sink, per-request plans, device selection without the zero-copy feeder or with
+        the unread-background term (the captured device step has none yet)."""
+        if self.planner is not None:
             return None
         if any(c.length != 1 or c.seq_id in self._prefilling or c.start < self.sink_cap for c in chunks):
             return None
         if self.selection == "cpu":
             return self._graphed
-        if self.executor.feeder is None:
+        if self.executor.feeder is None or self.plan.background != "off":  # the device step has no background term
             return None
         if self._device_graphed is None:
             self._device_graphed = DeviceGraphedDecode(self)
@@ -553,11 +554,26 @@ class SparseAttention(AttentionBackend):
     def _background(self, layer: int, st: DecodeStep, q_host: torch.Tensor, tasks: np.ndarray,
                     ids: np.ndarray | None, counts: np.ndarray | None, task_rows: np.ndarray, gi: np.ndarray
                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The unread-background term of this layer (plan.background): for the retrieval tasks over what their
-        selections left unread, and with "all" for every other group over the gap between its sink and window.
-        Returns (o [B, Hkv, r, D], lse [B, Hkv, r]) on the device (lse -inf for groups without a term), or None
-        when no group has one."""
+        """background_rows as device tensors for the eager merge: (o [B, Hkv, r, D], lse [B, Hkv, r]) with lse -inf
+        for groups without a term, or None when no group has one."""
+        got = self.background_rows(layer, st, q_host, tasks, ids, counts, task_rows, gi)
+        if got is None:
+            return None
+        rows, o_b, lse_b = got
         B, hkv, r, d = st.batch, self.cfg.n_kv_heads, self.r, self.cfg.head_dim
+        o = torch.zeros(B * hkv, r, d)
+        lse = torch.full((B * hkv, r), float("-inf"))
+        o[rows], lse[rows] = torch.from_numpy(o_b), torch.from_numpy(lse_b)
+        return o.view(B, hkv, r, d).to(self.device), lse.view(B, hkv, r).to(self.device)
+
+    def background_rows(self, layer: int, st: DecodeStep, q_host: torch.Tensor, tasks: np.ndarray,
+                        ids: np.ndarray | None, counts: np.ndarray | None, task_rows: np.ndarray, gi: np.ndarray
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """The unread-background term of one layer (plan.background) on the host: for the retrieval tasks (their
+        selections ids / counts, result rows task_rows = sequence row * Hkv + group) over what they left unread,
+        and with "all" for every other group over the gap between its sink and window (gi: the layer's rows of the
+        step's per-g arrays, [1 or B, Hkv]). q_host: fp32 [B, Hq, D] on the CPU. Returns the result rows (int64
+        [T]), out fp32 [T, r, D] and lse fp32 [T, r], or None when no group has a term."""
         k_cap = ids.shape[1] if ids is not None and len(tasks) else 1
         parts = []  # (tasks, ids, counts, result rows)
         if len(tasks):
@@ -577,10 +593,7 @@ class SparseAttention(AttentionBackend):
         t0 = time.perf_counter()
         o_b, lse_b = native.background(self.store.view(layer), q_host, all_tasks, ids, counts, self.scale)
         self._st.cpu_background_s += time.perf_counter() - t0
-        o = torch.zeros(B * hkv, r, d)
-        lse = torch.full((B * hkv, r), float("-inf"))
-        o[rows], lse[rows] = torch.from_numpy(o_b), torch.from_numpy(lse_b)
-        return o.view(B, hkv, r, d).to(self.device), lse.view(B, hkv, r).to(self.device)
+        return rows, o_b, lse_b
 
     def _row_plan(self, st: DecodeStep) -> RowPlan | None:
         """The step's per-row plan arrays when some sequence has a per-request plan, else None (static plan)."""

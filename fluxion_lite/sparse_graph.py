@@ -331,9 +331,35 @@ class GraphedDecode:
                 self._run_tasks(layer, view, lo, hi, sel.ids[lo:hi], sel.counts[lo:hi], placement)
         else:
             ss.lse_np.fill(-np.inf)  # no CPU task in this layer
+        if a.plan.background != "off":
+            self._background(layer, lo, hi)
         if ss.res_dev is not ss.res_host:
             ss.res_dev.copy_(ss.res_host, non_blocking=True)  # read by the next replay's epilogue
         a._st.gpu_wait_s += time.perf_counter() - t_idle
+
+    def _background(self, layer: int, lo: int, hi: int) -> None:
+        """The layer's unread-background term (SparseAttention.background_rows) merged by log-sum-exp into the CPU
+        result buffer, whichever side ran a row's retrieval: a row of a GPU task holds lse -inf there, and the
+        epilogue's merge of the three parts is the same sum either way."""
+        a, ss, st = self.a, self.ss, self.st
+        assert ss is not None and st is not None
+        ids = counts = None
+        if hi > lo:
+            assert self.sel is not None
+            ids, counts = self.sel.ids[lo:hi], self.sel.counts[lo:hi]
+        got = a.background_rows(layer, st, ss.q32, self.tasks[lo:hi], ids, counts, self.bh[lo:hi],
+                                a._gidx[layer][None, :])
+        if got is None:
+            return
+        rows, o_b, lse_b = got
+        lse_c = ss.lse_np[rows]  # [T, r]
+        m = np.maximum(lse_c, lse_b)
+        m = np.where(m == -np.inf, 0.0, m)  # both parts empty: weights exp(-inf) = 0, no -inf - -inf
+        w_c, w_b = np.exp(lse_c - m), np.exp(lse_b - m)  # [T, r]
+        o_c = np.where((w_c > 0)[..., None], ss.o_np[rows], 0.0)  # a row without a CPU part may hold a stale out
+        den = np.where(w_c + w_b > 0, w_c + w_b, 1.0)
+        ss.o_np[rows] = (o_c * w_c[..., None] + o_b * w_b[..., None]) / den[..., None]
+        ss.lse_np[rows] = np.where(w_c + w_b > 0, m + np.log(den), -np.inf)
 
     def _pins(self, lo: int, hi: int) -> tuple[np.ndarray | None, np.ndarray | None]:
         """Pins of the step's task rows lo .. hi (int32 [hi - lo, P], counts [hi - lo]; (None, None) without pins).

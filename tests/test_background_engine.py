@@ -1,7 +1,9 @@
 """The unread-background term in the sparse backend (plan.background, native.background): where its estimate is
 exact -- keys equal within each 16-token block, values equal within each 128-token block -- a sparse decode step with
 the term is dense attention, in retrieval groups ("retrieval") and streaming groups too ("all"), for CPU and GPU-side
-(torch on this CPU) execution of the read part; without the term it is not. The plan field's file round trip."""
+(torch on this CPU) execution of the read part; without the term it is not. The captured step (sparse_graph.py's
+host work, run uncaptured on the CPU) gives the eager step's logits with the term. The plan field's file round trip
+and the FLUXION_BACKGROUND override."""
 from __future__ import annotations
 
 import dataclasses
@@ -73,7 +75,7 @@ def test_background_term_makes_the_sparse_step_dense_where_its_estimate_is_exact
     torch.testing.assert_close(every, ref, atol=2e-5, rtol=1e-4)
     s = attn.stats()
     assert s["cpu_background_ms"] > 0 and s["kv_read_fraction"] < 0.5
-    assert attn.store.value_sums and attn.decode_hooks([SeqChunk(0, 704, 1)]) is None  # eager until captured
+    assert attn.store.value_sums
 
 
 def test_background_field_round_trips_and_bad_values_are_refused(tmp_path: Path) -> None:
@@ -97,3 +99,47 @@ def test_fluxion_background_env_overrides_the_plan(monkeypatch: pytest.MonkeyPat
     cfg = config(8, 2, 64, n_layers=2)
     with pytest.raises(ValueError, match="FLUXION_BACKGROUND='everything': use one of off, retrieval, all"):
         SparseAttention(cfg, _plan(cfg, "off"), torch.float32, torch.device("cpu"), max_seqs=2)
+
+
+@pytest.mark.parametrize("placement", ["cpu", "gpu"])
+def test_graphed_step_with_background_matches_eager(placement: str) -> None:
+    """The hooked decode (GraphedDecode.host merges the term into the CPU result buffer) against the eager backend:
+    all-CPU steps (the one-call path) and all-GPU ones (the term merged into rows whose CPU part is empty)."""
+    from fluxion_lite.decode_graphs import DecodeGraphs
+    from fluxion_lite.gguf_loader import GGUFModel
+    from fluxion_lite.model import Transformer
+    from fluxion_lite.scheduler import Costs
+    from decode_compare import decode_and_compare, prefill
+    from test_decode_fastpath import make_cfg, random_weights
+
+    cfg = make_cfg("llama", hq=6, hkv=3, d=32)
+    w = random_weights(cfg, seed=8)
+    eager = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
+    runner = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
+    runner.graphs = DecodeGraphs(runner, capture=False)
+    groups = [[GroupPlan(False, 16, 0.07), GroupPlan(False, 64, 0.3), GroupPlan(True)],
+              [GroupPlan(False, 32, 0.02), GroupPlan(True), GroupPlan(False, 16, 1.0)]]
+    plan = SparsePlan(sink=20, window=33, groups=groups, source="test", background="all")
+    costs = Costs(cpu_gbs=10.0, gather_gbs=1000.0, h2d_gbs=None, zero_copy=True, pcie_read_gbs=1.0, zc_fixed_s=10.0)
+    backends = [SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, placement=placement,
+                                costs=costs, zero_copy=True) for _ in range(2)]  # type: ignore[arg-type]
+    g = torch.Generator().manual_seed(12)
+    lengths = [250, 700, 180]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
+    prefill((eager, runner), backends, prompts)
+    called = []
+    hooked = backends[1]
+    real = hooked._graphed._background
+
+    def counted(layer: int, lo: int, hi: int) -> None:
+        called.append(layer)
+        real(layer, lo, hi)
+
+    hooked._graphed._background = counted  # type: ignore[method-assign]
+    decode_and_compare(eager, runner, backends, lengths, 6, g, cfg.vocab_size)
+    assert len(called) == 5 * cfg.n_layers  # every hooked step's layers (the first step runs eagerly)
+    s = hooked.stats()
+    assert s["cpu_background_ms"] > 0 and (s["gpu_byte_fraction"] == 1.0 if placement == "gpu" else
+                                           s["gpu_byte_fraction"] == 0.0)
+    for a in backends:
+        a.executor.close()
