@@ -30,8 +30,8 @@ from pathlib import Path
 from fluxion_lite import native
 from fluxion_lite.errors import ModelFileError
 from fluxion_lite.policy import scale_for_read
-from fluxion_lite.sparse_plan import (GRANULARITIES, MAX_PIN_SPAN, MAX_PIN_SPAN_TOKENS, GroupPlan, SparsePlan,
-                                      check_curve, check_short)
+from fluxion_lite.sparse_plan import (BACKGROUNDS, GRANULARITIES, MAX_PIN_SPAN, MAX_PIN_SPAN_TOKENS, GroupPlan,
+                                      SparsePlan, check_curve, check_short)
 
 
 def variant(plan: SparsePlan, g: int | None, budget_scale: float, scoring: str | None = None,
@@ -185,6 +185,8 @@ def main() -> None:
     ap.add_argument("--long-exact-stream", action="store_true", default=None,
                     help="long-only groups stream through the exact sink and window up to the short-context tokens, "
                          "not their block size's aligned ones (default: the base plan's choice)")
+    ap.add_argument("--background", default=None, choices=BACKGROUNDS,
+                    help="the unread-background term (SparsePlan.background; default: the base plan's)")
     ap.add_argument("--out", required=True, help="where to write the variant plan (.plan.json)")
     args = ap.parse_args()
     if args.sink is not None and args.sink < 1:
@@ -245,6 +247,8 @@ def main() -> None:
             out = with_curve(out, curve, targets)
         except ValueError as exc:
             sys.exit(f"error: --read-target: {exc}")
+    if args.background is not None and args.background != out.background:
+        out = replace(out, background=args.background, source=f"{out.source}; background {args.background}")
     out.save(Path(args.out))
     print(out.explain())  # with the predicted reads at 4K-32K
     print(f"wrote {args.out}")

@@ -151,6 +151,10 @@ def test_plan_variant_sets_solves_and_checks_the_curve(tmp_path: Path) -> None:
         assert target - (16 + 64 + 64) / n / 4 < plan_bytes_fraction(got, n, 64)[0] <= target  # within a block
     assert "budget curve" in got.source and "budgets by context" in done.stdout
     assert run().returncode == 0 and SparsePlan.load(out).short_scale == 1.7  # no flags: the base plan's scale
+    assert SparsePlan.load(out).background == "off"
+    assert run("--background", "all").returncode == 0 and SparsePlan.load(out).background == "all"
+    refused = run("--background", "some")
+    assert refused.returncode != 0 and "--background" in refused.stderr
     for args, flag in ((("--budget-curve", "1024"), "--budget-curve"), (("--budget-curve", "0:1"), "--budget-curve"),
                        (("--budget-curve", "1024:-1"), "--budget-curve"),
                        (("--read-target", "1024:1.5"), "--read-target"),
