@@ -87,8 +87,17 @@ def plan_bytes_fraction(plan: SparsePlan, n: int, head_dim: int) -> tuple[float,
         b = bytes_per_step(c, n, plan.sink, plan.window, head_dim, summary_weight=float(scans))
         meta = summary_bytes(n, gp.g, head_dim) if scans else 0.0
         kv += (b - meta) / full
-        touched += b / full
+        touched += (b + background_bytes(plan.background, scans, gp.g, n, head_dim)) / full
     return kv / len(flat), touched / len(flat)
+
+
+def background_bytes(background: str, scans: bool, g: int, n: int, head_dim: int) -> float:
+    """Bytes per step and KV head that the unread-background term (SparsePlan.background) adds to a group at context
+    n: the value sums (D fp32 per 128 tokens) and, unless its top-k scans them already (g = 16), the 16-token
+    summaries; for retrieval groups that scan (scans) with "retrieval", for every group with "all"."""
+    if background == "off" or (background == "retrieval" and not scans):
+        return 0.0
+    return n / 128 * head_dim * 4 + (0.0 if scans and g == 16 else summary_bytes(n, 16, head_dim))
 
 
 def scale_for_read(plan: SparsePlan, n: int, target: float) -> float:

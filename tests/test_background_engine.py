@@ -143,3 +143,21 @@ def test_graphed_step_with_background_matches_eager(placement: str) -> None:
                                            s["gpu_byte_fraction"] == 0.0)
     for a in backends:
         a.executor.close()
+
+
+def test_predicted_bytes_count_the_terms_summaries_and_value_sums() -> None:
+    """plan_bytes_fraction: the term leaves the KV read as it is and adds to the bytes touched, per group and step,
+    D fp32 value sums per 128 tokens, plus the 16-token summaries for a group whose top-k does not scan them."""
+    from fluxion_lite.policy import plan_bytes_fraction
+
+    cfg = config(8, 2, 64, n_layers=2)
+    n, d = 8192, 64
+    full = n * 2 * d * 2  # K+V bytes of one group
+    sums, s16 = n / 128 * d * 4, n / 16 * 2 * d * 2
+    off = plan_bytes_fraction(_plan(cfg, "off"), n, d)
+    # _plan: 4 groups, one streaming, retrieval ones at g = 32, 16 and 128
+    for mode, extra in (("retrieval", 3 * sums + 2 * s16), ("all", 4 * sums + 3 * s16)):
+        kv, touched = plan_bytes_fraction(_plan(cfg, mode), n, d)
+        assert kv == off[0]
+        assert touched - off[1] == pytest.approx(extra / full / 4)
+    assert "every group" in _plan(cfg, "all").explain()
