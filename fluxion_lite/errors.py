@@ -26,3 +26,8 @@ class RequestError(FluxionError):
 
 class CapacityError(FluxionError):
     """A request does not fit in the configured KV memory or batch limits."""
+
+
+class SettingError(FluxionError, ValueError):
+    """An environment switch (FLUXION_*) or backend option holds a value the engine does not know. Also a
+    ValueError, as the backend's other bad-argument errors are."""

@@ -31,6 +31,7 @@ from . import native
 from .attention import AttentionBackend, SeqChunk, causal_attention
 from .config import ModelConfig
 from .device_select import DeviceSummaries
+from .errors import SettingError
 from .host_kv import HostKVStore
 from .hybrid import HybridExecutor, StepStats, Timer, biased_attention, lse_merge_parts
 from .kv_cache import DenseKVCache
@@ -62,7 +63,7 @@ class SparseAttention(AttentionBackend):
         if background:
             plan = replace(plan, background=background)
             if background not in BACKGROUNDS:
-                raise ValueError(f"FLUXION_BACKGROUND={background!r}: use one of {', '.join(BACKGROUNDS)}")
+                raise SettingError(f"FLUXION_BACKGROUND={background!r}: use one of {', '.join(BACKGROUNDS)}")
         plan.validate(cfg.n_layers, cfg.n_kv_heads)
         if plan.window < 1:
             raise ValueError("the sparse backend needs window >= 1 (the newest token is attended on the device)")
@@ -109,7 +110,7 @@ class SparseAttention(AttentionBackend):
         # or FLUXION_MIXED_SELECT=device (for A/B) keeps the device path there.
         mixed = mixed_select or os.environ.get("FLUXION_MIXED_SELECT", "host")
         if mixed not in ("host", "device"):
-            raise ValueError(f"mixed_select / FLUXION_MIXED_SELECT={mixed!r}: use host or device")
+            raise SettingError(f"mixed_select / FLUXION_MIXED_SELECT={mixed!r}: use host or device")
         self.mixed_host_select = self._dsum is not None and mixed == "host"
         cuda = device.type == "cuda"
         # new K/V per layer waiting for the host store: [L, 2, rows, Hkv, D] (pinned), (slots, rows, event) per layer
@@ -159,7 +160,7 @@ class SparseAttention(AttentionBackend):
         try:
             self.topk_scoring = topk_scoring or env or plan.scoring
         except ValueError as e:
-            raise ValueError(f"FLUXION_TOPK={env!r}: {e}" if topk_scoring is None else str(e)) from None
+            raise SettingError(f"FLUXION_TOPK={env!r}: {e}" if topk_scoring is None else str(e)) from None
 
     @property
     def topk_scoring(self) -> str:

@@ -128,6 +128,14 @@ def test_cuda_without_cuda(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "CUDA" in err
 
 
+@pytest.mark.parametrize("switch,value", [("FLUXION_BACKGROUND", "bogus"), ("FLUXION_TOPK", "bogus")])
+def test_bad_environment_switch_is_a_clean_error(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                                 smollm: Path, switch: str, value: str) -> None:
+    monkeypatch.setenv(switch, value)
+    code, out, err = run_main(capsys, "generate", "hello", "--attention", "fluxion", "--max-tokens", "2")
+    assert code == 2 and out == "" and f"error: {switch}='{value}'" in err and "Traceback" not in err
+
+
 def test_huge_max_tokens(capsys: pytest.CaptureFixture[str], smollm: Path) -> None:
     code, out, err = run_main(capsys, "generate", "hello", "--max-tokens", "1000000")
     assert code == 2 and out == ""
