@@ -5,7 +5,24 @@ from __future__ import annotations
 import torch
 
 from fluxion_lite.attention import AttentionBackend, SeqChunk
+from fluxion_lite.config import ModelConfig
 from fluxion_lite.model import Transformer
+
+
+def eager_and_hooked(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> tuple[Transformer, Transformer]:
+    """Two models with the same random weights: one decoding eagerly, one through the decode hooks (DecodeGraphs
+    without capture: the hooked step's host work runs on this CPU)."""
+    from pathlib import Path
+
+    from fluxion_lite.decode_graphs import DecodeGraphs
+    from fluxion_lite.gguf_loader import GGUFModel
+    from test_decode_fastpath import random_weights
+
+    w = random_weights(cfg, seed=seed)
+    eager = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=dtype)
+    runner = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=dtype)
+    runner.graphs = DecodeGraphs(runner, capture=False)
+    return eager, runner
 
 
 def prefill(models: tuple[Transformer, Transformer], backends: list[AttentionBackend], prompts: list[torch.Tensor],

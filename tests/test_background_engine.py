@@ -105,18 +105,12 @@ def test_fluxion_background_env_overrides_the_plan(monkeypatch: pytest.MonkeyPat
 def test_graphed_step_with_background_matches_eager(placement: str) -> None:
     """The hooked decode (GraphedDecode.host merges the term into the CPU result buffer) against the eager backend:
     all-CPU steps (the one-call path) and all-GPU ones (the term merged into rows whose CPU part is empty)."""
-    from fluxion_lite.decode_graphs import DecodeGraphs
-    from fluxion_lite.gguf_loader import GGUFModel
-    from fluxion_lite.model import Transformer
     from fluxion_lite.scheduler import Costs
-    from decode_compare import decode_and_compare, prefill
-    from test_decode_fastpath import make_cfg, random_weights
+    from decode_compare import decode_and_compare, eager_and_hooked, prefill
+    from test_decode_fastpath import make_cfg
 
     cfg = make_cfg("llama", hq=6, hkv=3, d=32)
-    w = random_weights(cfg, seed=8)
-    eager = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
-    runner = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
-    runner.graphs = DecodeGraphs(runner, capture=False)
+    eager, runner = eager_and_hooked(cfg, seed=8)
     groups = [[GroupPlan(False, 16, 0.07), GroupPlan(False, 64, 0.3), GroupPlan(True)],
               [GroupPlan(False, 32, 0.02), GroupPlan(True), GroupPlan(False, 16, 1.0)]]
     plan = SparsePlan(sink=20, window=33, groups=groups, source="test", background="all")

@@ -4,22 +4,18 @@ and attention run as one native call (native.PreparedSelection.select_attend). C
 equal the sizes selected, the fast path gives the eager backend's logits and counters, and expected_sizes."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
 from fluxion_lite import native
-from fluxion_lite.decode_graphs import DecodeGraphs
-from fluxion_lite.gguf_loader import GGUFModel
-from fluxion_lite.model import Transformer
 from fluxion_lite.scheduler import Costs
 from fluxion_lite.sparse_attention import SparseAttention
 from fluxion_lite.sparse_graph import expected_sizes
 from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
-from decode_compare import decode_and_compare, prefill
-from test_decode_fastpath import make_cfg, random_weights
+from decode_compare import decode_and_compare, eager_and_hooked, prefill
+from test_decode_fastpath import make_cfg
 
 
 def test_expected_sizes_per_layer() -> None:
@@ -42,10 +38,7 @@ def test_fast_path_matches_eager_and_predicts_the_selection(monkeypatch: pytest.
 
     monkeypatch.setattr(native.PreparedSelection, "select_attend", counted)
     cfg = make_cfg("llama", hq=6, hkv=3, d=32)
-    w = random_weights(cfg, seed=6)
-    eager = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
-    runner = Transformer(GGUFModel(Path("x"), cfg, {}, w), dtype=torch.float32)
-    runner.graphs = DecodeGraphs(runner, capture=False)
+    eager, runner = eager_and_hooked(cfg, seed=6)
     # mixed granularities, budgets and streaming groups: some (row, group) have no task, layer 1 group 2 streams
     groups = [[GroupPlan(False, 16, 0.07), GroupPlan(False, 64, 0.3), GroupPlan(True)],
               [GroupPlan(False, 32, 0.02), GroupPlan(False, 128, 0.5), GroupPlan(False, 16, 1.0)]]
