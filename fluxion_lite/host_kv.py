@@ -246,7 +246,7 @@ class HostKVStore:
         self._check_layer(layer)
         self._check_slot(slot)
         n, P, H, D = self.n_tokens(layer, slot), self.page_tokens, self.n_kv_heads, self.head_dim
-        off = 2 * H * P * D * 2 + sum(H * (P // g) * 2 * D * 2 for g in self.granularities)
+        off = native.page_bytes(H, D, P, self.granularities)  # K, V and the summaries come first
         per_page = P // native.MAX_BLOCK
         parts = [page[off: off + H * per_page * D * 4].view(torch.float32).view(H, per_page, D)
                  for page in self._pages[layer][slot]]

@@ -540,8 +540,11 @@ class SparseAttention(AttentionBackend):
             self._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
             parts.append((o_r.view(B, hkv, r, d), lse_r.view(B, hkv, r)))
         if self.plan.background != "off":
-            if q_host is None:
+            if q_host is None:  # device selection: its ids are not ascending, as native.background needs them
                 q_host = q.float().cpu().contiguous()
+                if ids is not None and counts is not None:  # pad entries sort last and stay past counts
+                    pad = np.arange(ids.shape[1])[None, :] >= counts[:, None]
+                    ids = np.sort(np.where(pad, np.iinfo(np.int32).max, ids), axis=1).astype(np.int32)
             bg = self._background(layer, st, q_host, tasks, ids, counts, bi * hkv + h, gi_read)
             if bg is not None:
                 parts.append(bg)
@@ -573,16 +576,14 @@ class SparseAttention(AttentionBackend):
         """The unread-background term of one layer (plan.background) on the host: for the retrieval tasks (their
         selections ids / counts, result rows task_rows = sequence row * Hkv + group) over what they left unread,
         and with "all" for every other group over the gap between its sink and window (gi: the layer's rows of the
-        step's per-g arrays, [1 or B, Hkv]). q_host: fp32 [B, Hq, D] on the CPU. Returns the result rows (int64
-        [T]), out fp32 [T, r, D] and lse fp32 [T, r], or None when no group has a term."""
+        step's per-g arrays, [1 or B, Hkv]); ids ascending per row, as the native top-k gives them. q_host: fp32
+        [B, Hq, D] on the CPU. Returns the result rows (int64 [T]), out fp32 [T, r, D] and lse fp32 [T, r], or None
+        when no group has a term."""
         k_cap = ids.shape[1] if ids is not None and len(tasks) else 1
         parts = []  # (tasks, ids, counts, result rows)
         if len(tasks):
             assert ids is not None and counts is not None
-            # ascending ids (the device selection's are not): pad entries sort last and stay past counts
-            pad = np.arange(k_cap)[None, :] >= counts[:, None]
-            parts.append((tasks, np.sort(np.where(pad, np.iinfo(np.int32).max, ids), axis=1).astype(np.int32),
-                          counts, task_rows))
+            parts.append((tasks, ids, counts, task_rows))
         if self.plan.background == "all":  # the other groups over their gap between sink and window, no selection
             more, more_rows = background_tasks(st, gi, task_rows)
             if len(more):

@@ -88,7 +88,6 @@ int fx_get_threads(void) { return fx_pool_threads(); }
 int64_t fx_set_spin_ns(int64_t ns) { return fx_pool_set_spin_ns(ns); }
 void fx_wake_threads(void) { fx_pool_wake(); }
 void fx_set_checks(int on) { g_checks = on != 0; }
-int fx_checks_on(void) { return g_checks; }
 
 /* ---------------------------------------------------------------------------------------------- page layout -- */
 

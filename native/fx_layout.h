@@ -30,16 +30,21 @@ static inline int64_t v_offset(const fx_kv_view *kv) {
     return (int64_t)kv->n_kv_heads * kv->page_tokens * kv->head_dim;
 }
 
+/* Bytes of the min/max summaries of the kept granularities with index < below in one page (they follow K and V):
+ * below = gi is granularity gi's offset among them, below = 4 all of them. */
+static inline int64_t summaries_bytes(const fx_kv_view *kv, int below) {
+    int64_t P = kv->page_tokens, D = kv->head_dim, H = kv->n_kv_heads, bytes = 0;
+    for (int i = 0; i < below; i++)
+        if (kv->gran_mask & (1 << i)) bytes += H * (P / (16 << i)) * 2 * D * 2;
+    return bytes;
+}
+
 /* Summary [2][D] (16-bit, the KV dtype) of block b (granularity index gi) of head h. */
 static inline uint16_t *summary(const fx_kv_view *kv, int slot, int h, int gi, int64_t b) {
     int64_t P = kv->page_tokens, D = kv->head_dim, H = kv->n_kv_heads, g = 16 << gi;
-    int64_t off = 2 * H * P * D * 2;
-    for (int i = 0; i < gi; i++)
-        if (kv->gran_mask & (1 << i)) off += H * (P / (16 << i)) * 2 * D * 2;
-    uint8_t *page = page_of(kv, slot, b * g);
-    return (uint16_t *)(page + off) + ((int64_t)h * (P / g) + (b * g % P) / g) * 2 * D;
+    uint8_t *sums = page_of(kv, slot, b * g) + 2 * H * P * D * 2 + summaries_bytes(kv, gi);
+    return (uint16_t *)sums + ((int64_t)h * (P / g) + (b * g % P) / g) * 2 * D;
 }
-
 
 /* A task's excluded token ranges as block ranges [ex_lo[x], ex_hi[x]) (a block is excluded when it intersects a
  * range; an empty range becomes [0, 0)). */
@@ -62,19 +67,11 @@ static inline int block_excluded(int64_t b, const int64_t ex_lo[2], const int64_
     return (b >= ex_lo[0] && b < ex_hi[0]) || (b >= ex_lo[1] && b < ex_hi[1]);
 }
 
-/* Bytes of the min/max summaries of all kept granularities in one page (they follow K and V). */
-static inline int64_t summaries_bytes(const fx_kv_view *kv) {
-    int64_t P = kv->page_tokens, D = kv->head_dim, H = kv->n_kv_heads, bytes = 0;
-    for (int i = 0; i < 4; i++)
-        if (kv->gran_mask & (1 << i)) bytes += H * (P / (16 << i)) * 2 * D * 2;
-    return bytes;
-}
-
 /* Value sums [D] fp32 of 128-token block b of head h (only where the view keeps them: FX_KEEP_VALUE_SUMS). */
 static inline float *value_sums(const fx_kv_view *kv, int slot, int h, int64_t b) {
     int64_t P = kv->page_tokens, D = kv->head_dim, H = kv->n_kv_heads;
     uint8_t *page = page_of(kv, slot, b * FX_MAX_BLOCK);
-    float *vs = (float *)(page + 2 * H * P * D * 2 + summaries_bytes(kv));
+    float *vs = (float *)(page + 2 * H * P * D * 2 + summaries_bytes(kv, 4));
     return vs + ((int64_t)h * (P / FX_MAX_BLOCK) + (b * FX_MAX_BLOCK % P) / FX_MAX_BLOCK) * D;
 }
 
