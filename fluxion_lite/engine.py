@@ -28,7 +28,7 @@ from .async_decode import InFlight, chainable, queue_tokens, starts_chain
 from .sampling import Penalties, SamplingParams, penalised, sample_rows
 from .sparse_attention import SparseAttention
 from .request_plan import load_planner
-from .sparse_plan import SparsePlan
+from .sparse_plan import SparsePlan, with_background_override
 from .step_counters import StepCounters
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -468,7 +468,7 @@ def make_attention(
 def fluxion_selection(device: torch.device, plan: SparsePlan, per_request_plans: bool) -> str:
     """Where `fluxion` selects blocks: FLUXION_SELECTION=cpu|gpu, or auto (the default): on the GPU when the decode
     step can run there whole (device_graph.py: a CUDA device, zero-copy reads of the host store, one retrieval
-    block size, group or midrange block scoring, the static plan), since that step needs no host round trip per layer (H200, llama3.1-8b shape, 32K,
+    block size, group or midrange block scoring, the static plan, no unread-background term), since that step needs no host round trip per layer (H200, llama3.1-8b shape, 32K,
     batch 1: ~14 ms vs ~25 ms, bench/results/tpot_llama3.1-8b_h200_eef3831.json); else the native top-k on the CPU."""
     choice = os.environ.get("FLUXION_SELECTION", "auto")
     if choice not in ("auto", "cpu", "gpu"):
@@ -477,7 +477,10 @@ def fluxion_selection(device: torch.device, plan: SparsePlan, per_request_plans:
         return choice
     one_g = len({grp.g for layer in plan.groups for grp in layer if not grp.streaming}) <= 1
     device_scoring = (os.environ.get("FLUXION_TOPK") or plan.scoring) in ("group", "native", "midrange")
-    if device.type != "cuda" or per_request_plans or not one_g or not device_scoring:
+    # the captured device step has no unread-background term yet (device_graph.py): with it the device selection
+    # would decode eagerly, and the captured CPU step has the term
+    background = with_background_override(plan).background != "off"
+    if device.type != "cuda" or per_request_plans or not one_g or not device_scoring or background:
         return "cpu"
     return "gpu" if zero_copy.check(device)[0] else "cpu"
 

@@ -38,7 +38,7 @@ from .kv_cache import DenseKVCache
 from .pinned import PinnedBlocks
 from .request_plan import RequestPlanner, RowPlan
 from .scheduler import Costs, CostModel, Placement, measure_costs
-from .sparse_plan import BACKGROUNDS, GRANULARITIES, SparsePlan
+from .sparse_plan import GRANULARITIES, SparsePlan, with_background_override
 from .device_graph import DeviceGraphedDecode
 from .sparse_graph import GraphedDecode
 from .sparse_step import (DecodeStep, active_retrieval, background_tasks, bias_rows, build_step, group_rows,
@@ -59,11 +59,7 @@ class SparseAttention(AttentionBackend):
                  placement: Placement = "auto", selection: Selection = "cpu", costs: Costs | None = None,
                  zero_copy: bool | None = None, topk_scoring: str | None = None,
                  mixed_select: Literal["host", "device"] | None = None):
-        background = os.environ.get("FLUXION_BACKGROUND")  # the plan's unread-background term, overridden (A/B)
-        if background:
-            plan = replace(plan, background=background)
-            if background not in BACKGROUNDS:
-                raise SettingError(f"FLUXION_BACKGROUND={background!r}: use one of {', '.join(BACKGROUNDS)}")
+        plan = with_background_override(plan)  # the unread-background term: the plan's, or FLUXION_BACKGROUND's
         plan.validate(cfg.n_layers, cfg.n_kv_heads)
         if plan.window < 1:
             raise ValueError("the sparse backend needs window >= 1 (the newest token is attended on the device)")

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+import os
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 
-from .errors import ModelFileError
+from .errors import ModelFileError, SettingError
 
 GRANULARITIES = (16, 32, 64, 128)
 BACKGROUNDS = ("off", "retrieval", "all")  # SparsePlan.background
@@ -339,6 +340,17 @@ class SparsePlan:
     def streaming_fraction(self) -> float:
         flat = [gp for row in self.groups for gp in row]
         return sum(gp.streaming for gp in flat) / max(1, len(flat))
+
+
+def with_background_override(plan: SparsePlan) -> SparsePlan:
+    """The plan with FLUXION_BACKGROUND (off / retrieval / all; for A/B runs) in place of its own `background`, if
+    set. One place for the override: the backend executes it and engine.fluxion_selection chooses by it."""
+    background = os.environ.get("FLUXION_BACKGROUND")
+    if not background:
+        return plan
+    if background not in BACKGROUNDS:
+        raise SettingError(f"FLUXION_BACKGROUND={background!r}: use one of {', '.join(BACKGROUNDS)}")
+    return replace(plan, background=background)
 
 
 def _group_dict(gp: GroupPlan) -> dict[str, object]:

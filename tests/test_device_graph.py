@@ -380,6 +380,13 @@ def test_auto_selection_keeps_the_cpu_where_the_device_step_cannot_run(monkeypat
     monkeypatch.setenv("FLUXION_TOPK", "per-head")
     assert engine.fluxion_selection(cuda, one_g, per_request_plans=False) == "cpu"
     monkeypatch.delenv("FLUXION_TOPK")
+    background = SparsePlan(sink=16, window=32, groups=one_g.groups, source="t", background="all")
+    assert engine.fluxion_selection(cuda, background, per_request_plans=False) == "cpu"  # only the CPU step has it
+    monkeypatch.setenv("FLUXION_BACKGROUND", "off")  # the override decides, as in the backend
+    assert engine.fluxion_selection(cuda, background, per_request_plans=False) == "gpu"
+    monkeypatch.setenv("FLUXION_BACKGROUND", "retrieval")
+    assert engine.fluxion_selection(cuda, one_g, per_request_plans=False) == "cpu"
+    monkeypatch.delenv("FLUXION_BACKGROUND")
     assert engine.fluxion_selection(torch.device("cpu"), one_g, per_request_plans=False) == "cpu"
     monkeypatch.setattr(zero_copy, "check", lambda device: (False, "test: no alias"))
     assert engine.fluxion_selection(cuda, one_g, per_request_plans=False) == "cpu"  # staging would sync per layer
