@@ -76,7 +76,8 @@ int64_t fx_pool_spin_ns(void);
 void fx_pool_wake(void);                 /* sleeping workers wake and spin: call ahead of a call after an idle gap */
 
 /* Shared by fluxion.c and fx_background.c: the SIMD path in use, and the validation of a view, of a call's GQA
- * group and of one task's common fields (need_kept: the task's granularity must be kept in the pages).  Each returns FX_OK or an FX_E* code. */
+ * group and of one task's common fields (need_kept: the task's granularity must be kept in the pages).  Each
+ * returns FX_OK or an FX_E* code. */
 const fx_kernels *fx_kern(void);
 int fx_check_view(const fx_kv_view *kv);
 int fx_check_group(const fx_kv_view *kv, int32_t n_q_heads);
