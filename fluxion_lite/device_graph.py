@@ -38,6 +38,11 @@ counts them in the PCIe bytes; neither counts them in the KV read fraction).
 A layer's kernels do not depend on how many groups or budgets it has: groups differ only in how many entries of
 the flat block list they own. Supports the static plan with one block size for all retrieval groups (what
 DeviceSummaries mirrors); anything else runs eagerly.
+
+The unread-background term (plan.background; device_background.py) needs that block size to be 16: the device
+summaries then keep per-128-token value sums too, each (layer, row, group)'s background candidates come in ds.ints
+(background_bounds), and after the selection the term is computed from the summaries alone and folded into the
+streaming part (the torch path: into the retrieval part), so combine / the epilogue merge it with the rest.
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ import numpy as np
 import torch
 
 from . import device_kernels, device_topk
+from .device_background import background_term, merge_into_partial, merge_normalised, selected_blocks
 from .attention import SeqChunk
 from .hybrid import lse_merge
 from .pin_pool import DevicePinPool, span_kv_rows
@@ -58,7 +64,7 @@ from .reuse_cache import DeviceReuseCache
 from .sparse_graph import add_counts, plan_tasks, step_counts, stream_layer
 from .device_step import DeviceStep
 from .device_topk import ReuseViews
-from .sparse_step import DecodeStep, GVALS
+from .sparse_step import BACKGROUND_G, DecodeStep, GVALS
 
 if TYPE_CHECKING:
     from .sparse_attention import SparseAttention
@@ -75,6 +81,23 @@ StepInputs = tuple[torch.Tensor, np.ndarray, tuple[float, float, float, float]]
 
 def bucket_tokens(n_max: int) -> int:
     return -(-n_max // BUCKET_TOKENS) * BUCKET_TOKENS
+
+
+def background_bounds(a: SparseAttention, st: DecodeStep, layer_of: np.ndarray, rows: np.ndarray,
+                      heads: np.ndarray) -> np.ndarray:
+    """Each (layer, row, group)'s unread-background candidates as 16-token blocks [lo, hi), int64 [2, L, B, Hkv]:
+    the whole 16-token blocks of its gap between sink and window (its row of st.sink_hi / win_lo), as the native
+    term's tasks exclude them (SparseAttention.background_rows, sparse_step.background_tasks); empty for a group
+    without a term (with background "retrieval": one without a retrieval task this step). layer_of, rows, heads:
+    the step's retrieval tasks (plan_tasks)."""
+    gi = a._gidx[:, None, :]  # [L, 1, Hkv]
+    b = np.arange(st.batch)[None, :, None]  # [1, B, 1]
+    lo, hi = -(-st.sink_hi[gi, b] // BACKGROUND_G), st.win_lo[gi, b] // BACKGROUND_G  # [L, B, Hkv]
+    if a.plan.background != "all":
+        has_task = np.zeros(lo.shape, bool)
+        has_task[layer_of, rows, heads] = True
+        lo, hi = np.where(has_task, lo, 0), np.where(has_task, hi, 0)
+    return np.stack([lo, np.maximum(hi, lo)])
 
 
 class DeviceGraphedDecode:
@@ -98,6 +121,9 @@ class DeviceGraphedDecode:
         assert owner._dsum is not None and owner.executor.feeder is not None
         self.dsum, self.feeder = owner._dsum, owner.executor.feeder
         self.g = self.dsum.g
+        # the unread-background term (device_background.py): from the g = 16 summaries and the device value sums
+        self.background = owner.plan.background != "off"
+        assert not self.background or (self.g == BACKGROUND_G and self.dsum.value_sums)
         self.pool = (DevicePinPool(self.g, owner.cfg.n_kv_heads, owner.cfg.head_dim, owner.store.page_tokens,
                                    owner.store.dtype, owner.device, PIN_CACHE_SHARE)
                      if self.fused and os.environ.get("FLUXION_PIN_CACHE", "1") != "0" else None)
@@ -287,9 +313,12 @@ class DeviceGraphedDecode:
         ints[: 3 * B] = st.idx.reshape(-1)  # slots, positions, ring slots, as build_step made them
         ints[3 * B: 4 * B] = st.sink_hi[gi] // self.g  # eligible blocks [lo, hi), as the eager path's
         ints[4 * B: 5 * B] = st.win_lo[gi] // self.g
-        k_row = ints[5 * B:].reshape(ds.k_row.shape)  # [L, B, Hkv]
+        k_row = ints[5 * B: 5 * B + ds.k_row.numel()].reshape(ds.k_row.shape)  # [L, B, Hkv]
         k_row[:] = 0
         k_row[layer_of, tasks[:, 1].astype(np.int64), heads] = np.minimum(tasks[:, 4], ds.k_cap[layer_of, heads])
+        if ds.bg_bounds is not None:
+            bg = ints[5 * B + k_row.size:].reshape(ds.bg_bounds.shape)
+            bg[:] = background_bounds(a, st, layer_of, tasks[:, 1].astype(np.int64), heads)
         read, context, streaming, groups = step_counts(a, st)
         return host, k_row, (read + float(selected.sum()), context, streaming, groups)
 
@@ -392,6 +421,8 @@ class DeviceGraphedDecode:
             qg = q.view(ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim)
             device_kernels.append_token(k, v, a._near[layer], ds.stage[layer], self.dsum.layer(layer), ds.slots,
                                         ds.pos, ds.ring, self.g)  # summary capacity reserved in prepare()
+            if self.background:
+                self.dsum.append_values(layer, ds.slots, ds.pos, v)
             side = self._side if flat is not None else None
             if side is None:
                 self._stream_part(layer, qg, ds)
@@ -405,15 +436,33 @@ class DeviceGraphedDecode:
                     self._stream_part(layer, qg, ds)
                 self._retrieve_fused(layer, qg, ds, flat)
                 main.wait_stream(side)  # join: combine reads both parts
+            if self.background:  # after the join: the term goes into the streaming partials' last split
+                selected = None
+                if flat is not None:
+                    ids, vals, _ = self._chosen(layer, ds, flat[0])
+                    ranks = torch.arange(flat[0], device=ids.device)
+                    selected = selected_blocks(ids, (vals > float("-inf")) & (ranks < ds.k_row[layer][..., None]),
+                                               ds.n_blocks)
+                o_bg, lse_bg = self._background(layer, qg, ds, selected)
+                merge_into_partial(ds.stream_o[:, :, -1], ds.stream_m[:, :, -1], ds.stream_l[:, :, -1], o_bg, lse_bg)
             device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
                                    ds.stream_m, ds.stream_l, ds.out[layer], flat[0] if flat is not None else 0)
             return
         qg, ds.out_s[layer], ds.lse_s[layer] = stream_layer(a, layer, ds.slots, ds.ring, ds.bias, q, k, v)
         ds.stage[layer, :, 0] = k  # [B, Hkv, D] each, for the host store
         ds.stage[layer, :, 1] = v
-        self.dsum.append_tokens(layer, ds.slots, ds.pos, 0, 0, k)  # capacity reserved in prepare()
-        if flat is not None:
-            self._retrieve(layer, qg, ds, *flat)
+        self.dsum.append_tokens(layer, ds.slots, ds.pos, 0, 0, k, v)  # capacity reserved in prepare()
+        selected = self._retrieve(layer, qg, ds, *flat) if flat is not None else None
+        if self.background:  # folded into the retrieval part, which the epilogue merges with the streaming one
+            merge_normalised(ds.o_ret, ds.lse_ret, *self._background(layer, qg, ds, selected))
+
+    def _background(self, layer: int, qg: torch.Tensor, ds: DeviceStep, selected: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's unread-background term (device_background.py) for query qg [B, Hkv, r, D], given the blocks
+        the step reads (selected bool [B, Hkv, NB], None: none) -> o fp32 [B, Hkv, r, D], lse fp32 [B, Hkv, r]."""
+        assert ds.bg_bounds is not None
+        return background_term(qg, self.dsum.layer(layer), self.dsum.layer_values(layer), ds.slots, ds.pos + 1,
+                               ds.bg_bounds[:, layer], selected, ds.n_blocks, self.a.scale)
 
     def _stream_part(self, layer: int, qg: torch.Tensor, ds: DeviceStep) -> None:
         """Attention over the device sink + window of every group -> the partials ds.stream_o/m/l."""
@@ -496,9 +545,10 @@ class DeviceGraphedDecode:
         self.early_choices += 1
 
     def _retrieve(self, layer: int, qg: torch.Tensor, ds: DeviceStep, width: int, flat_h: torch.Tensor,
-                  flat_j: torch.Tensor) -> None:
+                  flat_j: torch.Tensor) -> torch.Tensor | None:
         """Top-k over the device summaries and attention over the chosen chunks, read through the alias, for all
-        retrieval groups of the layer at once -> ds.o_ret [B, Hkv, r, D], ds.lse_ret [B, Hkv, r]."""
+        retrieval groups of the layer at once -> ds.o_ret [B, Hkv, r, D], ds.lse_ret [B, Hkv, r]. Returns, with the
+        unread-background term, which blocks were read (bool [B, Hkv, NB]), else None."""
         a = self.a
         B, hkv, r, d, g = ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim, self.g
         dev = qg.device
@@ -525,6 +575,10 @@ class DeviceGraphedDecode:
         o = torch.zeros(B, hkv, r, d, device=dev).index_add_(1, flat_h, torch.einsum("bnrt,bntd->bnrd", p, values))
         ds.o_ret.copy_(o / s.clamp_min(1e-30)[..., None])
         ds.lse_ret.copy_(m + torch.log(s))  # -inf for a group with nothing selected
+        if not self.background:
+            return None
+        hits = torch.zeros(B, hkv * ds.n_blocks, device=dev)  # [B, Hkv * NB]: scatter_add, as ids may repeat
+        return hits.scatter_add_(1, flat_h[None, :] * ds.n_blocks + ids, valid.float()).view(B, hkv, -1) > 0
 
     def epilogue(self, layer: int) -> torch.Tensor:
         """Merge the streaming and retrieval parts by LSE -> o [B, Hq, D] in the model dtype."""

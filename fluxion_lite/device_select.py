@@ -14,6 +14,10 @@ summaries would buy precision the retrieved keys no longer have. The score is th
 summed over the group's query heads: sum_d Q+_d max_d + Q-_d min_d with Q+ = sum_j max(q_j, 0), Q- = sum_j min(q_j, 0).
 Pinned blocks (pinned.py) score above every other eligible block, so top-k takes them and fills the rest of its k
 with the best unpinned blocks: the union the native pinned top-k makes.
+
+With value_sums (a plan with the unread-background term, device_background.py) each layer also keeps per-128-token
+value sums [slots, Hkv, blocks / (128 / g), D] fp32, the device mirror of the host store's VS: the sum of the
+values as the store keeps them (bf16), so the term's mean values are the native one's.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import torch
 
 PINNED_SCORE = 3.0e38  # above any bound of real keys, finite: -inf still marks blocks that must not be chosen
 SUMMARY_DTYPE = torch.bfloat16
+VALUE_SUM_TOKENS = 128  # the value sums' block (the host store's FX_MAX_BLOCK)
+VALUE_DTYPE = torch.bfloat16  # the host store's V: the sums add the values rounded to it
 
 
 def _round_bf16(x: torch.Tensor, up: bool) -> torch.Tensor:
@@ -47,11 +53,18 @@ def round_up_bf16(x: torch.Tensor) -> torch.Tensor:
 
 
 class DeviceSummaries:
-    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, g: int, device: torch.device):
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, g: int, device: torch.device,
+                 value_sums: bool = False):
         self.n_layers, self.hkv, self.d, self.g, self.device = n_layers, n_kv_heads, head_dim, g, device
+        if value_sums and VALUE_SUM_TOKENS % g:
+            raise ValueError(f"device value sums need a block size dividing {VALUE_SUM_TOKENS} (got g={g})")
         # per layer: [slot_cap, Hkv, block_cap, 2, D] bf16; grown (slots doubled, blocks by a quarter), never shrunk
         self._s: list[torch.Tensor] = [torch.empty(0, n_kv_heads, 0, 2, head_dim, dtype=SUMMARY_DTYPE, device=device)
                                        for _ in range(n_layers)]
+        # with value_sums, per layer [slot_cap, Hkv, block_cap * g / 128, D] fp32, grown with _s; else empty
+        self.value_sums = value_sums
+        self._vs: list[torch.Tensor] = [torch.empty(0, n_kv_heads, 0, head_dim, dtype=torch.float32, device=device)
+                                        for _ in range(n_layers)]
         self.version = 0  # bumped when a layer's tensor is reallocated (captured graphs address them)
         # block scores: the Quest bound of the summed query heads, or (midrange) q . (min + max) / 2 (the plan's scoring)
         self.midrange = False
@@ -62,9 +75,13 @@ class DeviceSummaries:
         """The layer's summaries [slot_cap, Hkv, block_cap, 2, D] bf16 (device_kernels reads and updates them)."""
         return self._s[layer]
 
+    def layer_values(self, layer: int) -> torch.Tensor:
+        """The layer's value sums [slot_cap, Hkv, block_cap * g / 128, D] fp32 (value_sums only)."""
+        return self._vs[layer]
+
     def bytes_used(self) -> int:
-        """Device bytes allocated for the summaries (capacity, not only the blocks in use)."""
-        return sum(t.numel() * t.element_size() for t in self._s)
+        """Device bytes allocated for the summaries and value sums (capacity, not only the blocks in use)."""
+        return sum(t.numel() * t.element_size() for t in self._s + self._vs)
 
     def _ensure(self, layer: int, slot: int, n_blocks: int) -> torch.Tensor:
         s = self._s[layer]
@@ -79,6 +96,12 @@ class DeviceSummaries:
         grown = torch.zeros(slots, self.hkv, blocks, 2, self.d, dtype=SUMMARY_DTYPE, device=self.device)
         grown[: s.shape[0], :, : s.shape[2]] = s
         self._s[layer] = grown
+        if self.value_sums:  # blocks is a multiple of 64, so of 128 / g: the sums cover the same tokens
+            vs = self._vs[layer]
+            vgrown = torch.zeros(slots, self.hkv, blocks * self.g // VALUE_SUM_TOKENS, self.d, dtype=torch.float32,
+                                 device=self.device)
+            vgrown[: vs.shape[0], :, : vs.shape[2]] = vs
+            self._vs[layer] = vgrown
         self.version += 1
         return grown
 
@@ -93,14 +116,19 @@ class DeviceSummaries:
         layers = self._s[:n_layers]
         self._room = (self.version, n_layers, min(t.shape[0] for t in layers), min(t.shape[2] for t in layers))
 
-    def append_chunk(self, layer: int, slot: int, start: int, k: torch.Tensor) -> None:
-        """Keys k [n, Hkv, D] at positions start..start+n-1 of one sequence (a prefill chunk)."""
+    def append_chunk(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """Keys k [n, Hkv, D] at positions start..start+n-1 of one sequence (a prefill chunk); with value_sums also
+        its values v [n, Hkv, D]."""
         g, n = self.g, k.shape[0]
         if n == 0:
             return
         off, b0 = start % g, start // g
         nb = -(-(off + n) // g)
         s = self._ensure(layer, slot, b0 + nb)
+        if self.value_sums:
+            if v is None:
+                raise ValueError("append_chunk: these summaries keep value sums, so the chunk's values are needed")
+            self._add_values(layer, slot, start, v)
         exact = k.dtype == SUMMARY_DTYPE  # bf16 keys: their min/max are bf16 values already, nothing to round
         kk = k if exact else k.float()
         tail = nb * g - off - n
@@ -119,10 +147,38 @@ class DeviceSummaries:
             mins, maxs = round_down_bf16(mins), round_up_bf16(maxs)
         s[slot, :, b0 : b0 + nb] = torch.stack([mins, maxs], dim=2).transpose(0, 1)
 
+    def _add_values(self, layer: int, slot: int, start: int, v: torch.Tensor) -> None:
+        """Values v [n, Hkv, D] at positions start.. of one sequence into its 128-token sums (room ensured); a block
+        whose first token is among them starts from zero, as the host store's do."""
+        c, n = VALUE_SUM_TOKENS, v.shape[0]
+        off, b0 = start % c, start // c
+        nb = -(-(off + n) // c)
+        vv = v.to(VALUE_DTYPE).float()
+        padded = torch.cat([vv.new_zeros(off, self.hkv, self.d), vv, vv.new_zeros(nb * c - off - n, self.hkv, self.d)])
+        sums = padded.view(nb, c, self.hkv, self.d).sum(1).transpose(0, 1)  # [Hkv, nb, D]
+        vs = self._vs[layer]
+        if off:  # the first block already holds earlier tokens' sum
+            sums[:, 0] += vs[slot, :, b0]
+        vs[slot, :, b0: b0 + nb] = sums
+
+    def append_values(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, v: torch.Tensor) -> None:
+        """One new value per sequence (value_sums; room reserved): slots, pos [B] int64, v [B, Hkv, D]. No host
+        sync: the captured device step calls it next to device_kernels.append_token."""
+        vs = self._vs[layer]
+        blk = pos // VALUE_SUM_TOKENS
+        first = (pos % VALUE_SUM_TOKENS == 0)[:, None, None]  # [B, 1, 1]: a new block, its old sum is stale
+        vv = v.to(VALUE_DTYPE).float()
+        vs[slots, :, blk] = torch.where(first, vv, vs[slots, :, blk] + vv)
+
     def append_tokens(self, layer: int, slots: torch.Tensor, pos: torch.Tensor, max_slot: int, max_pos: int,
-                      k: torch.Tensor) -> None:
-        """One new key per sequence: slots, pos [B] int64 (device), k [B, Hkv, D]; max_* are host ints for growth."""
+                      k: torch.Tensor, v: torch.Tensor | None = None) -> None:
+        """One new key per sequence: slots, pos [B] int64 (device), k [B, Hkv, D]; max_* are host ints for growth;
+        with value_sums also the values v [B, Hkv, D]."""
         s = self._ensure(layer, max_slot, max_pos // self.g + 1)
+        if self.value_sums:
+            if v is None:
+                raise ValueError("append_tokens: these summaries keep value sums, so the tokens' values are needed")
+            self.append_values(layer, slots, pos, v)
         blk = pos // self.g
         first = (pos % self.g == 0)[:, None, None]  # [B, 1, 1]: a new block starts, old contents are stale
         # bf16 keys (the model dtype on the GPU): min/max of bf16 values are bf16 values, so no rounding and no fp32

@@ -32,12 +32,17 @@ class DeviceStep:
         self.serial = next(_serials)
         # The step's integer inputs in one tensor, so begin() moves them in one asynchronous copy (they were six
         # copies, two of them pageable ones that wait for the device): views of it, in this order
-        self.ints = torch.zeros(5 * batch + n_layers * batch * hkv, dtype=torch.long, device=dev)
+        self.background = owner.plan.background != "off"  # the unread-background term (device_background.py)
+        per_group = n_layers * batch * hkv
+        self.ints = torch.zeros(5 * batch + per_group * (3 if self.background else 1), dtype=torch.long, device=dev)
         self.slots = self.ints[:batch]  # [B] store slots = rows of the device slab
         self.pos = self.ints[batch: 2 * batch]  # [B] the new token's position
         self.ring = self.ints[2 * batch: 3 * batch]  # [B] its slot in the ring
         self.bounds = self.ints[3 * batch: 5 * batch].view(2, batch)  # [2, B] eligible blocks [lo, hi)
-        self.k_row = self.ints[5 * batch:].view(n_layers, batch, hkv)  # [L, B, Hkv] blocks to use
+        self.k_row = self.ints[5 * batch: 5 * batch + per_group].view(n_layers, batch, hkv)  # [L, B, Hkv]: k
+        # with the term: each (layer, row, group)'s background candidates, 16-token blocks [lo, hi) ([2, L, B, Hkv])
+        self.bg_bounds = (self.ints[5 * batch + per_group:].view(2, n_layers, batch, hkv) if self.background
+                          else None)
         ltot = owner.sink_cap + owner.ring_cap
         self.bias = torch.zeros(owner.bias_rows, batch, ltot, dtype=torch.float32, device=dev)  # [G, B, Ltot]
         self.pinned = torch.zeros(n_layers, batch, hkv, n_blocks, dtype=torch.bool, device=dev)  # [L, B, Hkv, NB]

@@ -41,8 +41,8 @@ from .scheduler import Costs, CostModel, Placement, measure_costs
 from .sparse_plan import GRANULARITIES, SparsePlan, with_background_override
 from .device_graph import DeviceGraphedDecode
 from .sparse_graph import GraphedDecode
-from .sparse_step import (DecodeStep, active_retrieval, background_tasks, bias_rows, build_step, group_rows,
-                          retrieval_tasks)
+from .sparse_step import (BACKGROUND_G, DecodeStep, active_retrieval, background_tasks, bias_rows, build_step,
+                          group_rows, retrieval_tasks)
 from . import zero_copy as zc
 
 MAX_G = max(GRANULARITIES)
@@ -97,7 +97,11 @@ class SparseAttention(AttentionBackend):
             gs = set(self._g[self._retrieval].tolist())
             if len(gs) > 1:
                 raise ValueError(f"selection='gpu' mirrors one granularity; the plan uses {sorted(gs)}")
-            self._dsum = DeviceSummaries(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, gs.pop() if gs else 16, device)
+            g_dev = gs.pop() if gs else 16
+            # with the unread-background term and g = 16 the device keeps value sums too, so the captured step
+            # computes the term there (device_background.py); other block sizes compute it eagerly on the host
+            self._dsum = DeviceSummaries(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, g_dev, device,
+                                         value_sums=plan.background != "off" and g_dev == BACKGROUND_G)
         # With device selection, the decode rows of a step that holds a prompt chunk (an eager step: the captured
         # step runs decode rows only) select on the host and split their tasks between CPU and GPU, as CPU selection
         # does: the eager device path brings each layer's block ids to the host anyway, and issues ~150 more small
@@ -182,15 +186,18 @@ class SparseAttention(AttentionBackend):
         """The captured form of this decode step (sparse_graph.py; device_graph.py for device-side selection with
         the zero-copy feeder), or None where it must run eagerly: prefill chunks or a sequence's first decode step,
         a token still landing in the sink, per-request plans, device selection without the zero-copy feeder or with
-        the unread-background term (the captured device step has none yet)."""
+        the unread-background term at a retrieval block size other than 16 (the device term reads g = 16
+        summaries)."""
         if self.planner is not None:
             return None
         if any(c.length != 1 or c.seq_id in self._prefilling or c.start < self.sink_cap for c in chunks):
             return None
         if self.selection == "cpu":
             return self._graphed
-        if self.executor.feeder is None or self.plan.background != "off":  # the device step has no background term
+        if self.executor.feeder is None:
             return None
+        if self.plan.background != "off" and not (self._dsum is not None and self._dsum.value_sums):
+            return None  # the term's device form needs g = 16 (device_background.py): eager, on the host
         if self._device_graphed is None:
             self._device_graphed = DeviceGraphedDecode(self)
         self._device_graphed.prepare(chunks)
@@ -299,7 +306,7 @@ class SparseAttention(AttentionBackend):
         slot, n = self._slot[seq_id], k.shape[0]
         self.store.append(layer, slot, k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu())
         if self._dsum is not None:
-            self._dsum.append_chunk(layer, slot, start, k.to(self.device))
+            self._dsum.append_chunk(layer, slot, start, k.to(self.device), v.to(self.device))
         head = max(0, min(n, self.sink_cap - start))  # only the sink's and the ring's tokens go to the device
         if head:
             self._write_near(layer, slot, start, k[:head].to(self.device), v[:head].to(self.device))
@@ -338,7 +345,7 @@ class SparseAttention(AttentionBackend):
                 with record_function("fluxion::mixed_chunk"):
                     self._write_near(layer, slot, c.start, k[sl], v[sl])
                     if self._dsum is not None:
-                        self._dsum.append_chunk(layer, slot, c.start, k[sl])
+                        self._dsum.append_chunk(layer, slot, c.start, k[sl], v[sl])
                     keys, values = self.scratch.append(layer, c.seq_id, c.start, k[sl], v[sl])
                     out[sl] = causal_attention(q[sl], keys, values, c.start, self.scale)
                     if self.planner is not None:
@@ -449,7 +456,8 @@ class SparseAttention(AttentionBackend):
         for b in st.sink_rows:  # early positions also live in the sink slots
             self._near[layer, int(st.slots[b]), :, :, int(st.n[b] - 1)] = kv_new[b]
         if self._dsum is not None:
-            self._dsum.append_tokens(layer, st.slots_dev, st.pos_dev, int(st.slots.max()), int(st.n.max() - 1), k)
+            self._dsum.append_tokens(layer, st.slots_dev, st.pos_dev, int(st.slots.max()), int(st.n.max() - 1), k,
+                                    v)
 
     def _queue_host_append(self, layer: int, st: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
         B = st.batch

@@ -5,6 +5,7 @@ so the code that runs is the one the H200 captures (decode_graphs' segments run 
 device_kernels' Triton kernels run on the GPU, captured into real graphs (side streams included)."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -176,6 +177,65 @@ def test_captured_midrange_step_matches_the_eager_device_path(monkeypatch: pytes
     test_captured_device_step_matches_the_eager_device_path(monkeypatch, 0.5, 1.6, "step", fused, fused, fused,
                                                             True, False)
     assert seen == {True}
+
+
+@pytest.mark.parametrize("background,fused", [("all", False), ("retrieval", False), ("all", True)])
+def test_captured_step_with_the_background_term_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch,
+                                                                            background: str, fused: bool) -> None:
+    """The unread-background term in the captured step (device_background.py, from the device summaries and value
+    sums) gives the logits of the eager device path, which computes it natively over the host store after selecting
+    on the device; the hooked step spends no host time on it; and the term changes the logits (a run without it
+    differs). fused: device_kernels' Triton kernels (the interpreter's on a CPU), the term folded into the
+    streaming partials before combine."""
+    from fluxion_lite import device_select
+
+    if fused:
+        pytest.importorskip("triton")
+    monkeypatch.setenv("FLUXION_TRITON", "1" if fused else "0")
+    monkeypatch.setattr(device_graph, "BUCKET_TOKENS", 256)
+    monkeypatch.delenv("FLUXION_BACKGROUND", raising=False)
+    # fp32 keys (this CPU model): the device summaries round them to bf16 outward, the host store to nearest, so
+    # midranges would differ by a bf16 step; rounded to nearest here, both hold the same bounds (on the GPU the
+    # keys are bf16 already and the two are equal anyway)
+    nearest = lambda x: x.to(torch.bfloat16)  # noqa: E731
+    monkeypatch.setattr(device_select, "round_down_bf16", nearest)
+    monkeypatch.setattr(device_select, "round_up_bf16", nearest)
+    eager, runner = _models(seed=11)
+    cfg = eager.cfg
+    groups = [[GroupPlan(False, 16, 0.07), GroupPlan(False, 16, 0.2), GroupPlan(True)],
+              [GroupPlan(False, 16, 0.02), GroupPlan(True), GroupPlan(False, 16, 0.5)]]
+    # window 150: no 128-token block with background in it holds a token the host store may still lack (the
+    # device sums include the newest token, the store trails it by up to two), so both terms see the same means
+    plan = SparsePlan(sink=20, window=150, groups=groups, source="test", pin_fraction=0.5, obs_window=8, pin_span=2,
+                      background=background)
+    backends = _backends(plan, cfg) + _backends(dataclasses.replace(plan, background="off"), cfg)[:1]
+    gen = torch.Generator().manual_seed(4)
+    lengths = [450, 700, 380]  # rows cross 128- and 256-token boundaries while decoding
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=gen) for n in lengths]
+    prefill((eager, runner), backends[:2], prompts)
+    prefill((eager,), backends[2:], prompts)
+    models = (eager, runner, eager)
+    pos = list(lengths)
+    for step in range(9):  # the first step runs eagerly in both (a sequence's first decode step)
+        toks = torch.randint(0, cfg.vocab_size, (len(pos),), generator=gen)
+        chunks = [SeqChunk(s, pos[s], 1) for s in range(len(pos))]
+        want, got, off = (m.forward(toks, torch.tensor(pos), chunks, a) for m, a in zip(models, backends))
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-4)
+        assert float((off - want).abs().max()) > 1e-2  # the term is there in both
+        if step == 0:
+            for a in backends:
+                a.reset_stats()
+        pos = [p + 1 for p in pos]
+    hooked = backends[1]._device_graphed
+    assert isinstance(hooked, DeviceGraphedDecode) and hooked.background and hooked.ds is not None
+    assert hooked.fused == fused
+    assert hooked.ds.bg_bounds is not None and bool((hooked.ds.bg_bounds[1] > hooked.ds.bg_bounds[0]).any())
+    s_eager, s_hooked = backends[0].stats(), backends[1].stats()
+    assert s_eager["cpu_background_ms"] > 0 and s_hooked["cpu_background_ms"] == 0.0  # on the device
+    assert s_hooked["cpu_topk_ms"] == 0.0 and s_hooked["cpu_attn_ms"] == 0.0
+    assert s_hooked["kv_read_fraction"] == pytest.approx(s_eager["kv_read_fraction"])
+    for a in backends:
+        a.executor.close()
 
 
 def test_structure_changes_only_per_bucket(monkeypatch: pytest.MonkeyPatch) -> None:
