@@ -136,8 +136,15 @@ def answer(args: argparse.Namespace) -> None:
                     max_context=max_len, prefill_chunk=args.prefill_chunk, prefix_cache_entries=0,
                     load_tokenizer=False, predictor=args.predictor)
     print(f"model loaded in {time.perf_counter() - t_load:.0f} s", flush=True)
+    if args.cpu_hooks:  # the decode steps through the backends' hooks, run as plain torch calls (decode_graphs)
+        from fluxion_lite.decode_graphs import DecodeGraphs
+
+        if torch.device(args.device).type == "cuda":
+            sys.exit("error: --cpu-hooks is for a CPU device (on CUDA the hooks are captured anyway)")
+        engine.model.graphs = DecodeGraphs(engine.model, capture=False)
     results: dict[str, Any] = {"machine": platform.node(), "device": args.device, "dtype": args.dtype,
-                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "runs": []}
+                               "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+                               "cpu_hooks": bool(args.cpu_hooks), "runs": []}
     out = Path(args.out)
     from fluxion_lite.sparse_plan import SparsePlan
 
@@ -265,6 +272,9 @@ def main() -> None:
     a.add_argument("--from-index", type=int, default=0,
                    help="only samples whose index is at least this (a larger export answered beyond a smaller one's "
                         "samples; bench/ruler_paired.py pools the two runs)")
+    a.add_argument("--cpu-hooks", action="store_true",
+                   help="on a CPU device, run decode steps through the backends' decode hooks as the GPU's captured "
+                        "steps do (uncaptured): with FLUXION_SELECTION=gpu FLUXION_ZERO_COPY=1, the device step's code")
     a.add_argument("--checkpoint-s", type=float, default=20.0,
                    help="rewrite --out this often during a run, with the samples finished so far (partial: true)")
     s = sub.add_parser("score")
