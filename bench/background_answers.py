@@ -5,7 +5,7 @@ ending the list and that the unread-background term (bench/background_mass.py: e
 as one more softmax term, its mass estimated or true, its value their mean) takes part of that lean back. Whether
 that changes the *answers* needs them generated: this answers exported RULER samples greedily (batch 1, fp32
 attention in torch over the engine's dense cache, model weights in --dtype) with a backend that reads what a plan
-would read -- sink + window, the pins from the prompt's last obs_window queries (fluxion_lite.pinned, as the engine
+would read -- sink + window, the pins from the prompt's last obs_window queries (fluxion_lite.plan.pins, as the engine
 picks them) and the per-step top-k of the group-summed Quest bound (bench/copy_heads.py's read_mask) -- and with
 --background G:MASS also the background term (--retrieval-only: in retrieval groups alone). A simulation, not
 the engine's kernels: it compares variants under the same selection, and its `sim` run without the term is the
@@ -36,10 +36,10 @@ from margin_flips import answer_steps  # noqa: E402
 from policy_sim import SimulatedBackend  # noqa: E402
 from ruler_split import exported_samples, model_tag, picked_samples  # noqa: E402
 
-from fluxion_lite import pinned  # noqa: E402
-from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention  # noqa: E402
-from fluxion_lite.engine import Engine  # noqa: E402
-from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
+from fluxion_lite.plan import pins as pinned  # noqa: E402
+from fluxion_lite.model.attention import DenseAttention, SeqChunk, causal_attention  # noqa: E402
+from fluxion_lite.engine.engine import Engine  # noqa: E402
+from fluxion_lite.plan.sparse_plan import SparsePlan  # noqa: E402
 
 
 class PlanSimulated(SimulatedBackend):

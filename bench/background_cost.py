@@ -27,8 +27,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import timed  # noqa: E402  (bench scripts import each other from their folder)
 from ruler_paired import write_out  # noqa: E402
 
-from fluxion_lite import native  # noqa: E402
-from fluxion_lite.host_kv import HostKVStore  # noqa: E402
+from fluxion_lite.hostkv import native  # noqa: E402
+from fluxion_lite.hostkv.store import HostKVStore  # noqa: E402
 
 
 def one_length(args: argparse.Namespace, n: int) -> dict[str, float]:

@@ -13,7 +13,7 @@ where kbar_U and vbar_U come from B's sums minus the read tokens' own keys and v
 those). The estimate merges with the read part as one more softmax term, as the streaming and retrieval parts
 merge by log-sum-exp. `+oracle` gives each unread span its true mass (the ceiling of any mass estimate that keeps
 the mean value: what is left is the value's error). Per configuration: the contribution-weighted relative output deviation from full attention
-(the calibration's error measure, fluxion_lite/calibration.py), the unread share of full's attention mass, and the
+(the calibration's error measure, fluxion_lite/offline/calibration.py), the unread share of full's attention mass, and the
 metadata those sums cost per step as a fraction of the KV bytes.
 
 Usage: python bench/background_mass.py --dir .ruler_ids --length 4096 --tasks niah_multivalue niah_multiquery vt \
@@ -33,7 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ruler_paired import write_out  # noqa: E402  (bench scripts import each other from their folder)
 from ruler_split import exported_samples  # noqa: E402
 
-from fluxion_lite.calibration import Config, capture_prompt, group_outputs  # noqa: E402
+from fluxion_lite.plan.space import Config  # noqa: E402
+
+from fluxion_lite.offline.calibration import capture_prompt, group_outputs  # noqa: E402
 
 
 MASSES = ("mean", "oracle", "minmax", "midrange")  # background_output's mass rules
@@ -204,7 +206,7 @@ def main() -> None:
               if s["task"] in args.tasks and s["index"] < args.per_task]
     if not picked:
         sys.exit(f"error: no sample of {args.tasks} among {args.model}'s exported samples at {args.length}")
-    from fluxion_lite.engine import Engine
+    from fluxion_lite.engine.engine import Engine
 
     engine = Engine(args.model, prefix_cache_entries=0)
     configs = [Config(True)] + [Config(False, args.g, b) for b in args.budgets]

@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from policy_sim import SimulatedBackend, add_case_args, essay_case, print_policies, run_policy  # noqa: E402
 from ruler_paired import write_out  # noqa: E402
 
-from fluxion_lite import pinned  # noqa: E402
-from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
+from fluxion_lite.plan import pins as pinned  # noqa: E402
+from fluxion_lite.model.attention import DenseAttention, SeqChunk  # noqa: E402
 
 
 def quantise_rows(keys: torch.Tensor, bits: int) -> torch.Tensor:

@@ -49,11 +49,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ruler_diverge import answer_outputs, first_difference  # noqa: E402
 from ruler_split import exported_samples, model_tag  # noqa: E402
 
-from fluxion_lite import pinned  # noqa: E402
-from fluxion_lite.attention import SeqChunk  # noqa: E402
-from fluxion_lite.calibration import CaptureAttention  # noqa: E402
-from fluxion_lite.engine import Engine  # noqa: E402
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
+from fluxion_lite.plan import pins as pinned  # noqa: E402
+from fluxion_lite.model.attention import SeqChunk  # noqa: E402
+from fluxion_lite.offline.calibration import CaptureAttention  # noqa: E402
+from fluxion_lite.engine.engine import Engine  # noqa: E402
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
 
 
 def copy_offset(prompt: list[int], out: list[int]) -> tuple[int, np.ndarray]:

@@ -22,10 +22,10 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fluxion_lite.attention import DenseAttention, SeqChunk
-from fluxion_lite.config import ModelConfig
-from fluxion_lite.gguf_loader import GGUFModel, load_gguf
-from fluxion_lite.model import Transformer
+from fluxion_lite.model.attention import DenseAttention, SeqChunk
+from fluxion_lite.model.config import ModelConfig
+from fluxion_lite.model.gguf_loader import GGUFModel, load_gguf
+from fluxion_lite.model.transformer import Transformer
 
 TINY = ModelConfig(arch="llama", n_layers=4, d_model=512, d_ff=1024, n_heads=8, n_kv_heads=2, head_dim=64,
                    vocab_size=1000, context_length=131072, rms_eps=1e-5, rope_theta=10000.0, rope_dim=64,
@@ -73,7 +73,7 @@ def main() -> None:
     if args.model == "tiny":
         model = tiny_model(dtype, device)
     else:
-        from fluxion_lite.catalog import resolve_model
+        from fluxion_lite.hub.resolve import resolve_model
 
         model = Transformer(load_gguf(resolve_model(args.model, pull_missing=False), torch.float32), device, dtype)
     cfg = model.cfg

@@ -38,8 +38,8 @@ from margin_flips import answer_steps, margins  # noqa: E402
 from ruler_diverge import answer_run  # noqa: E402
 from ruler_split import exported_samples, model_tag  # noqa: E402
 
-from fluxion_lite.engine import Engine  # noqa: E402
-from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
+from fluxion_lite.engine.engine import Engine  # noqa: E402
+from fluxion_lite.plan.sparse_plan import SparsePlan  # noqa: E402
 
 
 def ended_path(output: list[int], eog: set[int]) -> list[int] | None:

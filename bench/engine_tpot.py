@@ -27,8 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tpot  # noqa: E402 (machine name, commit label)
 
-from fluxion_lite.engine import Engine  # noqa: E402
-from fluxion_lite.sampling import SamplingParams  # noqa: E402
+from fluxion_lite.engine.engine import Engine  # noqa: E402
+from fluxion_lite.engine.sampling import SamplingParams  # noqa: E402
 
 
 def run_case(engine: Engine, prompts: list[list[int]], decode: int, async_on: bool,

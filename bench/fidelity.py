@@ -6,7 +6,7 @@ logits. The `full` run of the same procedure is the reference. Per mode: mean an
 positions, top-1 agreement with full, the mode's own NLL of the true next token, mean fraction of the KV read per decode
 step and fraction of streaming KV groups. Prints a table and writes JSON.
 
-The model is loaded once: sparse backends come from fluxion_lite.engine.make_attention where the engine has it; an
+The model is loaded once: sparse backends come from fluxion_lite.engine.engine.make_attention where the engine has it; an
 engine without it is asked for the mode directly (one more model load), and a mode it rejects is skipped.
 
 Usage: python bench/fidelity.py --model qwen2.5-coder-0.5b --context 4096 --positions 64 --modes full fixed fluxion
@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from fluxion_lite.attention import AttentionBackend, SeqChunk
-from fluxion_lite.engine import Engine
+from fluxion_lite.model.attention import AttentionBackend, SeqChunk
+from fluxion_lite.engine.engine import Engine
 from fluxion_lite.errors import FluxionError
-from fluxion_lite.eval_text import essay_tokens
-from fluxion_lite.model import Transformer
-from fluxion_lite.sparse_plan import SparsePlan
+from fluxion_lite.offline.eval_text import essay_tokens
+from fluxion_lite.model.transformer import Transformer
+from fluxion_lite.plan.sparse_plan import SparsePlan
 
 SEQ_ID = 0
 

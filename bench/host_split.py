@@ -28,8 +28,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import tpot  # noqa: E402 (the model, plan and fill of the TPOT benchmark)
 
-from fluxion_lite import decode_graphs, device_graph, host_kv, native, sparse_attention  # noqa: E402
-from fluxion_lite.scheduler import Costs  # noqa: E402
+from fluxion_lite.sparse import backend as sparse_attention  # noqa: E402
+
+from fluxion_lite.model.transformer import cuda_graphs as decode_graphs
+
+from fluxion_lite.sparse.device import capture as device_graph
+
+from fluxion_lite.hostkv import store as host_kv
+
+from fluxion_lite.hostkv import native
+from fluxion_lite.sparse.cost_model import Costs  # noqa: E402
 
 # (owner, method, label): labels indented by two spaces are calls made inside the unindented one above them
 TIMED: list[tuple[Any, str, str]] = [

@@ -47,12 +47,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tpot import borrowed_plan, fill_context  # noqa: E402  (bench/ is not a package)
 
-from fluxion_lite import native  # noqa: E402
-from fluxion_lite.attention import SeqChunk  # noqa: E402
-from fluxion_lite.config import ModelConfig  # noqa: E402
-from fluxion_lite.engine import fixed_plan  # noqa: E402
-from fluxion_lite.scheduler import measure_costs  # noqa: E402
-from fluxion_lite.sparse_attention import SparseAttention  # noqa: E402
+from fluxion_lite.hostkv import native  # noqa: E402
+from fluxion_lite.model.attention import SeqChunk  # noqa: E402
+from fluxion_lite.model.config import ModelConfig  # noqa: E402
+from fluxion_lite.engine.engine import fixed_plan  # noqa: E402
+from fluxion_lite.sparse.cost_model import measure_costs  # noqa: E402
+from fluxion_lite.sparse.backend import SparseAttention  # noqa: E402
 
 # Llama-3.1-8B's attention shape; the dense sizes only matter to ModelConfig, nothing here runs the MLP
 SHAPE = dict(arch="llama", d_model=4096, d_ff=14336, n_heads=32, n_kv_heads=8, head_dim=128, vocab_size=128256,

@@ -14,7 +14,7 @@ import hashlib
 import sys
 from pathlib import Path
 
-from fluxion_lite.catalog import cache_dir, get_model, local_path, write_stamp
+from fluxion_lite.hub.catalog import cache_dir, get_model, local_path, write_stamp
 
 
 def main() -> None:

@@ -97,8 +97,8 @@ def build(tgz: Path, work: Path, cuda_arch: str, jobs: int) -> None:
 def write_gguf(shape_name: str, out: Path, seed: int) -> None:
     """Random F16 weights (std 0.02, a 32 MiB random block tiled: values matter to no timing); norms 1 in F32."""
     import gguf
-    from fluxion_lite.config import ModelConfig
-    from fluxion_lite.gguf_loader import tensor_shapes
+    from fluxion_lite.model.config import ModelConfig
+    from fluxion_lite.model.gguf_loader import tensor_shapes
     sys.path.insert(0, str(HERE))
     from model_shapes import SHAPES
     s = SHAPES[shape_name]

@@ -41,10 +41,10 @@ from background_mass import MASSES  # noqa: E402
 from fidelity import prefill_chunks  # noqa: E402
 from ruler_split import exported_samples, model_tag, picked_samples  # noqa: E402
 
-from fluxion_lite.attention import AttentionBackend, DenseAttention, SeqChunk  # noqa: E402
-from fluxion_lite.engine import Engine  # noqa: E402
-from fluxion_lite.model import Transformer  # noqa: E402
-from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
+from fluxion_lite.model.attention import AttentionBackend, DenseAttention, SeqChunk  # noqa: E402
+from fluxion_lite.engine.engine import Engine  # noqa: E402
+from fluxion_lite.model.transformer import Transformer  # noqa: E402
+from fluxion_lite.plan.sparse_plan import SparsePlan  # noqa: E402
 
 SEQ_ID = 0
 THRESHOLDS = (0.25, 0.5, 1.0, 2.0, 3.0)

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fluxion_lite.engine import Engine
-from fluxion_lite.sampling import SamplingParams
+from fluxion_lite.engine.engine import Engine
+from fluxion_lite.engine.sampling import SamplingParams
 
 
 def _ids(n: int, vocab: int, gen: torch.Generator) -> list[int]:

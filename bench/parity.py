@@ -17,11 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
-from fluxion_lite.engine import Engine
-from fluxion_lite.eval_text import essay_text
-from fluxion_lite.llamacpp_peer import greedy_continuation, load_peer, teacher_forced_logits as peer_logits
-from fluxion_lite.sampling import SamplingParams
-from fluxion_lite.teacher_forcing import teacher_forced_logits
+from fluxion_lite.engine.engine import Engine
+from fluxion_lite.offline.eval_text import essay_text
+from fluxion_lite.offline.llamacpp_peer import greedy_continuation, load_peer, teacher_forced_logits as peer_logits
+from fluxion_lite.engine.sampling import SamplingParams
+from fluxion_lite.offline.teacher_forcing import teacher_forced_logits
 
 CHAT_PROMPTS = [
     "What is the capital of France?",

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-import fluxion_lite.model as model_module
-from fluxion_lite.engine import Engine
-from fluxion_lite.eval_text import essay_text
-from fluxion_lite.llamacpp_peer import load_peer, teacher_forced_logits as peer_logits
-from fluxion_lite.teacher_forcing import teacher_forced_logits
+import fluxion_lite.model.transformer as model_module
+from fluxion_lite.engine.engine import Engine
+from fluxion_lite.offline.eval_text import essay_text
+from fluxion_lite.offline.llamacpp_peer import load_peer, teacher_forced_logits as peer_logits
+from fluxion_lite.offline.teacher_forcing import teacher_forced_logits
 
 
 def q8_round(x: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import fluxion_lite.model as model_module  # noqa: E402
-from fluxion_lite.engine import Engine  # noqa: E402
-from fluxion_lite.llamacpp_peer import load_peer, teacher_forced_logits as peer_logits  # noqa: E402
-from fluxion_lite.teacher_forcing import teacher_forced_logits  # noqa: E402
+import fluxion_lite.model.transformer as model_module  # noqa: E402
+from fluxion_lite.engine.engine import Engine  # noqa: E402
+from fluxion_lite.offline.llamacpp_peer import load_peer, teacher_forced_logits as peer_logits  # noqa: E402
+from fluxion_lite.offline.teacher_forcing import teacher_forced_logits  # noqa: E402
 from parity_activation_quant import q8_round  # noqa: E402
 
 PROMPTS = ("What is the capital of France?", "List three primary colours.", "What is 12 plus 30?")

@@ -40,7 +40,7 @@ from ruler_diverge import answer_outputs  # noqa: E402
 from ruler_split import load_ids, model_tag  # noqa: E402
 from token_table import TokenTable, export_table  # noqa: E402
 
-from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention  # noqa: E402
+from fluxion_lite.model.attention import DenseAttention, SeqChunk, causal_attention  # noqa: E402
 
 # tail: the prompt's last --tail tokens that have left the recent window by this step (the question and the answer's
 # lead-in sit there; pins cannot take them, since they were in the window at the first decode step)
@@ -125,7 +125,7 @@ def plan_reads(engine: Any, rec: Any, plan: Any, prompt: list[int], reference: l
                ) -> dict[str, Any]:
     """Answer the prompt greedily under the engine's fluxion plan for p + 1 tokens and compare the reads of the step
     that chose token p (decode step p - 1: token 0 comes from the prefill) with full's mass at that position."""
-    from fluxion_lite.sampling import SamplingParams
+    from fluxion_lite.engine.sampling import SamplingParams
 
     rec.clear()
     engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=p + 1))
@@ -188,11 +188,11 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    from fluxion_lite.engine import _resolve
-    from fluxion_lite.gguf_loader import load_gguf, read_metadata
-    from fluxion_lite.model import Transformer
-    from fluxion_lite.teacher_forcing import teacher_forced_logits
-    from fluxion_lite.tokenizer import Tokenizer
+    from fluxion_lite.engine.engine import _resolve
+    from fluxion_lite.model.gguf_loader import load_gguf, read_metadata
+    from fluxion_lite.model.transformer import Transformer
+    from fluxion_lite.offline.teacher_forcing import teacher_forced_logits
+    from fluxion_lite.model.tokenizer import Tokenizer
 
     try:
         div = json.loads(args.diverge.read_text())
@@ -227,8 +227,8 @@ def main() -> None:
     if args.plan is not None:
         from pin_trace import Recorder
 
-        from fluxion_lite.engine import Engine
-        from fluxion_lite.sparse_plan import SparsePlan
+        from fluxion_lite.engine.engine import Engine
+        from fluxion_lite.plan.sparse_plan import SparsePlan
 
         plan = SparsePlan.load(args.plan)
         if len({gp.g for row in plan.groups for gp in row if not gp.streaming}) != 1:

@@ -1,6 +1,6 @@
 """Which pin rule covers the answers: RULER needles' pin recall under several (pin_fraction, pin_span, pin_decay).
 
-Pins (fluxion_lite/pinned.py) are picked once, at a sequence's first decode step, from the attention mass of the
+Pins (fluxion_lite/plan/pins.py) are picked once, at a sequence's first decode step, from the attention mass of the
 prompt's last queries. A rule that pins the answer's blocks in more retrieval groups gives the decode steps the
 value without the per-step top-k having to find it among look-alikes; a rule that pins only one place per group
 can hold one of a multi-value answer's values and not the others. This runs each chosen exported sample's prefill
@@ -34,12 +34,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pin_trace import token_span  # noqa: E402
 from ruler_split import load_ids, model_tag  # noqa: E402
 
-from fluxion_lite import pinned  # noqa: E402
-from fluxion_lite.engine import Engine, _resolve  # noqa: E402
-from fluxion_lite.gguf_loader import read_metadata  # noqa: E402
-from fluxion_lite.sampling import SamplingParams  # noqa: E402
-from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
-from fluxion_lite.tokenizer import Tokenizer  # noqa: E402
+from fluxion_lite.plan import pins as pinned  # noqa: E402
+from fluxion_lite.engine.engine import Engine, _resolve  # noqa: E402
+from fluxion_lite.model.gguf_loader import read_metadata  # noqa: E402
+from fluxion_lite.engine.sampling import SamplingParams  # noqa: E402
+from fluxion_lite.plan.sparse_plan import SparsePlan  # noqa: E402
+from fluxion_lite.model.tokenizer import Tokenizer  # noqa: E402
 
 Rule = tuple[float, int, float]  # (pin_fraction, pin_span, pin_decay)
 

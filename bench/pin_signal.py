@@ -28,9 +28,9 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ruler_split import load_ids  # noqa: E402
 
-from fluxion_lite import pinned  # noqa: E402
-from fluxion_lite.engine import Engine  # noqa: E402
-from fluxion_lite.sampling import SamplingParams  # noqa: E402
+from fluxion_lite.plan import pins as pinned  # noqa: E402
+from fluxion_lite.engine.engine import Engine  # noqa: E402
+from fluxion_lite.engine.sampling import SamplingParams  # noqa: E402
 
 
 def group_signal(plan: Any, gp: Any, mass: np.ndarray, n: int) -> dict[str, float]:

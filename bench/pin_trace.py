@@ -29,12 +29,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ruler_split import load_ids, model_tag  # noqa: E402
 
-from fluxion_lite import native, pinned  # noqa: E402
-from fluxion_lite.engine import Engine, _resolve  # noqa: E402
-from fluxion_lite.gguf_loader import read_metadata  # noqa: E402
-from fluxion_lite.sampling import SamplingParams  # noqa: E402
-from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
-from fluxion_lite.tokenizer import Tokenizer  # noqa: E402
+from fluxion_lite.plan import pins as pinned  # noqa: E402
+
+from fluxion_lite.hostkv import native
+from fluxion_lite.engine.engine import Engine, _resolve  # noqa: E402
+from fluxion_lite.model.gguf_loader import read_metadata  # noqa: E402
+from fluxion_lite.engine.sampling import SamplingParams  # noqa: E402
+from fluxion_lite.plan.sparse_plan import SparsePlan  # noqa: E402
+from fluxion_lite.model.tokenizer import Tokenizer  # noqa: E402
 
 
 class Recorder:

@@ -27,10 +27,10 @@ from dataclasses import replace
 from importlib.resources import files
 from pathlib import Path
 
-from fluxion_lite import native
+from fluxion_lite.hostkv import native
 from fluxion_lite.errors import ModelFileError
-from fluxion_lite.policy import scale_for_read
-from fluxion_lite.sparse_plan import (BACKGROUNDS, GRANULARITIES, MAX_PIN_SPAN, MAX_PIN_SPAN_TOKENS, GroupPlan,
+from fluxion_lite.plan.cost import scale_for_read
+from fluxion_lite.plan.sparse_plan import (BACKGROUNDS, GRANULARITIES, MAX_PIN_SPAN, MAX_PIN_SPAN_TOKENS, GroupPlan,
                                       SparsePlan, check_curve, check_short)
 
 

@@ -13,9 +13,9 @@ import torch
 
 from fidelity import compare, decode_logprobs
 
-from fluxion_lite.attention import DenseAttention, SeqChunk
-from fluxion_lite.engine import Engine
-from fluxion_lite.eval_text import essay_tokens
+from fluxion_lite.model.attention import DenseAttention, SeqChunk
+from fluxion_lite.engine.engine import Engine
+from fluxion_lite.offline.eval_text import essay_tokens
 
 
 class SimulatedBackend(DenseAttention):

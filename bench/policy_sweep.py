@@ -18,10 +18,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from fidelity import compare, decode_logprobs  # noqa: E402
 
-from fluxion_lite.engine import DTYPES, Engine, make_attention  # noqa: E402
-from fluxion_lite.eval_text import essay_text  # noqa: E402
-from fluxion_lite.policy import load_labels, plan_bytes_fraction, select_plan  # noqa: E402
-from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
+from fluxion_lite.engine.engine import DTYPES, Engine, make_attention  # noqa: E402
+from fluxion_lite.offline.eval_text import essay_text  # noqa: E402
+from fluxion_lite.plan.cost import plan_bytes_fraction  # noqa: E402
+from fluxion_lite.plan.selector import load_labels, select_plan  # noqa: E402
+from fluxion_lite.plan.sparse_plan import SparsePlan  # noqa: E402
 
 
 def main() -> None:

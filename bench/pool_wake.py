@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fluxion_lite import native  # noqa: E402
-from fluxion_lite.host_kv import HostKVStore  # noqa: E402
+from fluxion_lite.hostkv import native  # noqa: E402
+from fluxion_lite.hostkv.store import HostKVStore  # noqa: E402
 
 
 def pause(seconds: float) -> None:

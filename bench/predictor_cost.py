@@ -28,9 +28,9 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fluxion_lite import head_features
-from fluxion_lite.head_features import FEATURE_QUERIES, N_FEATURES, layer_features, prompt_features
-from fluxion_lite.predictor import config_costs, select_groups, train
+from fluxion_lite.plan import head_features
+from fluxion_lite.plan.head_features import FEATURE_QUERIES, N_FEATURES, layer_features, prompt_features
+from fluxion_lite.plan.predictor import config_costs, select_groups, train
 
 SHAPES = {  # n_layers, n_heads, n_kv_heads, head_dim, d_model
     "smollm2-135m": (30, 9, 3, 64, 576),

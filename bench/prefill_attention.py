@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from fluxion_lite.attention import cpu_causal_attention
-from fluxion_lite.hybrid import biased_attention
+from fluxion_lite.model.attention import cpu_causal_attention
+from fluxion_lite.sparse.attend import biased_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from kernels import timed  # noqa: E402  (bench/ is not a package; median seconds after one warm-up)

@@ -1,6 +1,6 @@
 """RULER-style accuracy of each attention mode on the same generated samples.
 
-For every target length, samples are generated once (fluxion_lite.ruler, fixed seeds, the model's tokenizer and chat
+For every target length, samples are generated once (fluxion_lite.offline.ruler, fixed seeds, the model's tokenizer and chat
 template) and every mode answers the same prompts greedily. Scored by substring match; prints a task x mode accuracy
 table and a per-mode summary (mean accuracy, mean fraction of the KV read per decode step, fraction of streaming KV
 groups, seconds per sample) and writes bench/results/ruler_<model>_<length>.json.
@@ -23,10 +23,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fluxion_lite.engine import Engine
+from fluxion_lite.engine.engine import Engine
 from fluxion_lite.errors import FluxionError, RequestError
-from fluxion_lite.ruler import TASKS, PromptRenderer, Sample, chat_prompt, generate_sample, plain_prompt, score_output
-from fluxion_lite.sampling import SamplingParams
+from fluxion_lite.offline.ruler import TASKS, PromptRenderer, Sample, chat_prompt, generate_sample, plain_prompt, score_output
+from fluxion_lite.engine.sampling import SamplingParams
 
 
 def load_engine(

@@ -64,10 +64,10 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    from fluxion_lite.engine import _resolve
-    from fluxion_lite.gguf_loader import read_metadata
-    from fluxion_lite.ruler import score_output
-    from fluxion_lite.tokenizer import Tokenizer
+    from fluxion_lite.engine.engine import _resolve
+    from fluxion_lite.model.gguf_loader import read_metadata
+    from fluxion_lite.offline.ruler import score_output
+    from fluxion_lite.model.tokenizer import Tokenizer
 
     meta_path = Path(args.dir) / f"{model_tag(args.model)}_{args.length}.json"
     if not meta_path.exists():

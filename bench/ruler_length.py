@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from ruler_paired import (  # noqa: E402
     Key, bootstrap_interval, paired_by_task, pooled_records, task_mean_difference, write_out)
 
-from fluxion_lite.ruler import TASK_SPECS, score_output  # noqa: E402
+from fluxion_lite.offline.ruler import TASK_SPECS, score_output  # noqa: E402
 
 WORD = re.compile(r"[A-Za-z]+")
 

@@ -44,10 +44,10 @@ def _paths(directory: Path, tag: str, length: int) -> tuple[Path, Path]:
 
 # ---- export (needs the tokenizer) -----------------------------------------------------------------------------------
 def export(args: argparse.Namespace) -> None:
-    from fluxion_lite.engine import _resolve
-    from fluxion_lite.gguf_loader import read_metadata
-    from fluxion_lite.ruler import TASKS, chat_prompt, generate_sample
-    from fluxion_lite.tokenizer import Tokenizer
+    from fluxion_lite.engine.engine import _resolve
+    from fluxion_lite.model.gguf_loader import read_metadata
+    from fluxion_lite.offline.ruler import TASKS, chat_prompt, generate_sample
+    from fluxion_lite.model.tokenizer import Tokenizer
 
     path = _resolve(args.model)
     metadata, _ = read_metadata(path)
@@ -121,8 +121,8 @@ def _stats(engine: Any) -> dict[str, float]:
 def answer(args: argparse.Namespace) -> None:
     import torch
 
-    from fluxion_lite.engine import Engine
-    from fluxion_lite.sampling import SamplingParams
+    from fluxion_lite.engine.engine import Engine
+    from fluxion_lite.engine.sampling import SamplingParams
 
     sets = [p for p in sorted(Path(args.dir).glob(f"{args.tag or ''}*_*.json")) if p.with_suffix(".ids.xz").exists()]
     if args.lengths:
@@ -137,7 +137,7 @@ def answer(args: argparse.Namespace) -> None:
                     load_tokenizer=False, predictor=args.predictor)
     print(f"model loaded in {time.perf_counter() - t_load:.0f} s", flush=True)
     if args.cpu_hooks:  # the decode steps through the backends' hooks, run as plain torch calls (decode_graphs)
-        from fluxion_lite.decode_graphs import DecodeGraphs
+        from fluxion_lite.model.cuda_graphs import DecodeGraphs
 
         if torch.device(args.device).type == "cuda":
             sys.exit("error: --cpu-hooks is for a CPU device (on CUDA the hooks are captured anyway)")
@@ -146,7 +146,7 @@ def answer(args: argparse.Namespace) -> None:
                                "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
                                "cpu_hooks": bool(args.cpu_hooks), "runs": []}
     out = Path(args.out)
-    from fluxion_lite.sparse_plan import SparsePlan
+    from fluxion_lite.plan.sparse_plan import SparsePlan
 
     # fluxion with other plans (policy variants): run as modes named fluxion@<file stem>
     variants: list[tuple[str, str, SparsePlan | None]] = [(m, m, None) for m in args.modes]
@@ -198,10 +198,10 @@ def answer(args: argparse.Namespace) -> None:
 def score(args: argparse.Namespace) -> None:
     from ruler import print_tables, summarise
 
-    from fluxion_lite.engine import _resolve
-    from fluxion_lite.gguf_loader import read_metadata
-    from fluxion_lite.ruler import score_output
-    from fluxion_lite.tokenizer import Tokenizer
+    from fluxion_lite.engine.engine import _resolve
+    from fluxion_lite.model.gguf_loader import read_metadata
+    from fluxion_lite.offline.ruler import score_output
+    from fluxion_lite.model.tokenizer import Tokenizer
 
     path = _resolve(args.model)
     metadata, _ = read_metadata(path)

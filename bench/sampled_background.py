@@ -31,8 +31,8 @@ from copy_heads import block_mask, quest_bound  # noqa: E402
 from policy_sim import SimulatedBackend, add_case_args, essay_case, print_policies, run_policy  # noqa: E402
 from ruler_paired import write_out  # noqa: E402
 
-from fluxion_lite import pinned  # noqa: E402
-from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
+from fluxion_lite.plan import pins as pinned  # noqa: E402
+from fluxion_lite.model.attention import DenseAttention, SeqChunk  # noqa: E402
 
 
 def sampled_selection(bound: torch.Tensor, first: int, last: int, k: int, share: float

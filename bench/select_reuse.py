@@ -13,7 +13,7 @@ the CPU path on real prompts (greedy), records per decode step and per (layer, K
 mean and p10 over (group, step) pairs, and the block-weighted mean (sum of hits / sum of |D_t|: the share of PCIe
 blocks a cache would remove), per task and overall; plus mean |D_t|, mean pin count, and whether |D_t| stays
 constant per (layer, group) across a sequence's steps. Also the hit rate of the device path's reuse cache itself
-(fluxion_lite/reuse_cache.py's PolicyModel: the kernel's policy in plain Python) when each (layer, group) gets
+(fluxion_lite/sparse/device/reuse_cache.py's PolicyModel: the kernel's policy in plain Python) when each (layer, group) gets
 C = share x the layer's widest read (its top-k width) entries, for shares POLICY_SHARES (0.5 is REUSE_SHARE).
 
   python bench/select_reuse.py --length 4096 --samples niah_multikey_2:0 vt:0 --out-dir bench/results
@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pin_trace import Recorder  # noqa: E402
 from ruler_split import load_ids, model_tag  # noqa: E402
 
-from fluxion_lite.engine import Engine  # noqa: E402
-from fluxion_lite.reuse_cache import PolicyModel  # noqa: E402
-from fluxion_lite.sampling import SamplingParams  # noqa: E402
-from fluxion_lite.sparse_plan import SparsePlan  # noqa: E402
+from fluxion_lite.engine.engine import Engine  # noqa: E402
+from fluxion_lite.sparse.device.reuse_cache import PolicyModel  # noqa: E402
+from fluxion_lite.engine.sampling import SamplingParams  # noqa: E402
+from fluxion_lite.plan.sparse_plan import SparsePlan  # noqa: E402
 
 WINDOWS = (1, 2, 4, 0)  # steps a cache keeps; 0: every earlier step of the sequence (an unbounded cache)
 POLICY_SHARES = (0.5, 1.0)  # reuse-cache entries per (layer, group) as a share of the layer's top-k width

@@ -45,11 +45,11 @@ from pathlib import Path
 
 import torch
 
-from fluxion_lite.attention import causal_attention
-from fluxion_lite.engine import Engine
-from fluxion_lite.eval_text import essay_tokens
-from fluxion_lite.model import Transformer
-from fluxion_lite.sparse_plan import SparsePlan
+from fluxion_lite.model.attention import causal_attention
+from fluxion_lite.engine.engine import Engine
+from fluxion_lite.offline.eval_text import essay_tokens
+from fluxion_lite.model.transformer import Transformer
+from fluxion_lite.plan.sparse_plan import SparsePlan
 
 VARIANTS = ("true", "spec", "early", "prev", "oracle", "quest_max", "mean_sum", "mean_max", "mid_sum", "shrunk25", "shrunk50")
 KV = list[torch.Tensor]  # per layer [Hkv, context, D]

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from fluxion_lite.engine import Engine
-from fluxion_lite.eval_text import essay_text
-from fluxion_lite.llamacpp_peer import last_logits, load_peer
-from fluxion_lite.sampling import SamplingParams
+from fluxion_lite.engine.engine import Engine
+from fluxion_lite.offline.eval_text import essay_text
+from fluxion_lite.offline.llamacpp_peer import last_logits, load_peer
+from fluxion_lite.engine.sampling import SamplingParams
 
 
 def ours(engine: Engine, tokens: list[int], n_decode: int) -> tuple[float, float, float]:

@@ -25,7 +25,7 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fluxion_lite.device_select import DeviceSummaries
+from fluxion_lite.sparse.device.summaries import DeviceSummaries
 
 
 def _sync(device: torch.device) -> None:

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from fluxion_lite import device_topk
-from fluxion_lite.device_select import PINNED_SCORE
-from fluxion_lite.reuse_cache import DeviceReuseCache
+from fluxion_lite.sparse.device import topk as device_topk
+from fluxion_lite.sparse.device.summaries import PINNED_SCORE
+from fluxion_lite.sparse.device.reuse_cache import DeviceReuseCache
 
 LAYERS = 32  # calls per captured graph
 PIN_SHARE = 0.0375  # pinned blocks: three quarters of a 5% budget (pin_pool.py), so a quarter is chosen per step

@@ -24,8 +24,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from fluxion_lite import native  # noqa: E402
-from fluxion_lite.host_kv import HostKVStore  # noqa: E402
+from fluxion_lite.hostkv import native  # noqa: E402
+from fluxion_lite.hostkv.store import HostKVStore  # noqa: E402
 
 CASES = [(5, 1, 128), (8, 3, 128), (16, 4, 128), (128, 8, 16), (256, 16, 32), (300, 20, 16), (2048, 102, 16)]
 # blocks, k, g: decode steps at short contexts, then a 32K context at g = 16 with a 5% budget

@@ -32,18 +32,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from fluxion_lite import native, zero_copy
-from fluxion_lite.async_decode import queue_tokens
-from fluxion_lite.attention import DenseAttention, SeqChunk
-from fluxion_lite.config import ModelConfig
-from fluxion_lite.decode_graphs import DecodeGraphs
-from fluxion_lite.engine import make_attention
-from fluxion_lite.catalog import resolve_model
-from fluxion_lite.gguf_loader import GGUFModel, load_gguf, tensor_shapes
-from fluxion_lite.host_kv import page_stride
-from fluxion_lite.model import Transformer
-from fluxion_lite.sparse_attention import SparseAttention
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from fluxion_lite.hostkv import native
+
+from fluxion_lite.sparse import zero_copy
+from fluxion_lite.engine.async_decode import queue_tokens
+from fluxion_lite.model.attention import DenseAttention, SeqChunk
+from fluxion_lite.model.config import ModelConfig
+from fluxion_lite.model.cuda_graphs import DecodeGraphs
+from fluxion_lite.engine.engine import make_attention
+from fluxion_lite.hub.resolve import resolve_model
+from fluxion_lite.model.gguf_loader import GGUFModel, load_gguf, tensor_shapes
+from fluxion_lite.hostkv.store import page_stride
+from fluxion_lite.model.transformer import Transformer
+from fluxion_lite.sparse.backend import SparseAttention
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_shapes import SHAPES  # noqa: E402  (bench/ is not a package)

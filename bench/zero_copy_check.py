@@ -28,11 +28,11 @@ def main() -> int:
         print("ZERO-COPY SKIP: no CUDA device (--cpu runs a smoke test of the script)")
         return 2
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    from fluxion_lite import zero_copy as zc
-    from fluxion_lite.attention import SeqChunk
-    from fluxion_lite.config import ModelConfig
-    from fluxion_lite.sparse_attention import SparseAttention
-    from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+    from fluxion_lite.sparse import zero_copy as zc
+    from fluxion_lite.model.attention import SeqChunk
+    from fluxion_lite.model.config import ModelConfig
+    from fluxion_lite.sparse.backend import SparseAttention
+    from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 
     dev = torch.device("cpu" if cpu_smoke else "cuda")
     t0 = time.perf_counter()

@@ -15,12 +15,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from fluxion_lite import __version__
-from fluxion_lite.catalog import catalog, default_model_name, get_model, list_models, resolve_model
+from fluxion_lite.hub.catalog import catalog, default_model_name, get_model, list_models
+from fluxion_lite.hub.resolve import resolve_model
 from fluxion_lite.errors import FluxionError, RequestError
 
 if TYPE_CHECKING:
-    from fluxion_lite.llm import LLM
-    from fluxion_lite.sampling import SamplingParams
+    from fluxion_lite.engine.llm import LLM
+    from fluxion_lite.engine.sampling import SamplingParams
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
@@ -128,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     """SamplingParams from the flags; unset flags keep the dataclass defaults. Validated here, before model load."""
-    from fluxion_lite.sampling import SamplingParams
+    from fluxion_lite.engine.sampling import SamplingParams
 
     flag_to_field = {
         "max_tokens": "max_tokens",
@@ -158,7 +159,7 @@ def _check_device(device: str) -> None:
 
 
 def _load_llm(args: argparse.Namespace) -> LLM:
-    from fluxion_lite.llm import LLM
+    from fluxion_lite.engine.llm import LLM
 
     if args.max_context is not None and args.max_context < 1:
         raise FluxionError(f"--max-context {args.max_context}: must be >= 1")
@@ -208,7 +209,7 @@ def read_prompt(args: argparse.Namespace) -> str:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from fluxion_lite.pull import pull
+    from fluxion_lite.hub.pull import pull
 
     name = args.name or default_model_name()
     if name in catalog():
@@ -348,8 +349,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from importlib.resources import files
     from pathlib import Path
 
-    from fluxion_lite.calibration import run_calibration
-    from fluxion_lite.policy import DEFAULT_EPSILON, load_labels, save_labels, select_plan
+    from fluxion_lite.offline.calibration import run_calibration
+    from fluxion_lite.plan.selector import DEFAULT_EPSILON, load_labels, save_labels, select_plan
 
     if args.samples is None:
         args.samples = 20 if args.train else 3
@@ -396,9 +397,9 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _train_predictor(args: argparse.Namespace, out_dir: Path, name: str) -> int:
     """calibrate --train: predictor data (collected, or the saved file with --from-labels), training, card."""
-    from fluxion_lite.policy import DEFAULT_EPSILON
-    from fluxion_lite.predictor_data import Dataset, collect
-    from fluxion_lite.predictor_train import train_and_report
+    from fluxion_lite.plan.selector import DEFAULT_EPSILON
+    from fluxion_lite.offline.predictor_data import Dataset, collect
+    from fluxion_lite.offline.predictor_train import train_and_report
 
     data_path = out_dir / f"{name}.predictor-data.npz"
     if args.from_labels:

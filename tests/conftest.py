@@ -1,6 +1,6 @@
 """Shared pytest set-up.
 
-Without a GPU, Triton kernels (fluxion_lite/device_kernels.py) can only run in Triton's interpreter, which must be
+Without a GPU, Triton kernels (fluxion_lite/sparse/device/kernels.py) can only run in Triton's interpreter, which must be
 chosen before triton is first imported: its own library functions (tl.sum, ...) are built at that moment."""
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 @pytest.fixture()
 def settings():
     """For tests that pick a SIMD path or a thread count: the native defaults again afterwards."""
-    from fluxion_lite import native
+    from fluxion_lite.hostkv import native
 
     yield
     native.set_simd("auto")

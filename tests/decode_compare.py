@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from fluxion_lite.attention import AttentionBackend, SeqChunk
-from fluxion_lite.config import ModelConfig
-from fluxion_lite.model import Transformer
+from fluxion_lite.model.attention import AttentionBackend, SeqChunk
+from fluxion_lite.model.config import ModelConfig
+from fluxion_lite.model.transformer import Transformer
 
 
 def eager_and_hooked(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.float32) -> tuple[Transformer, Transformer]:
@@ -14,8 +14,8 @@ def eager_and_hooked(cfg: ModelConfig, seed: int, dtype: torch.dtype = torch.flo
     without capture: the hooked step's host work runs on this CPU)."""
     from pathlib import Path
 
-    from fluxion_lite.decode_graphs import DecodeGraphs
-    from fluxion_lite.gguf_loader import GGUFModel
+    from fluxion_lite.model.cuda_graphs import DecodeGraphs
+    from fluxion_lite.model.gguf_loader import GGUFModel
     from test_decode_fastpath import random_weights
 
     w = random_weights(cfg, seed=seed)

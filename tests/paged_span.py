@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from fluxion_lite.host_kv import CHUNK_TOKENS
+from fluxion_lite.hostkv.store import CHUNK_TOKENS
 
 
 def paged_store(gen: torch.Generator, slots: int, hkv: int, d: int, page_tokens: int, pages: int,

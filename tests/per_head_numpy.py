@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from fluxion_lite.host_kv import HostKVStore
+from fluxion_lite.hostkv.store import HostKVStore
 
 
 def per_head_topk(store: HostKVStore, layer: int, q: torch.Tensor, tasks: np.ndarray, scale: float

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from fluxion_lite.async_decode import chainable
-from fluxion_lite.engine import Engine
-from fluxion_lite.sampling import SamplingParams
+from fluxion_lite.engine.async_decode import chainable
+from fluxion_lite.engine.engine import Engine
+from fluxion_lite.engine.sampling import SamplingParams
 
 MODEL = "smollm2-135m"
 

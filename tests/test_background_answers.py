@@ -13,8 +13,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 from background_answers import PlanSimulated, parse_background  # noqa: E402
 from margin_flips import answer_steps  # noqa: E402
 
-from fluxion_lite.attention import DenseAttention  # noqa: E402
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
+from fluxion_lite.model.attention import DenseAttention  # noqa: E402
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
 
 
 @pytest.mark.parametrize("spec,want", [("none", (None, "mean", "unread")), ("128:oracle", (128, "oracle", "unread")),
@@ -38,7 +38,7 @@ def _plan(n_layers: int, n_groups: int, budget: float) -> SparsePlan:
 
 @pytest.mark.slow
 def test_plan_simulated_follows_dense_when_it_reads_everything_and_reads_less_otherwise() -> None:
-    from fluxion_lite.engine import Engine
+    from fluxion_lite.engine.engine import Engine
 
     engine = Engine("smollm2-135m", attention="full", dtype="float32", max_context=512, prefix_cache_entries=0)
     cfg = engine.config

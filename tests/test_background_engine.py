@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from fluxion_lite.attention import SeqChunk, causal_attention
+from fluxion_lite.model.attention import SeqChunk, causal_attention
 from fluxion_lite.errors import ModelFileError
-from fluxion_lite.sparse_attention import SparseAttention
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from fluxion_lite.sparse.backend import SparseAttention
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 from test_hybrid import SPLIT_COSTS, config
 
 LENGTHS = [703, 335]  # prompt tokens: the decode token makes 704 / 336, so the window starts on a 16-token boundary
@@ -105,7 +105,7 @@ def test_fluxion_background_env_overrides_the_plan(monkeypatch: pytest.MonkeyPat
 def test_graphed_step_with_background_matches_eager(placement: str) -> None:
     """The hooked decode (GraphedDecode.host merges the term into the CPU result buffer) against the eager backend:
     all-CPU steps (the one-call path) and all-GPU ones (the term merged into rows whose CPU part is empty)."""
-    from fluxion_lite.scheduler import Costs
+    from fluxion_lite.sparse.cost_model import Costs
     from decode_compare import decode_and_compare, eager_and_hooked, prefill
     from test_decode_fastpath import make_cfg
 
@@ -142,7 +142,7 @@ def test_graphed_step_with_background_matches_eager(placement: str) -> None:
 def test_predicted_bytes_count_the_terms_summaries_and_value_sums() -> None:
     """plan_bytes_fraction: the term leaves the KV read as it is and adds to the bytes touched, per group and step,
     D fp32 value sums per 128 tokens, plus the 16-token summaries for a group whose top-k does not scan them."""
-    from fluxion_lite.policy import plan_bytes_fraction
+    from fluxion_lite.plan.cost import plan_bytes_fraction
 
     cfg = config(8, 2, 64, n_layers=2)
     n, d = 8192, 64

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 from fluxion_lite.errors import ModelFileError
-from fluxion_lite.policy import plan_bytes_fraction, scale_for_read
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan, curve_factor, short_factor
+from fluxion_lite.plan.cost import plan_bytes_fraction, scale_for_read
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan, curve_factor, short_factor
 from subprocess_env import repo_env
 from test_short_scale import backend_step, step_k
 

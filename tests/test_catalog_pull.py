@@ -23,10 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from fluxion_lite import catalog as cat
-from fluxion_lite.catalog import CatalogModel, ModelPart
+from fluxion_lite.hub import catalog as cat
+from fluxion_lite.hub.catalog import CatalogModel, ModelPart
 from fluxion_lite.errors import DownloadError, UnknownModelError
-from fluxion_lite.pull import PipDownloader, pull
+from fluxion_lite.hub.pull import PipDownloader, pull
+from fluxion_lite.hub.resolve import resolve_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -146,8 +147,8 @@ import os, signal, sys
 from pathlib import Path
 sys.path.insert(0, {tests!r})
 from test_catalog_pull import LocalWheels
-from fluxion_lite import pull as pull_module
-from fluxion_lite.catalog import CatalogModel, ModelPart
+from fluxion_lite.hub import pull as pull_module
+from fluxion_lite.hub.catalog import CatalogModel, ModelPart
 model = CatalogModel("fake-3p", "test", "llama", 4096, "MIT", {size}, {sha!r}, tuple(ModelPart(*p) for p in {parts!r}))
 real_extract = pull_module._extract_part
 
@@ -335,16 +336,16 @@ def test_cache_dir_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
 def test_resolve_model_paths_and_names(cache: Path, tmp_path: Path) -> None:
     gguf = tmp_path / "mine.gguf"
     gguf.write_bytes(b"GGUF")
-    assert cat.resolve_model(str(gguf)) == gguf
-    assert cat.resolve_model(gguf) == gguf
+    assert resolve_model(str(gguf)) == gguf
+    assert resolve_model(gguf) == gguf
     with pytest.raises(UnknownModelError, match="does not exist"):
-        cat.resolve_model(str(tmp_path / "missing.gguf"))
+        resolve_model(str(tmp_path / "missing.gguf"))
     with pytest.raises(UnknownModelError, match="is a directory"):
-        cat.resolve_model(str(tmp_path) + "/")
+        resolve_model(str(tmp_path) + "/")
     with pytest.raises(UnknownModelError, match="unknown model 'llama-9000'; known models: smollm2-135m, qwen2.5"):
-        cat.resolve_model("llama-9000")
+        resolve_model("llama-9000")
     with pytest.raises(UnknownModelError, match="not downloaded yet"):
-        cat.resolve_model("qwen2.5-coder-1.5b", pull_missing=False)
+        resolve_model("qwen2.5-coder-1.5b", pull_missing=False)
 
 
 def test_list_models_reports_status_and_stray_files(cache: Path, fake: tuple[CatalogModel, bytes, Path]) -> None:
@@ -369,7 +370,7 @@ def test_resolve_pulls_a_missing_catalog_model_from_staged_parts(cache: Path) ->
     staging = cache / ".staging" / "smollm2-135m"
     staging.mkdir(parents=True)
     shutil.copy(real_smollm(), staging / "part01.bin")
-    path = cat.resolve_model("smollm2-135m", progress=False)
+    path = resolve_model("smollm2-135m", progress=False)
     assert path == cache / "smollm2-135m.gguf"
     assert cat.is_present(cat.get_model("smollm2-135m"))
-    assert cat.resolve_model("smollm2-135m") == path  # second time: stamp, no work
+    assert resolve_model("smollm2-135m") == path  # second time: stamp, no work

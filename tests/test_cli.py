@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fluxion_lite import catalog
+from fluxion_lite.hub import catalog
 from fluxion_lite.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from fluxion_lite.attention import DenseAttention, SeqChunk, causal_attention, decode_attention
-from fluxion_lite.config import ModelConfig
-from fluxion_lite.gguf_loader import GGUFModel, tensor_shapes
-from fluxion_lite.kv_cache import INITIAL_CAPACITY, DenseKVCache
-from fluxion_lite.model import MIN_ROPE_POSITIONS, RotaryEmbedding, Transformer, prepack_supported
+from fluxion_lite.model.attention import DenseAttention, SeqChunk, causal_attention, decode_attention
+from fluxion_lite.model.config import ModelConfig
+from fluxion_lite.model.gguf_loader import GGUFModel, tensor_shapes
+from fluxion_lite.model.kv_cache import INITIAL_CAPACITY, DenseKVCache
+from fluxion_lite.model.transformer import MIN_ROPE_POSITIONS, RotaryEmbedding, Transformer, prepack_supported
 
 F64 = torch.float64
 

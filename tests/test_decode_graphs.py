@@ -13,11 +13,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fluxion_lite import decode_graphs
-from fluxion_lite.attention import DenseAttention, SeqChunk
-from fluxion_lite.decode_graphs import MAX_GRAPH_SETS, DecodeGraphs, graphs_wanted
-from fluxion_lite.gguf_loader import GGUFModel
-from fluxion_lite.model import Transformer
+from fluxion_lite.model.transformer import cuda_graphs as decode_graphs
+from fluxion_lite.model.attention import DenseAttention, SeqChunk
+from fluxion_lite.model.cuda_graphs import MAX_GRAPH_SETS, DecodeGraphs, graphs_wanted
+from fluxion_lite.model.gguf_loader import GGUFModel
+from fluxion_lite.model.transformer import Transformer
 from decode_compare import decode_and_compare, prefill
 from test_decode_fastpath import make_cfg, random_weights
 
@@ -92,9 +92,9 @@ def test_graphs_only_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_sparse_hooks_match_the_eager_sparse_backend(placement: str, zero_copy: bool) -> None:
     """SparseAttention's captured form (sparse_graph.py: prologue / host / epilogue around the replays) gives the
     logits of its eager decode path, for CPU-only, GPU-only (zero-copy feeder) and split placements."""
-    from fluxion_lite.scheduler import Costs
-    from fluxion_lite.sparse_attention import SparseAttention
-    from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+    from fluxion_lite.sparse.cost_model import Costs
+    from fluxion_lite.sparse.backend import SparseAttention
+    from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 
     cfg = make_cfg("qwen2", hq=4, hkv=2, d=32)
     w = random_weights(cfg, seed=4)
@@ -131,9 +131,9 @@ def test_a_dropped_sparse_backend_is_not_kept_alive_by_the_graph_cache() -> None
     import gc
     import weakref
 
-    from fluxion_lite.scheduler import Costs
-    from fluxion_lite.sparse_attention import SparseAttention
-    from fluxion_lite.sparse_plan import SparsePlan
+    from fluxion_lite.sparse.cost_model import Costs
+    from fluxion_lite.sparse.backend import SparseAttention
+    from fluxion_lite.plan.sparse_plan import SparsePlan
 
     cfg = make_cfg("llama", hq=4, hkv=2, d=32)
     runner = Transformer(GGUFModel(Path("x"), cfg, {}, random_weights(cfg, seed=1)), dtype=torch.float32)

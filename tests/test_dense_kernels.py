@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fluxion_lite import dense_kernels
-from fluxion_lite.model import RotaryEmbedding
+from fluxion_lite.model.transformer import dense_kernels
+from fluxion_lite.model.transformer import RotaryEmbedding
 from test_decode_fastpath import make_cfg, rope_formula
 
 pytestmark = pytest.mark.skipif(dense_kernels.triton is None, reason="Triton not installed")

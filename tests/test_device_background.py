@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import native_reference as ref
-from fluxion_lite import native
-from fluxion_lite.device_background import background_term, merge_into_partial, merge_normalised, selected_blocks
-from fluxion_lite.device_select import DeviceSummaries
-from fluxion_lite.host_kv import HostKVStore
-from fluxion_lite.hybrid import lse_merge
+from fluxion_lite.hostkv import native
+from fluxion_lite.sparse.device.background import background_term, merge_into_partial, merge_normalised, selected_blocks
+from fluxion_lite.sparse.device.summaries import DeviceSummaries
+from fluxion_lite.hostkv.store import HostKVStore
+from fluxion_lite.sparse.attend import lse_merge
 
 CPU = torch.device("cpu")
 

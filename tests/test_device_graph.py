@@ -12,16 +12,16 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite import device_graph
-from fluxion_lite.attention import SeqChunk
-from fluxion_lite.decode_graphs import DecodeGraphs
-from fluxion_lite.device_graph import DeviceGraphedDecode
-from fluxion_lite.device_select import PINNED_SCORE
-from fluxion_lite.gguf_loader import GGUFModel
-from fluxion_lite.model import Transformer
-from fluxion_lite.scheduler import Costs
-from fluxion_lite.sparse_attention import SparseAttention
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from fluxion_lite.sparse.device import capture as device_graph
+from fluxion_lite.model.attention import SeqChunk
+from fluxion_lite.model.cuda_graphs import DecodeGraphs
+from fluxion_lite.sparse.device.capture import DeviceGraphedDecode
+from fluxion_lite.sparse.device.summaries import PINNED_SCORE
+from fluxion_lite.model.gguf_loader import GGUFModel
+from fluxion_lite.model.transformer import Transformer
+from fluxion_lite.sparse.cost_model import Costs
+from fluxion_lite.sparse.backend import SparseAttention
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 from decode_compare import decode_and_compare, prefill
 from test_decode_fastpath import make_cfg, random_weights
 
@@ -163,7 +163,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
 def test_captured_midrange_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
     """FLUXION_TOPK=midrange (a plan's scoring "midrange"): both device paths score blocks by the midrange, the
     torch one (eager) and the captured step (block_scores kernel when fused), and they agree as with the bound."""
-    from fluxion_lite.device_select import DeviceSummaries
+    from fluxion_lite.sparse.device.summaries import DeviceSummaries
 
     seen: set[bool] = set()
     real = DeviceSummaries.scores
@@ -187,7 +187,7 @@ def test_captured_step_with_the_background_term_matches_the_eager_device_path(mo
     on the device; the hooked step spends no host time on it; and the term changes the logits (a run without it
     differs). fused: device_kernels' Triton kernels (the interpreter's on a CPU), the term folded into the
     streaming partials before combine."""
-    from fluxion_lite import device_select
+    from fluxion_lite.sparse.device import summaries as device_select
 
     if fused:
         pytest.importorskip("triton")
@@ -383,7 +383,7 @@ def test_mixed_select_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 def test_pinned_blocks_score_first_but_stay_inside_the_eligible_range() -> None:
-    from fluxion_lite.device_select import DeviceSummaries, round_down_bf16, round_up_bf16
+    from fluxion_lite.sparse.device.summaries import DeviceSummaries, round_down_bf16, round_up_bf16
 
     ds = DeviceSummaries(1, 2, 8, 16, torch.device("cpu"))
     k = torch.randn(160, 2, 8, generator=torch.Generator().manual_seed(2))
@@ -409,7 +409,7 @@ def test_pinned_blocks_score_first_but_stay_inside_the_eligible_range() -> None:
 
 
 def test_fluxion_selects_on_the_device_when_asked(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fluxion_lite.engine import make_attention
+    from fluxion_lite.engine.engine import make_attention
 
     cfg = make_cfg("llama", hq=6, hkv=3, d=32)
     plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * cfg.n_layers, source="test")
@@ -421,7 +421,8 @@ def test_fluxion_selects_on_the_device_when_asked(monkeypatch: pytest.MonkeyPatc
 
 
 def test_auto_selection_keeps_the_cpu_where_the_device_step_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fluxion_lite import engine, zero_copy
+    from fluxion_lite.engine.engine import engine
+    from fluxion_lite.sparse import zero_copy
     from fluxion_lite.errors import RequestError
 
     one_g = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1), GroupPlan(True)] * 2] * 2, source="t")

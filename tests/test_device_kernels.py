@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from fluxion_lite.device_select import PINNED_SCORE
-from fluxion_lite.host_kv import CHUNK_TOKENS
+from fluxion_lite.sparse.device.summaries import PINNED_SCORE
+from fluxion_lite.hostkv.store import CHUNK_TOKENS
 from paged_span import paged_store
 
 pytest.importorskip("triton")
@@ -24,7 +24,7 @@ def on(*ts: torch.Tensor | None) -> list:  # type: ignore[type-arg]
 @pytest.fixture()
 def dk():  # type: ignore[no-untyped-def]
     """device_kernels; without CUDA its kernels run in Triton's interpreter (conftest.py chooses it)."""
-    from fluxion_lite import device_kernels
+    from fluxion_lite.sparse.device import kernels as device_kernels
     if not torch.cuda.is_available():
         assert os.environ.get("TRITON_INTERPRET") == "1"
     return device_kernels

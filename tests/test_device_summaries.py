@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from fluxion_lite.device_select import DeviceSummaries, round_down_bf16, round_up_bf16
+from fluxion_lite.sparse.device.summaries import DeviceSummaries, round_down_bf16, round_up_bf16
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -20,7 +20,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 def dk():  # type: ignore[no-untyped-def]
     """device_kernels, when Triton imports; without CUDA its kernels run in Triton's interpreter."""
     pytest.importorskip("triton")
-    from fluxion_lite import device_kernels
+    from fluxion_lite.sparse.device import kernels as device_kernels
     if not torch.cuda.is_available():
         assert os.environ.get("TRITON_INTERPRET") == "1"
     return device_kernels

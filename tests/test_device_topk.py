@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite import device_topk
-from fluxion_lite.device_select import PINNED_SCORE
+from fluxion_lite.sparse.device import topk as device_topk
+from fluxion_lite.sparse.device.summaries import PINNED_SCORE
 
 pytestmark = pytest.mark.skipif(device_topk.triton is None, reason="Triton not installed")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled kernels on a GPU, else interpreted

@@ -58,7 +58,7 @@ def test_pick_paths_takes_the_first_ended_answers_of_each_task() -> None:
 def test_full_ends_along_its_own_answer_on_smollm2() -> None:
     from margin_flips import answer_steps
 
-    from fluxion_lite.engine import Engine
+    from fluxion_lite.engine.engine import Engine
 
     engine = Engine("smollm2-135m", attention="full", max_context=512, prefix_cache_entries=0)
     gen = torch.Generator().manual_seed(7)

@@ -4,10 +4,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fluxion_lite.attention import SeqChunk
-from fluxion_lite.engine import Engine
+from fluxion_lite.model.attention import SeqChunk
+from fluxion_lite.engine.engine import Engine
 from fluxion_lite.errors import RequestError
-from fluxion_lite.sampling import SamplingParams
+from fluxion_lite.engine.sampling import SamplingParams
 
 MODEL = "smollm2-135m"
 

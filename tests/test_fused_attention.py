@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fluxion_lite.attention import causal_attention, fused_causal_attention
+from fluxion_lite.model.attention import causal_attention, fused_causal_attention
 
 
 def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -37,7 +37,7 @@ def test_fused_matches_float64_reference(n: int, total: int, hq: int, hkv: int, 
 @pytest.mark.parametrize("hkv,r,total,d", [(2, 7, 300, 64), (8, 4, 1000, 128), (1, 1, 17, 64)])
 def test_gqa_decode_matmul_path_matches_reference(hkv: int, r: int, total: int, d: int) -> None:
     """The matmul route that CUDA decode takes, run here on CPU tensors through the same arithmetic."""
-    from fluxion_lite.attention import gqa_decode
+    from fluxion_lite.model.attention import gqa_decode
 
     g = torch.Generator().manual_seed(total)
     q = torch.randn(1, hkv * r, d, generator=g)

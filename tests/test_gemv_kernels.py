@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fluxion_lite import gemv_kernels
+from fluxion_lite.model.transformer import gemv_kernels
 from fluxion_lite.errors import RequestError
 
 pytestmark = pytest.mark.skipif(gemv_kernels.triton is None, reason="Triton not installed")
@@ -179,9 +179,9 @@ def test_one_row_forward_with_the_kernels_equals_float64(arch: str, fused: str) 
     with the norms and RoPE fused into them or not."""
     from pathlib import Path
 
-    from fluxion_lite.attention import DenseAttention, SeqChunk
-    from fluxion_lite.gguf_loader import GGUFModel
-    from fluxion_lite.model import Transformer
+    from fluxion_lite.model.attention import DenseAttention, SeqChunk
+    from fluxion_lite.model.gguf_loader import GGUFModel
+    from fluxion_lite.model.transformer import Transformer
     from test_decode_fastpath import make_cfg, random_weights, unfused_logits
 
     cfg = make_cfg(arch)
@@ -222,8 +222,8 @@ def test_fused_query_ahead_and_pre_attention_match_the_unfused_kernels(arch: str
     rounding)."""
     from pathlib import Path
 
-    from fluxion_lite.gguf_loader import GGUFModel
-    from fluxion_lite.model import Transformer
+    from fluxion_lite.model.gguf_loader import GGUFModel
+    from fluxion_lite.model.transformer import Transformer
     from test_decode_fastpath import make_cfg, random_weights
 
     cfg = make_cfg(arch)
@@ -266,7 +266,8 @@ def test_programmatic_dependent_launch_changes_no_value(monkeypatch: pytest.Monk
     """FLUXION_PDL=1 (where supported): the chain norm -> gemv -> gemv_add_ -> gemv_silu_mul -> gemv_add_, eagerly
     and replayed from a CUDA graph, gives the same values as without it (each kernel waits before reading what the
     previous one wrote)."""
-    from fluxion_lite import dense_kernels, device_kernels
+    from fluxion_lite.model.transformer import dense_kernels
+    from fluxion_lite.sparse.device import kernels as device_kernels
 
     if not device_kernels.pdl_enabled(torch.device("cuda")) and not device_kernels._pdl_supported(0):
         pytest.skip("no programmatic dependent launch on this GPU / Triton")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fluxion_lite.errors import ModelFileError
-from fluxion_lite.gguf_loader import load_gguf, read_metadata
+from fluxion_lite.model.gguf_loader import load_gguf, read_metadata
 from gguf_fixtures import ALL_TYPES, QTYPE, TinySpec, make_weights, spec_metadata, write_gguf, write_tiny_model
 
 MATRICES = ("token_embd.weight", "output.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from fluxion_lite import head_features
-from fluxion_lite.head_features import (FEATURE_NAMES, FEATURE_QUERIES, MAX_LOG_CONTEXT, ORACLE_TOP, RECALL_BUDGETS,
+from fluxion_lite.plan import head_features
+from fluxion_lite.plan.head_features import (FEATURE_NAMES, FEATURE_QUERIES, MAX_LOG_CONTEXT, ORACLE_TOP, RECALL_BUDGETS,
                                         layer_features)
-from fluxion_lite.sparse_plan import GRANULARITIES
+from fluxion_lite.plan.sparse_plan import GRANULARITIES
 
 _TINY = 1e-6
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])

@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite.attention import SeqChunk, causal_attention
-from fluxion_lite.config import ModelConfig
-from fluxion_lite.engine import make_attention
-from fluxion_lite.hybrid import block_attention, lse_merge
-from fluxion_lite.scheduler import Costs
-from fluxion_lite.sparse_attention import SparseAttention
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from fluxion_lite.model.attention import SeqChunk, causal_attention
+from fluxion_lite.model.config import ModelConfig
+from fluxion_lite.engine.engine import make_attention
+from fluxion_lite.sparse.attend import block_attention, lse_merge
+from fluxion_lite.sparse.cost_model import Costs
+from fluxion_lite.sparse.backend import SparseAttention
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 
 # equal CPU and "PCIe" speed and a cheap gather: the scheduler splits the volume about evenly
 SPLIT_COSTS = Costs(cpu_gbs=10.0, gather_gbs=1000.0, h2d_gbs=10.0)
@@ -217,7 +217,7 @@ def test_biased_attention_matches_float64(b: int, hkv: int, r: int, n_keys: int,
     """The streaming part against float64 softmax attention: bf16 within 3x the rounding floor of the exact output
     (sharp scores, as the sink gives), fp32 and fp64 tight; the LSE too. Each row attends a random subset. On CUDA
     the keys come as a device slab's K half (a non-contiguous view), as the engine passes them."""
-    from fluxion_lite.hybrid import biased_attention
+    from fluxion_lite.sparse.attend import biased_attention
     g = torch.Generator().manual_seed(b * 1000 + n_keys)
     q = (torch.randn(b, hkv, r, d, generator=g) * 2.5).to(dtype)
     k = (torch.randn(b, hkv, n_keys, d, generator=g) * 2.5).to(dtype)
@@ -248,7 +248,7 @@ def test_biased_attention_matches_float64(b: int, hkv: int, r: int, n_keys: int,
 def test_block_attention_matches_float64(t: int, r: int, n_keys: int, d: int, dtype: torch.dtype, device: str) -> None:
     """The GPU tasks' attention over gathered blocks (padding masked) against float64: bf16 within 3x the rounding
     floor of the exact output, so the scores stay fp32 (a bf16 matmul's scores fail this on sharp rows)."""
-    from fluxion_lite.hybrid import block_attention
+    from fluxion_lite.sparse.attend import block_attention
     g = torch.Generator().manual_seed(t * 100 + n_keys)
     q = (torch.randn(t, r, d, generator=g) * 2.5).to(dtype)
     k = (torch.randn(t, n_keys, d, generator=g) * 2.5).to(dtype)

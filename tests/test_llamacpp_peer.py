@@ -46,7 +46,7 @@ def test_trim_keeps_the_library_sources_only(tmp_path: Path) -> None:
 
 
 def test_random_gguf_is_the_shape_asked_and_loads(tmp_path: Path) -> None:
-    from fluxion_lite.gguf_loader import load_gguf
+    from fluxion_lite.model.gguf_loader import load_gguf
 
     out = tmp_path / "tiny.gguf"
     llamacpp_peer.write_gguf("tiny", out, seed=3)

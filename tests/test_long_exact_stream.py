@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from fluxion_lite.errors import ModelFileError
-from fluxion_lite.policy import plan_bytes_fraction
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
-from fluxion_lite.sparse_step import GVALS, LONG_ROW_OFFSET, bias_rows, build_step, group_rows, retrieval_tasks
+from fluxion_lite.plan.cost import plan_bytes_fraction
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
+from fluxion_lite.sparse.step import GVALS, LONG_ROW_OFFSET, bias_rows, build_step, group_rows, retrieval_tasks
 from test_long_only import N0, _decode, _tiny_cfg
 from subprocess_env import repo_env
 
@@ -99,10 +99,10 @@ def test_predicted_read_counts_exact_streaming_below_n0_and_is_unchanged_past_it
 
 def test_graphed_host_step_matches_the_eager_one_across_short_tokens() -> None:
     """The captured step's mask buffer holds the extra rows: rows below and past short_tokens, graphed vs eager."""
-    from fluxion_lite.decode_graphs import DecodeGraphs
-    from fluxion_lite.gguf_loader import GGUFModel
-    from fluxion_lite.model import Transformer
-    from fluxion_lite.sparse_attention import SparseAttention
+    from fluxion_lite.model.cuda_graphs import DecodeGraphs
+    from fluxion_lite.model.gguf_loader import GGUFModel
+    from fluxion_lite.model.transformer import Transformer
+    from fluxion_lite.sparse.backend import SparseAttention
     from decode_compare import decode_and_compare, prefill
     from test_decode_fastpath import make_cfg, random_weights
 
@@ -126,7 +126,7 @@ def test_graphed_host_step_matches_the_eager_one_across_short_tokens() -> None:
 
 
 def test_per_request_rows_take_the_long_only_rows_of_an_exact_plan() -> None:
-    from fluxion_lite.request_plan import RequestPlanner
+    from fluxion_lite.plan.request_plan import RequestPlanner
 
     planner = RequestPlanner(None, plan(), _tiny_cfg(), [])  # type: ignore[arg-type]  # rows() never asks the predictor
     planner._plans[7] = tuple(a.copy() for a in planner._static)
@@ -167,8 +167,8 @@ def test_plan_variant_flag_keeps_the_base_choice_unless_given(tmp_path: Path) ->
 def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.MonkeyPatch, fused: bool) -> None:
     """Device selection, captured step (device_graph) against the eager device path with an exact-streaming plan:
     the device stream kernel reads the long-only rows of the mask (Triton's on a GPU, with fused)."""
-    from fluxion_lite import device_graph
-    from fluxion_lite.device_graph import DeviceGraphedDecode
+    from fluxion_lite.sparse.device import capture as device_graph
+    from fluxion_lite.sparse.device.capture import DeviceGraphedDecode
     from decode_compare import decode_and_compare, prefill
     from test_device_graph import _backends, _models
 

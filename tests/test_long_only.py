@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from fluxion_lite.errors import ModelFileError
-from fluxion_lite.pinned import PinnedBlocks
-from fluxion_lite.policy import plan_bytes_fraction
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan, long_factor
-from fluxion_lite.sparse_step import GVALS, active_retrieval, build_step, retrieval_tasks
+from fluxion_lite.plan.pins import PinnedBlocks
+from fluxion_lite.plan.cost import plan_bytes_fraction
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan, long_factor
+from fluxion_lite.sparse.step import GVALS, active_retrieval, build_step, retrieval_tasks
 from subprocess_env import repo_env
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -152,7 +152,7 @@ def test_file_format_round_trip_and_checks(tmp_path: Path) -> None:
 
 def _tiny_cfg():  # type: ignore[no-untyped-def]
     """One layer, 3 KV groups of 2 query heads each: the plan() rows' shape."""
-    from fluxion_lite.config import ModelConfig
+    from fluxion_lite.model.config import ModelConfig
 
     return ModelConfig(arch="llama", n_layers=1, d_model=48, d_ff=64, n_heads=6, n_kv_heads=3, head_dim=16,
                        vocab_size=10, context_length=8192, rms_eps=1e-5, rope_theta=10000.0, rope_dim=16,
@@ -160,7 +160,7 @@ def _tiny_cfg():  # type: ignore[no-untyped-def]
 
 
 def _backend(p: SparsePlan):  # type: ignore[no-untyped-def]
-    from fluxion_lite.sparse_attention import SparseAttention
+    from fluxion_lite.sparse.backend import SparseAttention
 
     return SparseAttention(_tiny_cfg(), p, torch.float32, torch.device("cpu"), max_seqs=2, placement="cpu")
 
@@ -168,7 +168,7 @@ def _backend(p: SparsePlan):  # type: ignore[no-untyped-def]
 def _decode(p: SparsePlan, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                                                         dict[str, float]]:
     """One eager CPU decode step after an imported n-token context: (out [1, Hq, D], q, k, v, stats)."""
-    from fluxion_lite.attention import SeqChunk
+    from fluxion_lite.model.attention import SeqChunk
 
     a = _backend(p)
     g = torch.Generator().manual_seed(seed)
@@ -227,7 +227,7 @@ def test_tpot_draws_long_only_groups_and_the_context_scaling_from_the_shipped_pl
     sys.path.insert(0, str(ROOT / "bench"))
     import tpot
 
-    from fluxion_lite.config import ModelConfig
+    from fluxion_lite.model.config import ModelConfig
 
     cfg = ModelConfig(**tpot.SHAPES["llama3.1-8b"], context_length=131072, rms_eps=1e-5, rope_dim=128)
     src = SparsePlan.load(ROOT / "models" / "qwen2.5-coder-0.5b.plan.json")
@@ -242,7 +242,7 @@ def test_per_request_rows_keep_the_static_long_only_flags_where_a_row_has_no_pla
     """request_plan.RequestPlanner.rows: a sequence the predictor planned has no long-only groups (its layers are
     replaced whole); one it did not plan keeps the static plan's flags, so its long-only groups still stream below
     short_tokens."""
-    from fluxion_lite.request_plan import RequestPlanner
+    from fluxion_lite.plan.request_plan import RequestPlanner
 
     planner = RequestPlanner(None, plan(), _tiny_cfg(), [])  # type: ignore[arg-type]  # rows() never asks the predictor
     ret, g, bud, long_only = (a.copy() for a in planner._static)

@@ -78,7 +78,7 @@ def test_summarise_random_cases_against_a_direct_count() -> None:
 
 @pytest.mark.slow
 def test_answer_steps_forced_along_greedy_reproduces_it_on_smollm2() -> None:
-    from fluxion_lite.engine import Engine
+    from fluxion_lite.engine.engine import Engine
 
     engine = Engine("smollm2-135m", attention="full", max_context=512, prefix_cache_entries=0)
     gen = torch.Generator().manual_seed(3)
@@ -126,8 +126,8 @@ def test_simulated_topk_reading_everything_follows_full_on_smollm2() -> None:
     """--simulate's backend at budget 1 reads every block: teacher-forced along full's greedy answer it predicts it."""
     from background_fidelity import SimulatedTopK
 
-    from fluxion_lite.attention import DenseAttention
-    from fluxion_lite.engine import Engine
+    from fluxion_lite.model.attention import DenseAttention
+    from fluxion_lite.engine.engine import Engine
 
     engine = Engine("smollm2-135m", attention="full", dtype="float32", max_context=512, prefix_cache_entries=0)
     gen = torch.Generator().manual_seed(5)

@@ -11,8 +11,8 @@ import torch
 
 import native_reference as ref
 from native_cases import LENGTHS, N_KV, N_THREADS, PATHS, Case, excluded_ranges, ragged_store, rotated_cases
-from fluxion_lite import native
-from fluxion_lite.host_kv import HostKVStore
+from fluxion_lite.hostkv import native
+from fluxion_lite.hostkv.store import HostKVStore
 
 
 def _block_sums(values: np.ndarray) -> np.ndarray:

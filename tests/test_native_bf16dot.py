@@ -11,7 +11,7 @@ import torch
 
 import native_reference as ref
 from native_cases import LENGTHS, N_KV, PATHS, ragged_store
-from fluxion_lite import native
+from fluxion_lite.hostkv import native
 
 needs_bf16 = pytest.mark.skipif("avx512bf16" not in PATHS, reason="this CPU has no AVX512-BF16")
 

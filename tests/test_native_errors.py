@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite import native
+from fluxion_lite.hostkv import native
 from fluxion_lite.errors import CapacityError
-from fluxion_lite.host_kv import HostKVStore
+from fluxion_lite.hostkv.store import HostKVStore
 
 
 @pytest.fixture()

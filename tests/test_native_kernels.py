@@ -9,8 +9,8 @@ import torch
 
 import native_reference as ref
 from native_cases import Case, LENGTHS, N_KV, N_THREADS, PATHS, ragged_store, rotated_cases
-from fluxion_lite import native
-from fluxion_lite.host_kv import HostKVStore
+from fluxion_lite.hostkv import native
+from fluxion_lite.hostkv.store import HostKVStore
 
 
 def _cases() -> list[Case]:

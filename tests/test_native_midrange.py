@@ -10,8 +10,8 @@ import torch
 
 import native_reference as ref
 from native_cases import Case, LENGTHS, PATHS, rotated_cases, topk_setup
-from fluxion_lite import native
-from fluxion_lite.host_kv import HostKVStore
+from fluxion_lite.hostkv import native
+from fluxion_lite.hostkv.store import HostKVStore
 
 
 @pytest.mark.parametrize("case", rotated_cases(), ids=str)

@@ -13,8 +13,8 @@ import torch
 
 import native_reference as ref
 from native_cases import Case, LENGTHS, N_THREADS, PATHS, rotated_cases, topk_setup
-from fluxion_lite import native
-from fluxion_lite.host_kv import HostKVStore
+from fluxion_lite.hostkv import native
+from fluxion_lite.hostkv.store import HostKVStore
 from per_head_numpy import per_head_topk
 
 
@@ -199,12 +199,12 @@ def test_bad_scoring_is_rejected_naming_the_argument() -> None:
 def _decode_setup(topk_scoring: str | None, graphed: bool) -> tuple[Any, Any, Any]:
     """(config, model, SparseAttention backend): a 2-layer qwen2-style model with GQA 4, retrieval groups at
     g = 16 and 32 (one streaming group), the graphed runner's segments run eagerly when `graphed`."""
-    from fluxion_lite.decode_graphs import DecodeGraphs
-    from fluxion_lite.gguf_loader import GGUFModel
-    from fluxion_lite.model import Transformer
-    from fluxion_lite.scheduler import Costs
-    from fluxion_lite.sparse_attention import SparseAttention
-    from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+    from fluxion_lite.model.cuda_graphs import DecodeGraphs
+    from fluxion_lite.model.gguf_loader import GGUFModel
+    from fluxion_lite.model.transformer import Transformer
+    from fluxion_lite.sparse.cost_model import Costs
+    from fluxion_lite.sparse.backend import SparseAttention
+    from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
     from test_decode_fastpath import make_cfg, random_weights
 
     cfg = make_cfg("qwen2", hq=8, hkv=2, d=32)  # GQA 4
@@ -221,7 +221,7 @@ def _decode_setup(topk_scoring: str | None, graphed: bool) -> tuple[Any, Any, An
 
 def _decode(cfg: Any, m: Any, a: Any, steps: int = 4) -> list[torch.Tensor]:
     """Prefill two sequences (300 and 510 tokens), then `steps` decode steps; the logits of each step."""
-    from fluxion_lite.attention import SeqChunk
+    from fluxion_lite.model.attention import SeqChunk
 
     g = torch.Generator().manual_seed(9)
     lengths = [300, 510]
@@ -311,9 +311,9 @@ def test_graphed_decode_uses_the_backend_scoring(monkeypatch: pytest.MonkeyPatch
 def test_scoring_setting_on_the_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     """One place decides: the constructor argument, else FLUXION_TOPK, else "group"; settable later; bad values
     raise ValueError naming the setting."""
-    from fluxion_lite.scheduler import Costs
-    from fluxion_lite.sparse_attention import SparseAttention
-    from fluxion_lite.sparse_plan import SparsePlan
+    from fluxion_lite.sparse.cost_model import Costs
+    from fluxion_lite.sparse.backend import SparseAttention
+    from fluxion_lite.plan.sparse_plan import SparsePlan
     from test_decode_fastpath import make_cfg
 
     cfg = make_cfg("llama", hq=4, hkv=2, d=32)

@@ -12,8 +12,8 @@ import torch
 
 import native_reference as ref
 from native_cases import Case, LENGTHS, N_KV, PATHS, excluded_ranges, ragged_store, rotated_cases, topk_setup
-from fluxion_lite import native
-from fluxion_lite.host_kv import HostKVStore
+from fluxion_lite.hostkv import native
+from fluxion_lite.hostkv.store import HostKVStore
 
 SCORINGS = ("group", "per-head")
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import native_reference as ref
-from fluxion_lite import native
-from fluxion_lite.host_kv import HostKVStore
+from fluxion_lite.hostkv import native
+from fluxion_lite.hostkv.store import HostKVStore
 
 H, D, R = 2, 32, 3  # KV heads, head_dim, query heads per KV head
 LENGTHS = (300, 517, 90)

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import native_reference as ref
-from fluxion_lite import native
-from fluxion_lite.host_kv import HostKVStore
+from fluxion_lite.hostkv import native
+from fluxion_lite.hostkv.store import HostKVStore
 
 
 def _filled_store(n: int = 2048, heads: int = 2, d: int = 128) -> tuple[HostKVStore, int, torch.Tensor, torch.Tensor]:

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import native_reference as ref
-from fluxion_lite import native
-from fluxion_lite.host_kv import HostKVStore
+from fluxion_lite.hostkv import native
+from fluxion_lite.hostkv.store import HostKVStore
 
 PATHS = native.simd_supported()
 N_THREADS = max(2, native.physical_cores())

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite import native
-from fluxion_lite.host_kv import HostKVStore
+from fluxion_lite.hostkv import native
+from fluxion_lite.hostkv.store import HostKVStore
 
 H, D, R = 2, 64, 2  # KV heads, head_dim, query heads per KV head
 

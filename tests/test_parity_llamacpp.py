@@ -4,11 +4,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fluxion_lite.engine import Engine
-from fluxion_lite.eval_text import essay_text
-from fluxion_lite.llamacpp_peer import greedy_continuation, load_peer, teacher_forced_logits as peer_logits
-from fluxion_lite.sampling import SamplingParams
-from fluxion_lite.teacher_forcing import teacher_forced_logits
+from fluxion_lite.engine.engine import Engine
+from fluxion_lite.offline.eval_text import essay_text
+from fluxion_lite.offline.llamacpp_peer import greedy_continuation, load_peer, teacher_forced_logits as peer_logits
+from fluxion_lite.engine.sampling import SamplingParams
+from fluxion_lite.offline.teacher_forcing import teacher_forced_logits
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ def test_the_peer_loads_without_repacking_buffers() -> None:
     the extra (repacking) buffer types, whose AMX path segfaults in llama_decode; outside it, unchanged."""
     import llama_cpp.llama_cpp as bindings
 
-    from fluxion_lite.llamacpp_peer import _no_extra_buffer_types
+    from fluxion_lite.offline.llamacpp_peer import _no_extra_buffer_types
 
     default = bool(bindings.llama_model_default_params().use_extra_bufts)
     with _no_extra_buffer_types():

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from parting_mass import LastRowMass, read_split, regions  # noqa: E402
 
-from fluxion_lite.attention import DenseAttention, SeqChunk  # noqa: E402
+from fluxion_lite.model.attention import DenseAttention, SeqChunk  # noqa: E402
 
 
 def test_last_row_mass_is_the_group_mean_of_the_softmax_and_attention_is_unchanged() -> None:

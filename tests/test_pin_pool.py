@@ -1,13 +1,13 @@
-"""The device pin cache's pool (fluxion_lite/pin_pool.py) on the CPU: entries follow slots, not rows; a batch change
+"""The device pin cache's pool (fluxion_lite/sparse/device/pin_cache.py) on the CPU: entries follow slots, not rows; a batch change
 reads the new slot's blocks only; the copied blocks equal the host store's; the index points each row at them."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from fluxion_lite.pin_pool import DevicePinPool
-from fluxion_lite.pinned import PinnedBlocks
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from fluxion_lite.sparse.device.pin_cache import DevicePinPool
+from fluxion_lite.plan.pins import PinnedBlocks
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 from paged_span import paged_store
 
 L, HKV, D, G, P = 2, 3, 8, 16, 64  # layers, KV heads, head dim, block tokens, page tokens

@@ -13,8 +13,8 @@ sys.path.insert(0, str(ROOT / "bench"))
 
 import pin_recall  # noqa: E402
 
-from fluxion_lite import pinned  # noqa: E402
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
+from fluxion_lite.plan import pins as pinned  # noqa: E402
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
 
 
 def test_recall_counts_groups_whose_pins_hold_each_value() -> None:

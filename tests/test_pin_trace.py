@@ -10,7 +10,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 from pin_trace import Recorder, coverage, first_wrong  # noqa: E402
 
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
 
 
 class CharTokenizer:

@@ -1,4 +1,4 @@
-"""Blocks pinned at prefill end by the prompt's own attention (fluxion_lite/pinned.py): the attention mass against a
+"""Blocks pinned at prefill end by the prompt's own attention (fluxion_lite/plan/pins.py): the attention mass against a
 float64 reference, the choice of blocks, the union with the per-step top-k, and decode through the sparse backend."""
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite.engine import Engine, make_attention
+from fluxion_lite.engine.engine import Engine, make_attention
 from fluxion_lite.errors import ModelFileError
-from fluxion_lite.pinned import PinnedBlocks, attention_mass, group_pins, pick_pins
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from fluxion_lite.plan.pins import PinnedBlocks, attention_mass, group_pins, pick_pins
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 from decode_compare import decode_and_compare, prefill
 from test_sparse import MODEL, decode_logits, engine, essay_tokens  # noqa: F401  (fixtures)
 from subprocess_env import repo_env
@@ -70,8 +70,8 @@ def test_pick_pins_takes_the_heaviest_eligible_blocks(g: int, n: int, count: int
 def test_table_gathers_each_tasks_pins_for_the_native_top_k() -> None:
     """table(): per task the pins of its (slot, KV head), counts alongside; slots never pinned (inside or past the
     stored rows) count 0; and the native top-k given that table selects the pins plus the best of the rest."""
-    from fluxion_lite import native
-    from fluxion_lite.host_kv import HostKVStore
+    from fluxion_lite.hostkv import native
+    from fluxion_lite.hostkv.store import HostKVStore
 
     pins = PinnedBlocks(pin_plan(n_layers=2, n_kv_heads=2, obs_window=4))
     pinned = {(0, 0): [3, 9, 20], (0, 1): [], (2, 0): [1], (2, 1): [5, 6, 7, 8]}
@@ -414,8 +414,8 @@ def test_graphed_step_with_pins_matches_eager(monkeypatch: pytest.MonkeyPatch, o
     """The graphed step's host() adds pins as the eager path does: same logits, same bytes read, pins in place; on
     the one-call path (all-CPU split: PreparedSelection.select_attend with the layer's pin table) and on the path of
     a GPU split (group_topk with pins, then the scheduler), forced here by reporting no all-CPU split."""
-    from fluxion_lite import native
-    from fluxion_lite.sparse_graph import GraphedDecode
+    from fluxion_lite.hostkv import native
+    from fluxion_lite.sparse.host_capture import GraphedDecode
 
     hosted, pinned_calls = [], {"select_attend": 0, "group_topk": 0}
     real_host = GraphedDecode.host
@@ -434,11 +434,11 @@ def test_graphed_step_with_pins_matches_eager(monkeypatch: pytest.MonkeyPatch, o
 
     monkeypatch.setattr(native.PreparedSelection, "select_attend", select_attend)
     monkeypatch.setattr(native, "group_topk", group_topk)
-    from fluxion_lite.decode_graphs import DecodeGraphs
-    from fluxion_lite.gguf_loader import GGUFModel
-    from fluxion_lite.model import Transformer
-    from fluxion_lite.scheduler import Costs
-    from fluxion_lite.sparse_attention import SparseAttention
+    from fluxion_lite.model.cuda_graphs import DecodeGraphs
+    from fluxion_lite.model.gguf_loader import GGUFModel
+    from fluxion_lite.model.transformer import Transformer
+    from fluxion_lite.sparse.cost_model import Costs
+    from fluxion_lite.sparse.backend import SparseAttention
     from test_decode_fastpath import make_cfg, random_weights
 
     cfg = make_cfg("llama", hq=6, hkv=3, d=32)

@@ -8,18 +8,19 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite.attention import SeqChunk
-from fluxion_lite.calibration import all_configs, capture_prompt
-from fluxion_lite.gguf_loader import load_gguf
-from fluxion_lite.head_features import FEATURE_NAMES, FEATURE_QUERIES, N_FEATURES, layer_features
-from fluxion_lite.model import Transformer
-from fluxion_lite.policy import select_plan
-from fluxion_lite.predictor import (N_INPUTS, Predictor, config_costs, loo_prior, param_count, select_groups,
+from fluxion_lite.model.attention import SeqChunk
+from fluxion_lite.plan.space import all_configs
+from fluxion_lite.offline.calibration import capture_prompt
+from fluxion_lite.model.gguf_loader import load_gguf
+from fluxion_lite.plan.head_features import FEATURE_NAMES, FEATURE_QUERIES, N_FEATURES, layer_features
+from fluxion_lite.model.transformer import Transformer
+from fluxion_lite.plan.selector import select_plan
+from fluxion_lite.plan.predictor import (N_INPUTS, Predictor, config_costs, loo_prior, param_count, select_groups,
                                     split_prompts, train)
-from fluxion_lite.request_plan import RequestPlanner
-from fluxion_lite.scheduler import Costs
-from fluxion_lite.sparse_attention import SparseAttention
-from fluxion_lite.sparse_plan import SparsePlan
+from fluxion_lite.plan.request_plan import RequestPlanner
+from fluxion_lite.sparse.cost_model import Costs
+from fluxion_lite.sparse.backend import SparseAttention
+from fluxion_lite.plan.sparse_plan import SparsePlan
 from gguf_fixtures import TinySpec, write_tiny_model
 
 MODELS_DIR = Path(__file__).resolve().parents[1] / "models"
@@ -242,9 +243,9 @@ def test_calibrate_train_command_writes_predictor_and_card(tmp_path: Path) -> No
 
 @pytest.mark.slow
 def test_engine_uses_the_shipped_predictor_per_request() -> None:
-    from fluxion_lite.engine import Engine
-    from fluxion_lite.eval_text import essay_text
-    from fluxion_lite.sampling import SamplingParams
+    from fluxion_lite.engine.engine import Engine
+    from fluxion_lite.offline.eval_text import essay_text
+    from fluxion_lite.engine.sampling import SamplingParams
 
     engine = Engine("smollm2-135m", attention="fluxion", max_context=2048, prefix_cache_entries=0, predictor=True)
     assert "per-request plans: predictor" in engine.explain()

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite.calibration import Config, budget_tokens
-from fluxion_lite.policy import bytes_per_step, near_tokens, plan_bytes_fraction
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
-from fluxion_lite.sparse_step import GVALS, build_step, retrieval_tasks
+from fluxion_lite.plan.space import Config, budget_tokens
+from fluxion_lite.plan.cost import bytes_per_step, near_tokens, plan_bytes_fraction
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
+from fluxion_lite.sparse.step import GVALS, build_step, retrieval_tasks
 
 CONFIGS = [Config(True), Config(False, 16, 0.05), Config(False, 32, 0.02), Config(False, 64, 0.009),
            Config(False, 128, 0.009), Config(False, 128, 0.18)]

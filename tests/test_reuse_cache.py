@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
-from fluxion_lite import device_topk
-from fluxion_lite.device_select import PINNED_SCORE
-from fluxion_lite.reuse_cache import DeviceReuseCache, PolicyModel
+from fluxion_lite.sparse.device import topk as device_topk
+from fluxion_lite.sparse.device.summaries import PINNED_SCORE
+from fluxion_lite.sparse.device.reuse_cache import DeviceReuseCache, PolicyModel
 from test_device_topk import reference_top
 
 pytestmark = pytest.mark.skipif(device_topk.triton is None, reason="Triton not installed")
@@ -21,7 +21,7 @@ DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled k
 @pytest.mark.parametrize("entries_share,nb,width", [(0.5, 64, 10), (1.5, 64, 10), (0.5, 300, 33)])
 def test_select_top_keeps_the_cache_like_the_policy(monkeypatch: pytest.MonkeyPatch, entries_share: float,
                                                     nb: int, width: int) -> None:
-    monkeypatch.setattr("fluxion_lite.reuse_cache.REUSE_SHARE", entries_share)
+    monkeypatch.setattr("fluxion_lite.sparse.device.reuse_cache.REUSE_SHARE", entries_share)
     B, hkv = 2, 3
     cache = DeviceReuseCache(n_layers=2, hkv=hkv, g=16, d=8, dtype=torch.bfloat16, device=DEV)
     assert cache.ensure(B, nb, (width // 2, width))  # layer 1 is the wider one
@@ -111,7 +111,7 @@ def test_a_block_that_skips_a_step_still_hits() -> None:
 
 def test_reuse_share_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     """FLUXION_REUSE_SHARE sizes the entries (an A/B knob); a bad value is an error naming the variable."""
-    from fluxion_lite.reuse_cache import REUSE_SHARE, _entries, reuse_share
+    from fluxion_lite.sparse.device.reuse_cache import REUSE_SHARE, _entries, reuse_share
 
     monkeypatch.delenv("FLUXION_REUSE_SHARE", raising=False)
     assert reuse_share() == REUSE_SHARE and _entries(100) == math.ceil(REUSE_SHARE * 100)

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fluxion_lite.catalog import cache_dir
+from fluxion_lite.hub.catalog import cache_dir
 from fluxion_lite.errors import FluxionError
-from fluxion_lite.ruler import (
+from fluxion_lite.offline.ruler import (
     TASK_SPECS,
     TASKS,
     Sample,
@@ -42,7 +42,7 @@ def count_words(text: str) -> int:
 def count_tokens():
     if not SMOLLM2.is_file():
         pytest.skip("smollm2-135m is not in the model cache (fluxion-lite pull smollm2-135m)")
-    from fluxion_lite.tokenizer import Tokenizer
+    from fluxion_lite.model.tokenizer import Tokenizer
 
     tok = Tokenizer(SMOLLM2, {})
     return lambda text: len(tok.encode(text, add_special=True))
@@ -180,7 +180,7 @@ def test_samples_are_deterministic_and_differ_by_index_length_and_seed() -> None
 def test_samples_are_identical_across_processes() -> None:
     """Python's str hash is salted per process: the generator must not depend on it (every mode runs separately)."""
     code = (
-        "import hashlib; from fluxion_lite.ruler import generate_sample, TASKS\n"
+        "import hashlib; from fluxion_lite.offline.ruler import generate_sample, TASKS\n"
         "h = hashlib.sha256()\n"
         "for t in TASKS: h.update(generate_sample(t, 1500, 2, lambda s: len(s.split())).prompt.encode())\n"
         "print(h.hexdigest())"

@@ -16,7 +16,7 @@ sys.path.insert(0, str(ROOT / "bench"))
 from copy_heads import answer_lines, copy_offset, line_offset, read_mask  # noqa: E402
 from sampled_background import group_step, sampled_selection  # noqa: E402
 
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
 
 
 def _bound64(qg: torch.Tensor, keys: torch.Tensor, g: int, n_blocks: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite.sampling import REPETITION_WINDOW, Penalties, SamplingParams, penalised, sample, sample_rows
+from fluxion_lite.engine.sampling import REPETITION_WINDOW, Penalties, SamplingParams, penalised, sample, sample_rows
 
 
 def reference_probs(logits: np.ndarray, p: SamplingParams) -> np.ndarray:

@@ -6,7 +6,7 @@ import itertools
 import numpy as np
 import pytest
 
-from fluxion_lite.scheduler import Costs, CostModel, measure_costs, priority_order, split_tasks, task_bytes
+from fluxion_lite.sparse.cost_model import Costs, CostModel, measure_costs, priority_order, split_tasks, task_bytes
 
 MB = 1e6
 

@@ -31,7 +31,7 @@ DECODE = ["sync", "async"]
 
 @pytest.fixture(scope="module", params=DECODE)
 def engine(request: pytest.FixtureRequest) -> Any:
-    from fluxion_lite.engine import Engine
+    from fluxion_lite.engine.engine import Engine
 
     e = Engine(MODEL, max_batch=4, prefill_chunk=128)
     e.async_decode = request.param == "async"
@@ -341,7 +341,7 @@ def _free_port() -> int:
 def live_engine(request: pytest.FixtureRequest) -> Any:
     """A second Engine for the uvicorn servers: the module's TestClient keeps its own engine thread running on
     `engine` for the whole module, and an Engine must only ever be stepped by one thread."""
-    from fluxion_lite.engine import Engine
+    from fluxion_lite.engine.engine import Engine
 
     e = Engine(MODEL, max_batch=4, prefill_chunk=128)
     e.async_decode = request.param == "async"

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from fluxion_lite.errors import ModelFileError
-from fluxion_lite.pinned import PinnedBlocks
-from fluxion_lite.policy import plan_bytes_fraction
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan, short_factor
-from fluxion_lite.sparse_step import GVALS, build_step, retrieval_tasks
+from fluxion_lite.plan.pins import PinnedBlocks
+from fluxion_lite.plan.cost import plan_bytes_fraction
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan, short_factor
+from fluxion_lite.sparse.step import GVALS, build_step, retrieval_tasks
 from subprocess_env import repo_env
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
@@ -171,9 +171,9 @@ def test_plan_variant_sets_keeps_and_checks_the_short_scale(tmp_path: Path) -> N
 def backend_step(plan: SparsePlan, n: int = 1500) -> tuple[list[int], float]:
     """Through SparseAttention (eager CPU decode, one layer, two KV groups of 16 dims): one decode step after an
     imported n-token context; each retrieval group's k (blocks) and the step's KV read fraction."""
-    from fluxion_lite.attention import SeqChunk
-    from fluxion_lite.config import ModelConfig
-    from fluxion_lite.sparse_attention import SparseAttention
+    from fluxion_lite.model.attention import SeqChunk
+    from fluxion_lite.model.config import ModelConfig
+    from fluxion_lite.sparse.backend import SparseAttention
 
     cfg = ModelConfig(arch="llama", n_layers=1, d_model=32, d_ff=64, n_heads=4, n_kv_heads=2, head_dim=16,
                       vocab_size=10, context_length=4096, rms_eps=1e-5, rope_theta=10000.0, rope_dim=16,

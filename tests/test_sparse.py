@@ -4,14 +4,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fluxion_lite.attention import SeqChunk
-from fluxion_lite.calibration import Config, all_configs, group_outputs
-from fluxion_lite.engine import Engine, make_attention
+from fluxion_lite.model.attention import SeqChunk
+from fluxion_lite.plan.space import Config, all_configs
+from fluxion_lite.offline.calibration import group_outputs
+from fluxion_lite.engine.engine import Engine, make_attention
 from fluxion_lite.errors import CapacityError
-from fluxion_lite.eval_text import essay_text
-from fluxion_lite.policy import bytes_per_step, select_plan
-from fluxion_lite.sampling import SamplingParams
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from fluxion_lite.offline.eval_text import essay_text
+from fluxion_lite.plan.cost import bytes_per_step
+from fluxion_lite.plan.selector import select_plan
+from fluxion_lite.engine.sampling import SamplingParams
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 
 MODEL = "smollm2-135m"
 
@@ -132,7 +134,7 @@ def test_calibration_outputs_match_dense_at_full_budget() -> None:
 
 
 def test_calibration_labels_on_a_real_prompt(engine: Engine, essay_tokens: list[int]) -> None:
-    from fluxion_lite.calibration import calibrate_prompt
+    from fluxion_lite.offline.calibration import calibrate_prompt
 
     configs = [Config(True), Config(False, 16, 0.05), Config(False, 64, 1.0)]
     labels = calibrate_prompt(engine.model, essay_tokens[:400], 8, 16, 64, configs)

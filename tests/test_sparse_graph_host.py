@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite import native
-from fluxion_lite.scheduler import Costs
-from fluxion_lite.sparse_attention import SparseAttention
-from fluxion_lite.sparse_graph import expected_sizes
-from fluxion_lite.sparse_plan import GroupPlan, SparsePlan
+from fluxion_lite.hostkv import native
+from fluxion_lite.sparse.cost_model import Costs
+from fluxion_lite.sparse.backend import SparseAttention
+from fluxion_lite.sparse.host_capture import expected_sizes
+from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 from decode_compare import decode_and_compare, eager_and_hooked, prefill
 from test_decode_fastpath import make_cfg
 

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite.attention import DenseAttention, SeqChunk
-from fluxion_lite.gguf_loader import load_gguf
-from fluxion_lite.model import Transformer
-from fluxion_lite.teacher_forcing import teacher_forced_logits
+from fluxion_lite.model.attention import DenseAttention, SeqChunk
+from fluxion_lite.model.gguf_loader import load_gguf
+from fluxion_lite.model.transformer import Transformer
+from fluxion_lite.offline.teacher_forcing import teacher_forced_logits
 from gguf_fixtures import ALL_TYPES, TinySpec, write_tiny_model
 
 SEQ_LEN = 40

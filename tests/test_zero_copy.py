@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from fluxion_lite import native
+from fluxion_lite.hostkv import native
 from fluxion_lite.errors import CapacityError
-from fluxion_lite.host_kv import CHUNK_TOKENS, HostKVStore
-from fluxion_lite.hybrid import block_attention
-from fluxion_lite.sparse_attention import SparseAttention
-from fluxion_lite.sparse_plan import SparsePlan
-from fluxion_lite.zero_copy import ZeroCopyFeeder, check, raw_view
+from fluxion_lite.hostkv.store import CHUNK_TOKENS, HostKVStore
+from fluxion_lite.sparse.attend import block_attention
+from fluxion_lite.sparse.backend import SparseAttention
+from fluxion_lite.plan.sparse_plan import SparsePlan
+from fluxion_lite.sparse.zero_copy import ZeroCopyFeeder, check, raw_view
 from tests.test_hybrid import SPLIT_COSTS, config, dense_reference, mixed_plan, run
 
 CPU = torch.device("cpu")
@@ -180,7 +180,7 @@ def test_slab_memory_bound_raises_a_clear_error() -> None:
 
 
 def test_page_rounding_is_gone_for_the_llama_shape() -> None:
-    from fluxion_lite.host_kv import page_stride
+    from fluxion_lite.hostkv.store import page_stride
 
     pb = native.page_bytes(8, 128, 256, (16, 32, 64, 128))
     assert page_stride(pb, 128) == pb  # 1.12 MiB pages, no padding (pinned torch tensors rounded them to 2 MiB)

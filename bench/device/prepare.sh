@@ -23,7 +23,7 @@ for pkg in cffi pycparser gguf PyYAML tqdm requests urllib3 idna certifi charset
 done
 for m in "${models[@]}"; do
     .venv/bin/fluxion-lite pull "$m"
-    gguf=$(.venv/bin/python -c "from fluxion_lite.catalog import get_model, local_path; print(local_path(get_model('$m')))")
+    gguf=$(.venv/bin/python -c "from fluxion_lite.hub.catalog import get_model, local_path; print(local_path(get_model('$m')))")
     if [ ! -d "/tmp/parts_$m" ]; then
         mkdir -p "/tmp/parts_$m" && split -b 50M -d -a 2 "$gguf" "/tmp/parts_$m/"
     fi

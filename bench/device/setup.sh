@@ -10,4 +10,4 @@ fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 ls fluxion_lite/_native*.so >/dev/null 2>&1 || python3 native/build_native.py >/tmp/native_build.log 2>&1 \
     || { tail -20 /tmp/native_build.log; return 1; }
-python3 -c "import fluxion_lite.native, torch; print('ready:', torch.__version__, torch.cuda.get_device_name(0))"
+python3 -c "import fluxion_lite.hostkv.native, torch; print('ready:', torch.__version__, torch.cuda.get_device_name(0))"

@@ -1,0 +1,206 @@
+"""Read a GGUF file: architecture metadata -> ModelConfig, tensors -> dequantised torch tensors.
+
+Every failure becomes a ModelFileError that names the file and the reason, so the CLI and server never show a raw
+traceback for a bad model file.
+"""
+from __future__ import annotations
+
+import numbers
+import os
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from fluxion_lite.model.config import ModelConfig
+from fluxion_lite.errors import ModelFileError
+
+SUPPORTED_ARCHS = ("llama", "qwen2")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+GGUF_MAGIC = b"GGUF"
+NUMERIC_KEYS = ("block_count", "context_length", "embedding_length", "feed_forward_length", "attention.head_count",
+                "attention.head_count_kv", "attention.key_length", "attention.layer_norm_rms_epsilon", "vocab_size",
+                "rope.freq_base", "rope.dimension_count", "rope.scaling.factor")
+
+
+@dataclass
+class GGUFModel:
+    path: Path
+    config: ModelConfig
+    metadata: dict[str, Any]
+    tensors: dict[str, torch.Tensor]  # name -> dequantised tensor, numpy/torch row-major ([out, in] for matrices)
+
+
+def _import_gguf() -> Any:
+    import gguf  # deferred: importing gguf pulls in numpy-heavy modules; keep `import fluxion_lite` light
+
+    return gguf
+
+
+def read_metadata(path: Path) -> tuple[dict[str, Any], Any]:
+    """Open the file and return (metadata dict, reader). Raises ModelFileError for non-GGUF or truncated files."""
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFileError(f"{path}: no such file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelFileError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
+    gguf = _import_gguf()
+    try:
+        reader = gguf.GGUFReader(str(path), "r")
+    except (ValueError, IndexError, OSError, KeyError, TypeError) as exc:  # the reader's own parse errors
+        # The reader maps every tensor while parsing, so a file cut inside the tensor data fails here too (in its
+        # _build_tensors step), before our own bounds check below: say which part could not be read.
+        frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
+        part = "tensor data" if "_build_tensors" in frames else "header (metadata and tensor table)"
+        size = os.path.getsize(path)
+        raise ModelFileError(
+            f"{path}: truncated or corrupt GGUF file ({size:,} bytes): its {part} cannot be read ({exc})"
+        ) from exc
+    metadata: dict[str, Any] = {}
+    for key, field in reader.fields.items():
+        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "scores", "token_type", "merges")):
+            continue  # large vocab arrays: the tokenizer reads them through llama.cpp
+        try:
+            metadata[key] = field.contents()
+        except Exception:  # an exotic field type we do not need must not stop loading
+            continue
+    file_size = os.path.getsize(path)
+    for tensor in reader.tensors:
+        end = int(tensor.data_offset) + int(tensor.n_bytes)
+        if end > file_size:
+            raise ModelFileError(
+                f"{path}: truncated: tensor {tensor.name!r} ends at byte {end:,} but the file has {file_size:,} bytes"
+            )
+    return metadata, reader
+
+
+def config_from_metadata(path: Path, md: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
+    arch = md.get("general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ModelFileError(f"{path}: unsupported architecture {arch!r} (supported: {', '.join(SUPPORTED_ARCHS)})")
+
+    for key in NUMERIC_KEYS:  # a string or array where a number belongs must not escape as a raw ValueError below
+        value = md.get(f"{arch}.{key}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+            raise ModelFileError(f"{path}: metadata key '{arch}.{key}' is {value!r}, expected a number")
+
+    def need(key: str) -> Any:
+        full = f"{arch}.{key}"
+        if full not in md:
+            raise ModelFileError(f"{path}: missing metadata key {full!r}")
+        return md[full]
+
+    n_heads = int(need("attention.head_count"))
+    n_kv = int(md.get(f"{arch}.attention.head_count_kv", n_heads))
+    d_model = int(need("embedding_length"))
+    if n_heads <= 0 or n_kv <= 0 or n_heads % n_kv != 0 or d_model % n_heads != 0:
+        raise ModelFileError(f"{path}: inconsistent head counts (heads {n_heads}, kv heads {n_kv}, width {d_model})")
+    head_dim = int(md.get(f"{arch}.attention.key_length", d_model // n_heads))
+    vocab = md.get(f"{arch}.vocab_size")
+    if vocab is None:
+        vocab = len(md["tokenizer.ggml.tokens"]) if "tokenizer.ggml.tokens" in md else None
+    scaling = str(md.get(f"{arch}.rope.scaling.type", "none"))
+    if scaling not in ("none", "linear"):
+        raise ModelFileError(f"{path}: unsupported rope scaling {scaling!r} (supported: none, linear)")
+    scale = float(md.get(f"{arch}.rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
+    return ModelConfig(
+        arch=arch,
+        n_layers=int(need("block_count")),
+        d_model=d_model,
+        d_ff=int(need("feed_forward_length")),
+        n_heads=n_heads,
+        n_kv_heads=n_kv,
+        head_dim=head_dim,
+        vocab_size=int(vocab) if vocab is not None else -1,  # fixed up from token_embd's shape by the loader
+        context_length=int(md.get(f"{arch}.context_length", 2048)),
+        rms_eps=float(need("attention.layer_norm_rms_epsilon")),
+        rope_theta=float(md.get(f"{arch}.rope.freq_base", 10000.0)),
+        rope_dim=int(md.get(f"{arch}.rope.dimension_count", head_dim)),
+        rope_style="neox" if arch == "qwen2" else "interleaved",
+        rope_scaling=scaling,
+        rope_scale=scale,
+        qkv_bias="blk.0.attn_q.bias" in tensor_names,
+        tied_embeddings="output.weight" not in tensor_names,
+    )
+
+
+def _dequantise(path: Path, tensor: Any) -> np.ndarray:
+    gguf = _import_gguf()
+    type_name = tensor.tensor_type.name
+    if type_name not in SUPPORTED_TYPES:
+        raise ModelFileError(
+            f"{path}: tensor {tensor.name!r} has unsupported type {type_name} (supported: {', '.join(SUPPORTED_TYPES)})"
+        )
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists ne0 (innermost) first
+    if type_name == "F32":
+        arr = np.array(tensor.data, dtype=np.float32)  # copy: the memmap is read-only
+    elif type_name == "F16":
+        arr = np.asarray(tensor.data, dtype=np.float16).astype(np.float32)
+    else:
+        arr = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
+    return arr.reshape(shape)
+
+
+def required_tensor_names(cfg: ModelConfig) -> list[str]:
+    names = ["token_embd.weight", "output_norm.weight"]
+    if not cfg.tied_embeddings:
+        names.append("output.weight")
+    for i in range(cfg.n_layers):
+        p = f"blk.{i}."
+        names += [p + s for s in ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                  "attn_output.weight", "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                                  "ffn_down.weight")]
+        if cfg.qkv_bias:
+            names += [p + "attn_q.bias", p + "attn_k.bias", p + "attn_v.bias"]
+    return names
+
+
+def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> GGUFModel:
+    """Load and dequantise all weights to `dtype` (CPU tensors; the model moves them to its device)."""
+    path = Path(path)
+    md, reader = read_metadata(path)
+    by_name = {t.name: t for t in reader.tensors}
+    cfg = config_from_metadata(path, md, set(by_name))
+    tensors: dict[str, torch.Tensor] = {}
+    for name in required_tensor_names(cfg):
+        if name not in by_name:
+            raise ModelFileError(f"{path}: missing tensor {name!r}")
+        try:
+            arr = _dequantise(path, by_name[name])
+        except ModelFileError:
+            raise
+        except (ValueError, OSError) as exc:
+            raise ModelFileError(f"{path}: cannot read tensor {name!r}: {exc}") from exc
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
+    vocab = tensors["token_embd.weight"].shape[0]
+    if cfg.vocab_size != vocab:
+        cfg = ModelConfig(**{**cfg.__dict__, "vocab_size": vocab})
+    _check_shapes(path, cfg, tensors)
+    return GGUFModel(path=path, config=cfg, metadata=md, tensors=tensors)
+
+
+def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor the model needs (required_tensor_names, same order) with its shape in torch order ([out, in])."""
+    q_out, kv_out = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    per_layer = {
+        "attn_norm.weight": (cfg.d_model,), "ffn_norm.weight": (cfg.d_model,),
+        "attn_q.weight": (q_out, cfg.d_model), "attn_k.weight": (kv_out, cfg.d_model),
+        "attn_v.weight": (kv_out, cfg.d_model), "attn_output.weight": (cfg.d_model, q_out),
+        "ffn_gate.weight": (cfg.d_ff, cfg.d_model), "ffn_up.weight": (cfg.d_ff, cfg.d_model),
+        "ffn_down.weight": (cfg.d_model, cfg.d_ff),
+        "attn_q.bias": (q_out,), "attn_k.bias": (kv_out,), "attn_v.bias": (kv_out,),
+    }
+    model = {"token_embd.weight": (cfg.vocab_size, cfg.d_model), "output_norm.weight": (cfg.d_model,),
+             "output.weight": (cfg.vocab_size, cfg.d_model)}
+    return {n: model[n] if n in model else per_layer[n.split(".", 2)[2]] for n in required_tensor_names(cfg)}
+
+
+def _check_shapes(path: Path, cfg: ModelConfig, t: dict[str, torch.Tensor]) -> None:
+    for name, shape in tensor_shapes(cfg).items():
+        if name.startswith("blk.") and len(shape) == 2 and tuple(t[name].shape) != shape:  # the layers' matrices
+            raise ModelFileError(f"{path}: tensor {name!r} has shape {tuple(t[name].shape)}, expected {shape}")
