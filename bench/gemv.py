@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from fluxion_lite.model import gemv_kernels  # noqa: E402
-from fluxion_lite.model.transformer import dense_kernels
+from fluxion_lite.model import dense_kernels
 
 # (d_model, q/k/v rows, Hq D, d_ff, vocabulary, q/k/v bias)
 MODELS = {

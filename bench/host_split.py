@@ -30,7 +30,7 @@ import tpot  # noqa: E402 (the model, plan and fill of the TPOT benchmark)
 
 from fluxion_lite.sparse import backend as sparse_attention  # noqa: E402
 
-from fluxion_lite.model.transformer import cuda_graphs as decode_graphs
+from fluxion_lite.model import cuda_graphs as decode_graphs
 
 from fluxion_lite.sparse.device import capture as device_graph
 

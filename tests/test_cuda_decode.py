@@ -8,7 +8,7 @@ import itertools
 import pytest
 import torch
 
-from fluxion_lite.model.transformer import attention
+from fluxion_lite.model import attention
 
 CASES = list(itertools.product([64, 128], [(2, 7), (8, 4), (4, 1)], [1, 100, 128, 1000, 4096, 33000]))
 

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fluxion_lite.model.transformer import cuda_graphs as decode_graphs
+from fluxion_lite.model import cuda_graphs as decode_graphs
 from fluxion_lite.model.attention import DenseAttention, SeqChunk
 from fluxion_lite.model.cuda_graphs import MAX_GRAPH_SETS, DecodeGraphs, graphs_wanted
 from fluxion_lite.model.gguf_loader import GGUFModel

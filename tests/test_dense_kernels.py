@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fluxion_lite.model.transformer import dense_kernels
+from fluxion_lite.model import dense_kernels
 from fluxion_lite.model.transformer import RotaryEmbedding
 from test_decode_fastpath import make_cfg, rope_formula
 

@@ -421,7 +421,7 @@ def test_fluxion_selects_on_the_device_when_asked(monkeypatch: pytest.MonkeyPatc
 
 
 def test_auto_selection_keeps_the_cpu_where_the_device_step_cannot_run(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fluxion_lite.engine.engine import engine
+    from fluxion_lite.engine import engine
     from fluxion_lite.sparse import zero_copy
     from fluxion_lite.errors import RequestError
 

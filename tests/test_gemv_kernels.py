@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fluxion_lite.model.transformer import gemv_kernels
+from fluxion_lite.model import gemv_kernels
 from fluxion_lite.errors import RequestError
 
 pytestmark = pytest.mark.skipif(gemv_kernels.triton is None, reason="Triton not installed")
@@ -266,7 +266,7 @@ def test_programmatic_dependent_launch_changes_no_value(monkeypatch: pytest.Monk
     """FLUXION_PDL=1 (where supported): the chain norm -> gemv -> gemv_add_ -> gemv_silu_mul -> gemv_add_, eagerly
     and replayed from a CUDA graph, gives the same values as without it (each kernel waits before reading what the
     previous one wrote)."""
-    from fluxion_lite.model.transformer import dense_kernels
+    from fluxion_lite.model import dense_kernels
     from fluxion_lite.sparse.device import kernels as device_kernels
 
     if not device_kernels.pdl_enabled(torch.device("cuda")) and not device_kernels._pdl_supported(0):

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from fluxion_lite.model.transformer import dense_kernels
+from fluxion_lite.model import dense_kernels
 from fluxion_lite.sparse.device.kernels import launch_args, pdl_enabled, triton
 from fluxion_lite.errors import RequestError
 

@@ -19,9 +19,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fluxion_lite.model.transformer import dense_kernels
+from fluxion_lite.model import dense_kernels
 
-from fluxion_lite.model.transformer import gemv_kernels
+from fluxion_lite.model import gemv_kernels
 from fluxion_lite.model.attention import AttentionBackend, SeqChunk
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.model.cuda_graphs import DecodeGraphs, graphs_wanted
