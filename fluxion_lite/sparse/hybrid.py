@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from fluxion_lite.hostkv import native
-from fluxion_lite.sparse.attend import lse_merge_parts, masked_attention
+from fluxion_lite.sparse.attend import block_attention
 from fluxion_lite.sparse.cost_model import CostModel, Placement, split_tasks, task_bytes
 from fluxion_lite.sparse.zero_copy import ZeroCopyFeeder
 
