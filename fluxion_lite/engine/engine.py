@@ -28,6 +28,7 @@ from fluxion_lite.engine.async_decode import InFlight, chainable, queue_tokens, 
 from fluxion_lite.engine.sampling import Penalties, SamplingParams, penalised, sample_rows
 from fluxion_lite.sparse.backend import SparseAttention
 from fluxion_lite.plan.request_plan import load_planner
+from fluxion_lite.plan import files as plan_files
 from fluxion_lite.plan.sparse_plan import SparsePlan, with_background_override
 from fluxion_lite.engine.step_counters import StepCounters
 from fluxion_lite.model.tokenizer import IncrementalDecoder, Tokenizer
@@ -494,13 +495,13 @@ def fixed_plan(cfg: ModelConfig) -> SparsePlan:
 
 
 def load_fluxion_plan(model_name: str, cfg: ModelConfig) -> SparsePlan:
-    from importlib.resources import files
-
-    path = Path(str(files("fluxion_lite.models"))) / f"{model_name}.plan.json"
-    if not path.is_file():
+    """The model's plan: the user's own (written by calibrate into the cache) first, else the shipped one."""
+    path = plan_files.find(model_name, ".plan.json")
+    if path is None:
         raise RequestError(
-            f"attention='fluxion' needs a calibrated plan for {model_name!r} ({path.name} in models/); "
-            f"run `fluxion-lite calibrate {model_name}` or use attention='fixed'"
+            f"attention='fluxion' needs a calibrated plan for {model_name!r} ({model_name}.plan.json in "
+            f"{plan_files.user_dir()} or the shipped models/); run `fluxion-lite calibrate {model_name}` "
+            f"or use attention='fixed'"
         )
     plan = SparsePlan.load(path)
     plan.validate(cfg.n_layers, cfg.n_kv_heads)
