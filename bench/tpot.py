@@ -157,7 +157,7 @@ def synthetic_pins(attn: SparseAttention, seq: int, context: int, seed: int) -> 
     rng = np.random.default_rng(seed)
     for layer in range(attn.cfg.n_layers):
         mass = rng.random((attn.cfg.n_kv_heads, context))  # [Hkv, n_prompt]
-        attn.pins.pin_by_mass(layer, attn._slot[seq], mass, context + 1)
+        attn.pins.pin_by_mass(layer, attn.state.slot[seq], mass, context + 1)
 
 
 def new_attention(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan) -> object:

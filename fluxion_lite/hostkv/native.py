@@ -30,9 +30,7 @@ except ImportError:  # the kernels work on numpy arrays alone
 def _load_extension() -> Any:
     path = os.environ.get("FLUXION_NATIVE_SO")
     if not path:
-        from fluxion_lite import _native
-
-        return _native
+        return importlib.import_module("fluxion_lite._native")  # the cffi extension built by native/build_native.py
     loader = importlib.machinery.ExtensionFileLoader("fluxion_lite._native", path)
     spec = importlib.util.spec_from_file_location("fluxion_lite._native", path, loader=loader)
     if spec is None:
