@@ -238,7 +238,7 @@ class DeviceGraphedDecode(CapturedDecode):
     def key(self, batch: int) -> tuple[object, ...]:
         """Changes whenever a buffer the captured graphs address was reallocated, or the step's structure changed."""
         a = self.a
-        self.feeder._refresh(0)  # the span alias follows the store's slabs
+        self.feeder.refresh(0)  # the span alias follows the store's slabs
         ds = self.static[self._shape]
         return ("device", a.serial, self._shape, a.state.near.data_ptr(), self.dsum.version, a.store.slab_version,
                 ds.serial, 0 if self.pool is None else self.pool.serial, 0 if self.reuse is None else self.reuse.serial,
@@ -279,7 +279,7 @@ class DeviceGraphedDecode(CapturedDecode):
         stale = (range(self.a.cfg.n_layers) if ds.table_slabs != store.slab_version
                  else np.flatnonzero(ds.table_versions != store.layer_version).tolist())
         for layer in stale:
-            _, table = self.feeder._refresh(layer)  # [S, max_pages] chunk index of each page in the span
+            _, table = self.feeder.refresh(layer)  # [S, max_pages] chunk index of each page in the span
             w = min(table.shape[1], ds.tables.shape[2])
             ds.tables[layer].zero_()
             ds.tables[layer, : table.shape[0], :w] = table[:, :w]
@@ -368,7 +368,7 @@ class DeviceGraphedDecode(CapturedDecode):
             ds.pin_count[:] = mask.sum(-1)
             ds.pins_key = key
         if self.pool is not None and self.pin_cache:
-            span = self.feeder._span
+            span = self.feeder.span
             assert span is not None
             copied = self.pool.blocks_copied
             self.pool.fill(span.view(a.store.dtype), ds.tables)  # after _load_tables: the step's page tables
@@ -511,7 +511,7 @@ class DeviceGraphedDecode(CapturedDecode):
                 ids: torch.Tensor, vals: torch.Tensor, reuse: ReuseViews | None, stage: int) -> None:
         """device_kernels.block_attention over the chosen blocks (stage: see there) -> ds.part_o/m/l."""
         _, flat_h, flat_j = flat
-        span = self.feeder._span
+        span = self.feeder.span
         assert span is not None
         pin = self.pool is not None and self.pool.kv is not None
         cache = self._reuse_now
@@ -558,7 +558,7 @@ class DeviceGraphedDecode(CapturedDecode):
         vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
         ids, vals = ids[:, flat_h, flat_j], vals[:, flat_h, flat_j]  # [B, N]: each group's first k_cap
         valid = (vals > float("-inf")) & (flat_j < ds.k_row[layer][:, flat_h])  # [B, N]
-        span = self.feeder._span
+        span = self.feeder.span
         assert span is not None
         n = flat_h.shape[0]
         rows = span.index_select(0, span_kv_rows(ds.tables[layer], ds.slots[:, None].expand(B, n),
