@@ -101,8 +101,8 @@ class SparseAttention(AttentionBackend):
         self._q_out = torch.empty(0, cfg.n_heads, cfg.head_dim, pin_memory=cuda)  # q for the CPU kernels
         # a mixed step's K/V on their way to the host store, one layer at a time: [2, rows, Hkv, D] bf16 (pinned)
         self._chunk_out = torch.empty(2, 0, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16, pin_memory=cuda)
-        # False: a mixed step appends to the host store first, after a blocking copy (the order before the
-        # eighteenth session; bench/mixed_step.py's "+blocking-append" variants, for A/B)
+        # False: a mixed step appends to the host store first, after a blocking copy (the older order;
+        # research/mixed_step.py's "+blocking-append" variants, for A/B)
         self.overlap_chunk_append = True
         self.timer = Timer(device)
         base = costs or measure_costs(str(device) if cuda else "cpu")

@@ -145,7 +145,7 @@ class DeviceGraphedDecode(CapturedDecode):
         self._shape: tuple[object, ...] = ()
         self._t0 = 0.0
         # Host work overlapped with the device step (FLUXION_STEP_OVERLAP=0: off, for A/B). At batch 1 on the H200
-        # host a step's host work took ~1.3 ms of a ~9.5 ms step with the GPU idle (session 11's cProfile): the
+        # host a step's host work took ~1.3 ms of a ~9.5 ms step with the GPU idle (a cProfile of bench/tpot.py): the
         # next step's plan (~0.7 ms) and the store appends (~0.3 ms). With overlap, end() appends the previous
         # step's K/V and plans the likely next step (the same rows, one token on) while the device runs; the host
         # store then lags the device by one more token, which top-k never reads (the newest tokens are in the window).
@@ -164,14 +164,14 @@ class DeviceGraphedDecode(CapturedDecode):
                       if self.fused and owner.device.type == "cuda"
                       and os.environ.get("FLUXION_STREAM_BRANCH", "1") != "0" else None)
         # Early block choice (on by default since RULER at batch 1 showed no loss: 4K and 32K, 156 samples each, 9
-        # better and 9 worse over both, docs/hybrid.md, nineteenth session; FLUXION_EARLY_SELECT=0 for A/B): layer l's
+        # better and 9 worse over both, docs/history.md; FLUXION_EARLY_SELECT=0 for A/B): layer l's
         # blocks are chosen with a query predicted from the stream after layer l-1's attention (Transformer.
         # query_ahead), on a second side stream while layer l-1's MLP runs, and with the reuse cache the chosen
         # blocks' PCIe reads run there too (block_attention stage 1). Layer l's own chain then keeps block attention
         # over device memory only (stage 2). Measured (H200, 8B shape, 32K b1): the retrieval chain 1506 -> 1017 us
         # per step, the step ~0.2 ms shorter (the extra q GEMV and side kernels slow the MLP's GEMMs by ~6 us per
         # layer). The predicted query's choice held 97-99% of the real choice's attention mass on real models
-        # (bench/speculative_select.py, docs/hybrid.md, fifteenth session).
+        # (research/speculative_select.py, docs/history.md).
         self.early_on = (self.fused and not self.torch_topk
                          and os.environ.get("FLUXION_EARLY_SELECT", "1") != "0")
         # high priority: its kernels take SMs as the MLP's GEMM blocks retire, instead of queueing behind them
