@@ -470,7 +470,7 @@ def fluxion_selection(device: torch.device, plan: SparsePlan, per_request_plans:
     """Where `fluxion` selects blocks: FLUXION_SELECTION=cpu|gpu, or auto (the default): on the GPU when the decode
     step can run there whole (device_graph.py: a CUDA device, zero-copy reads of the host store, one retrieval
     block size, group or midrange block scoring, the static plan, no unread-background term: the captured step
-    has the term since the forty-second session, but no GPU has run it yet), since that step needs no host round
+    has the term too, but no GPU has run it yet), since that step needs no host round
     trip per layer (H200, llama3.1-8b shape, 32K, batch 1: ~14 ms vs ~25 ms,
     bench/results/tpot_llama3.1-8b_h200_eef3831.json); else the native top-k on the CPU."""
     choice = os.environ.get("FLUXION_SELECTION", "auto")
@@ -482,7 +482,7 @@ def fluxion_selection(device: torch.device, plan: SparsePlan, per_request_plans:
     device_scoring = (os.environ.get("FLUXION_TOPK") or plan.scoring) in ("group", "native", "midrange")
     # the unread-background term: the captured device step computes it (device_background.py, g = 16) but has not
     # been run or timed on a GPU yet, and the captured CPU step with the term is what RULER measured on the H200
-    # (forty-first session); FLUXION_SELECTION=gpu opts in until a GPU run decides
+    # (docs/sparse.md); FLUXION_SELECTION=gpu opts in until a GPU run decides
     background = with_background_override(plan).background != "off"
     if device.type != "cuda" or per_request_plans or not one_g or not device_scoring or background:
         return "cpu"
