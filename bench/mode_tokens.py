@@ -35,10 +35,10 @@ def essay_prompt(tokenizer, n_tokens: int) -> list[int]:
     return tokenizer.encode(text[: n_tokens * 8], add_special=False)[:n_tokens]
 
 
-def run(model: str, prompt_tokens: int, new_tokens: int, modes: list[str]) -> dict[str, list[int]]:
+def run(model: str, prompt_tokens: int, new_tokens: int, modes: list[str], dtype: str) -> dict[str, list[int]]:
     Engine, SamplingParams = engine_classes()
     out: dict[str, list[int]] = {}
-    engine = Engine(model, attention="full")
+    engine = Engine(model, attention="full", dtype=dtype)
     prompt = essay_prompt(engine.tokenizer, prompt_tokens)
     for mode in modes:
         engine.set_attention(mode)
@@ -57,13 +57,14 @@ def run(model: str, prompt_tokens: int, new_tokens: int, modes: list[str]) -> di
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--prompt-tokens", type=int, default=3000)
-    ap.add_argument("--new-tokens", type=int, default=48)
+    ap.add_argument("--prompt-tokens", type=int, default=1500)
+    ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    ap.add_argument("--dtype", default="float32", help="the engine's dtype (float32: a tree from before auto existed)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--compare", default=None, help="a JSON written by an earlier run: exit 1 unless identical")
     args = ap.parse_args()
-    tokens = run(args.model, args.prompt_tokens, args.new_tokens, args.modes)
+    tokens = run(args.model, args.prompt_tokens, args.new_tokens, args.modes, args.dtype)
     Path(args.out).write_text(json.dumps({"machine": platform.processor() or platform.machine(), "model": args.model,
                                           "prompt_tokens": args.prompt_tokens, "tokens": tokens}, indent=1))
     if args.compare is None:

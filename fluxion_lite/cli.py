@@ -29,7 +29,7 @@ EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
 DEVICES = ("cpu", "cuda")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 EXIT_COMMANDS = ("/exit", "/quit", "/bye")
 
 
@@ -38,7 +38,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
         "-m", "--model", default=None, help=f"catalog name or path to a .gguf file (default: {default_model_name()})"
     )
     parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs (default: cpu)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32", help="compute dtype (default: float32)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="auto (default): on the CPU the weights stay as the GGUF file stores them (4-8 bit "
+                             "blocks, fp32 activations), on CUDA bfloat16; a named dtype dequantizes every weight to it")
     # No argparse choices: the engine owns the list of modes and rejects unknown ones before loading weights.
     parser.add_argument("--attention", default="full", help="attention mode (default: full)")
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")

@@ -39,6 +39,19 @@ from fluxion_lite.model.tokenizer import IncrementalDecoder, Tokenizer
 ATTENTION_MODES = ("full", "full-gpu", "full-host", "fixed", "gpu-sparse", "fluxion")
 FIXED_SINK, FIXED_WINDOW = 16, 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# dtype="auto" (the default): on the CPU the matrices stay in the GGUF file's block formats (model/quantized.py),
+# activations in fp32, as llama.cpp runs a file; on CUDA every weight becomes bfloat16. A named dtype dequantizes
+# every weight to it.
+AUTO_DTYPE = "auto"
+
+
+def resolve_dtype(dtype: str, device: str) -> tuple[torch.dtype, bool]:
+    """(compute dtype, whether the weights stay quantized) for a dtype argument on a device."""
+    if dtype == AUTO_DTYPE:
+        return (torch.float32, True) if not device.startswith("cuda") else (torch.bfloat16, False)
+    if dtype not in DTYPES:
+        raise RequestError(f"dtype={dtype!r}: supported are {', '.join((AUTO_DTYPE, *DTYPES))}")
+    return DTYPES[dtype], False
 
 
 @dataclass
@@ -91,7 +104,7 @@ class Engine:
         model: str,
         *,
         device: str = "cpu",
-        dtype: str = "float32",
+        dtype: str = AUTO_DTYPE,
         attention: str = "full",
         max_batch: int = 16,
         max_context: int | None = None,
@@ -103,8 +116,7 @@ class Engine:
     ):
         if attention not in ATTENTION_MODES:
             raise RequestError(f"attention={attention!r}: supported modes are {', '.join(ATTENTION_MODES)}")
-        if dtype not in DTYPES:
-            raise RequestError(f"dtype={dtype!r}: supported are {', '.join(DTYPES)}")
+        compute_dtype, quantized = resolve_dtype(dtype, device)
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RequestError(f"device={device!r}: CUDA is not available on this machine")
         if max_batch < 1 or prefill_chunk < 1:
@@ -112,14 +124,15 @@ class Engine:
         path = _resolve(model)
         self.model_path = path
         self.model_name = model if not Path(model).suffix == ".gguf" else path.name
-        loaded = load_gguf(path, dtype=torch.float32)
+        loaded = load_gguf(path, dtype=torch.float32, quantized=quantized)
         self.config = loaded.config
-        self.model = Transformer(loaded, device=device, dtype=DTYPES[dtype])
+        self.model = Transformer(loaded, device=device, dtype=compute_dtype)
         self.tokenizer = Tokenizer(path, loaded.metadata) if load_tokenizer else None
-        del loaded  # the dequantised fp32 copies: the model holds its own (possibly bf16/GPU) weights
+        del loaded  # dequantised fp32 copies (if any): the model holds its own (possibly bf16/GPU) weights
+        self.weights = "gguf" if quantized else str(compute_dtype).removeprefix("torch.")  # what the weights are
         self.context_length = min(max_context or self.config.context_length, self.config.context_length)
         cfg = self.config
-        self.dtype, self.device = DTYPES[dtype], torch.device(device)
+        self.dtype, self.device = compute_dtype, torch.device(device)
         self.max_batch = max_batch
         # Opt-in: on RULER at 4K the shipped predictor's plans read half the KV of the static plan but lost most
         # retrieval tasks (docs/design-notes.md); the calibrated static plan stays the default until that is fixed.
@@ -128,7 +141,7 @@ class Engine:
         self.attention_mode = attention
         if not isinstance(self.attn, DenseAttention):
             prefix_cache_entries = 0  # the host store cannot truncate a sequence yet, so no prefix reuse
-        self.kv_bytes_per_token = cfg.kv_bytes_per_token(torch.tensor([], dtype=DTYPES[dtype]).element_size())
+        self.kv_bytes_per_token = cfg.kv_bytes_per_token(torch.tensor([], dtype=compute_dtype).element_size())
         self.kv_budget_bytes = kv_budget_bytes
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
         self.prefix_cache_entries = prefix_cache_entries
@@ -151,7 +164,7 @@ class Engine:
                               model_name=self.model_name, plan=plan, per_request_plans=self.use_predictor)
         if mode == "fluxion" and self.use_predictor and isinstance(attn, SparseAttention):
             # per-request plans when the model ships a predictor (models/<model>.predictor.npz); else the static plan
-            attn.planner = load_planner(self.model_name, self.config, attn.plan, [lw.wo for lw in self.model.layers])
+            attn.planner = load_planner(self.model_name, self.config, attn.plan, [lw.wo_dense() for lw in self.model.layers])
         return attn
 
     def set_attention(self, mode: str, plan: SparsePlan | None = None) -> None:

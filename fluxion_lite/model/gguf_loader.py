@@ -17,6 +17,7 @@ import torch
 
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.errors import ModelFileError
+from fluxion_lite.hostkv import quant
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -31,7 +32,9 @@ class GGUFModel:
     path: Path
     config: ModelConfig
     metadata: dict[str, Any]
-    tensors: dict[str, torch.Tensor]  # name -> dequantised tensor, numpy/torch row-major ([out, in] for matrices)
+    # name -> dequantised tensor, row-major ([out, in] for matrices); with load_gguf(quantized=True) the matrices are
+    # QuantWeight views of the file's blocks instead (memory-mapped, nothing dequantised)
+    tensors: dict[str, Any]
 
 
 def _import_gguf() -> Any:
@@ -160,24 +163,40 @@ def required_tensor_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32) -> GGUFModel:
-    """Load and dequantise all weights to `dtype` (CPU tensors; the model moves them to its device)."""
+def _blocks(path: Path, tensor: Any) -> Any:
+    """A matrix as the file stores it: a QuantWeight over the memory-mapped blocks (nothing copied or converted)."""
+    type_name = tensor.tensor_type.name
+    if type_name not in SUPPORTED_TYPES:
+        raise ModelFileError(
+            f"{path}: tensor {tensor.name!r} has unsupported type {type_name} (supported: {', '.join(SUPPORTED_TYPES)})"
+        )
+    n_out, k = (int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists ne0 (the row length) first
+    return quant.QuantWeight(type_name, np.asarray(tensor.data), n_out, k)
+
+
+def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, quantized: bool = False) -> GGUFModel:
+    """Load all weights dequantised to `dtype` (CPU tensors; the model moves them to its device), or with
+    quantized=True keep every matrix in its block format (hostkv.quant.QuantWeight over the memory-mapped file;
+    vectors such as norms and biases still become fp32 tensors)."""
     path = Path(path)
     md, reader = read_metadata(path)
     by_name = {t.name: t for t in reader.tensors}
     cfg = config_from_metadata(path, md, set(by_name))
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, Any] = {}
     for name in required_tensor_names(cfg):
         if name not in by_name:
             raise ModelFileError(f"{path}: missing tensor {name!r}")
         try:
+            if quantized and len(by_name[name].shape) == 2:
+                tensors[name] = _blocks(path, by_name[name])
+                continue
             arr = _dequantise(path, by_name[name])
         except ModelFileError:
             raise
         except (ValueError, OSError) as exc:
             raise ModelFileError(f"{path}: cannot read tensor {name!r}: {exc}") from exc
-        tensors[name] = torch.from_numpy(np.ascontiguousarray(arr)).to(dtype)
-    vocab = tensors["token_embd.weight"].shape[0]
+        tensors[name] = torch.from_numpy(np.ascontiguousarray(arr)).to(torch.float32 if quantized else dtype)
+    vocab = _shape(tensors["token_embd.weight"])[0]
     if cfg.vocab_size != vocab:
         cfg = ModelConfig(**{**cfg.__dict__, "vocab_size": vocab})
     _check_shapes(path, cfg, tensors)
@@ -200,7 +219,12 @@ def tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {n: model[n] if n in model else per_layer[n.split(".", 2)[2]] for n in required_tensor_names(cfg)}
 
 
-def _check_shapes(path: Path, cfg: ModelConfig, t: dict[str, torch.Tensor]) -> None:
+def _shape(tensor: Any) -> tuple[int, ...]:
+    """[out, in] of a dequantised tensor or of a QuantWeight."""
+    return tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else (tensor.n_out, tensor.k)
+
+
+def _check_shapes(path: Path, cfg: ModelConfig, t: dict[str, Any]) -> None:
     for name, shape in tensor_shapes(cfg).items():
-        if name.startswith("blk.") and len(shape) == 2 and tuple(t[name].shape) != shape:  # the layers' matrices
-            raise ModelFileError(f"{path}: tensor {name!r} has shape {tuple(t[name].shape)}, expected {shape}")
+        if name.startswith("blk.") and len(shape) == 2 and _shape(t[name]) != shape:  # the layers' matrices
+            raise ModelFileError(f"{path}: tensor {name!r} has shape {_shape(t[name])}, expected {shape}")

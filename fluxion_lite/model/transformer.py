@@ -19,34 +19,46 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from fluxion_lite.model import dense_kernels
-
-from fluxion_lite.model import gemv_kernels
+from fluxion_lite.model import dense_kernels, gemv_kernels
 from fluxion_lite.model.attention import AttentionBackend, SeqChunk
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.model.cuda_graphs import DecodeGraphs, graphs_wanted
 from fluxion_lite.model.gguf_loader import GGUFModel
+from fluxion_lite.model.quantized import DequantScratch, QuantLinear
 
 MIN_ROPE_POSITIONS = 4096  # first table size; it doubles when a position beyond it arrives
+
+
+Weight = torch.Tensor | QuantLinear  # a dense matrix, or one kept in the file's block format (model/quantized.py)
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [d]
-    wqkv: torch.Tensor  # [(Hq + 2 Hkv) D, d]: one matmul for q, k and v
+    wqkv: Weight  # [(Hq + 2 Hkv) D, d]: one matmul for q, k and v
     bqkv: torch.Tensor | None  # [(Hq + 2 Hkv) D] (qwen2)
-    wo: torch.Tensor  # [d, Hq D]
+    wo: Weight  # [d, Hq D]
     ffn_norm: torch.Tensor  # [d]
-    w_gate_up: torch.Tensor  # [2 F, d]: gate and up in one matmul
-    w_down: torch.Tensor  # [d, F]
+    w_gate_up: Weight  # [2 F, d]: gate and up in one matmul
+    w_down: Weight  # [d, F]
     # With oneDNN prepacking (CPU, bf16: see Transformer), wqkv / w_gate_up / w_down hold opaque packed tensors
     # (they are read by this module only) and wo_packed is a packed twin of wo, which stays plain for other readers.
     wo_packed: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        # transposed views made once, so a step does not call .t() twice per layer (no copy: same storage)
-        self.wo_t: torch.Tensor = self.wo.t()  # [Hq D, d]
-        self.w_down_t: torch.Tensor | None = self.w_down.t()  # [F, d]; None once w_down is packed
+        # transposed views made once, so a step does not call .t() twice per layer (no copy: same storage); None for
+        # quantized weights (their product is a call, not a matmul over a view)
+        dense = isinstance(self.wo, torch.Tensor)
+        self.wo_t: torch.Tensor | None = self.wo.t() if dense else None  # [Hq D, d]
+        self.w_down_t: torch.Tensor | None = self.w_down.t() if dense else None  # [F, d]; None once packed
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.wqkv, QuantLinear)
+
+    def wo_dense(self) -> torch.Tensor:
+        """The output projection as a dense fp32 [d, Hq D] matrix (analysis: head contributions)."""
+        return self.wo.dense() if isinstance(self.wo, QuantLinear) else self.wo.float()
 
     def prepack(self) -> None:
         """Replace the matmul weights by oneDNN-packed copies (the plain ones are freed, except wo)."""
@@ -79,8 +91,10 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
 
 
-def linear(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ w^T (+ bias) for a plain or a oneDNN-packed w: a [T, in] -> [T, out]."""
+def linear(a: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ w^T (+ bias) for a plain, a oneDNN-packed or a quantized w: a [T, in] -> [T, out]."""
+    if isinstance(w, QuantLinear):
+        return w(a, bias)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(a, w, bias, "none", [], "")
     return F.linear(a, w, bias)
@@ -166,11 +180,21 @@ class Transformer:
             # a concrete index, so `tensor.device == self.device` recognises tensors already on it (cuda:0 != cuda)
             self.device = torch.device("cuda", torch.cuda.current_device())
         t = gguf_model.tensors
+        # matrices kept in the file's block formats (load_gguf(quantized=True)): products by the native quantized
+        # kernels on the CPU, activations in fp32
+        self.quantized = not isinstance(t["blk.0.attn_q.weight"], torch.Tensor)
+        if self.quantized and (self.device.type != "cpu" or dtype != torch.float32):
+            raise ValueError("quantized weights run on the CPU with float32 activations")
+        scratch = DequantScratch()  # the prefill products' fp32 copy of one weight, shared by every layer
 
-        def w(name: str) -> torch.Tensor:
+        def w(name: str) -> Weight:
+            if not isinstance(t[name], torch.Tensor):
+                return QuantLinear([t[name]], scratch)
             return t[name].to(device=self.device, dtype=dtype)
 
-        def cat(*names: str) -> torch.Tensor:
+        def cat(*names: str) -> Weight:
+            if not isinstance(t[names[0]], torch.Tensor):
+                return QuantLinear([t[n] for n in names], scratch)  # one native call for all, input quantized once
             # concatenate where the loaded tensors are (the host, for GGUF loads) in their dtype, then one conversion
             # to the device: no second device-sized temporary per fused weight
             return torch.cat([t[n] for n in names]).to(device=self.device, dtype=dtype).contiguous()
@@ -192,7 +216,7 @@ class Transformer:
                     w_down=w(p + "ffn_down.weight"),
                 )
             )
-        self.prepacked = prepack_supported(self.device, dtype) if prepack is None else prepack
+        self.prepacked = not self.quantized and (prepack_supported(self.device, dtype) if prepack is None else prepack)
         # the vocabulary matmul's weight: packed separately when tied, since the embedding lookup needs the plain one
         self.output_mm = self.output
         if self.prepacked:
@@ -323,7 +347,8 @@ class Transformer:
         """tokens, positions: [T] long on the device -> residual stream x [T, d] (a fresh tensor, updated in place by
         post_attention on CUDA) and cos, sin [T, 1, R] gathered once from the RoPE table for every layer."""
         cs = self.rope.table[positions][:, :, None, :]  # [T, 2, 1, R]
-        return F.embedding(tokens, self.embed), cs[:, 0], cs[:, 1]
+        x = self.embed.rows(tokens) if isinstance(self.embed, QuantLinear) else F.embedding(tokens, self.embed)
+        return x, cs[:, 0], cs[:, 1]
 
     def pre_attention(
         self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -372,6 +397,8 @@ class Transformer:
         one_row = self._one_row(o) and x.is_contiguous()
         if one_row:
             gemv_kernels.gemv_add_(x, o, lw.wo, evict=self._evict("evict_first"))  # x += o @ wo^T, one kernel
+        elif lw.wo_t is None and lw.wo_packed is None:  # quantized
+            x += linear(o, lw.wo)
         elif lw.wo_packed is None:
             x.addmm_(o, lw.wo_t)  # x += o @ wo^T in the matmul itself
         else:
@@ -390,7 +417,9 @@ class Transformer:
         else:
             gate, up = gate_up.chunk(2, dim=-1)  # [T, F] views
             act = F.silu(gate).mul_(up)  # [T, F]
-        if lw.w_down_t is not None:
+        if lw.quantized:
+            x += linear(act, lw.w_down)
+        elif lw.w_down_t is not None:
             x.addmm_(act, lw.w_down_t)
         else:
             x = torch.ops.mkldnn._linear_pointwise.binary(act, x, lw.w_down, None, "add")

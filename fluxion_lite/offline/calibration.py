@@ -135,7 +135,7 @@ def layer_errors(model: Transformer, layer: int, q: torch.Tensor, keys: torch.Te
     q: [M, Hkv, r, D] at absolute `positions` [M]; keys/values: [Hkv, N, D] with N > max(positions).
     """
     m, hkv, r, d = q.shape
-    wo = model.layers[layer].wo.float()  # [d_model, Hq*D]
+    wo = model.layers[layer].wo_dense()  # [d_model, Hq*D]
     outs = [group_outputs(q[:, h], keys[h], values[h], positions, configs, sink, window, d**-0.5) for h in range(hkv)]
     proj = torch.stack([(outs[h]["full"][0].reshape(m, r * d) @ wo[:, h * r * d : (h + 1) * r * d].T).norm(dim=-1)
                         for h in range(hkv)])  # [Hkv, M]
@@ -185,7 +185,7 @@ def run_calibration(model_name: str, *, samples: int = 4, context: int = 2048, p
     from fluxion_lite.offline.eval_text import essay_text
     from fluxion_lite.offline.progress import progress
 
-    engine = Engine(model_name, prefix_cache_entries=0)
+    engine = Engine(model_name, dtype="float32", prefix_cache_entries=0)  # dense fp32: the labels' reference
     tok = engine.tokenizer
     assert tok is not None
     rng = random.Random(seed)

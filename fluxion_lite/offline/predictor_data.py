@@ -160,7 +160,7 @@ def prompt_features_and_errors(model: object, prefix: list[int], cont: list[int]
     for layer in range(cfg.n_layers):
         q = torch.cat(cap.q[layer]).view(m + n_q, hkv, r, d)  # positions n_prefix - Q .. n_prefix + m - 1
         keys, values = cap.kv[layer]
-        wo = model.layers[layer].wo
+        wo = model.layers[layer].wo_dense()
         feats[layer] = layer_features(q[:n_q], keys[:, :n_prefix], values[:, :n_prefix], wo, layer, cfg.n_layers,
                                       sink, window).numpy()
         err, _ = layer_errors(model, layer, q[n_q:], keys, values, positions, configs, sink, window)
@@ -177,7 +177,7 @@ def collect(model_name: str, *, samples: int, context: int, positions: int, sink
 
     if threads:
         torch.set_num_threads(threads)
-    engine = Engine(model_name, prefix_cache_entries=0)
+    engine = Engine(model_name, dtype="float32", prefix_cache_entries=0)  # dense fp32: the labels' reference
     tok = engine.tokenizer
     assert tok is not None
 

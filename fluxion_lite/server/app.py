@@ -47,7 +47,7 @@ class ServerConfig:
     default_max_tokens: int | None = None  # None: the rest of the context window
     retry_after_s: int = 2
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_batch: int = 16
 
 
@@ -539,7 +539,7 @@ def build_engine_loader(args: Any) -> Callable[[], Any]:
 
         kwargs: dict[str, Any] = {
             "device": getattr(args, "device", None) or "cpu",
-            "dtype": getattr(args, "dtype", None) or "float32",
+            "dtype": getattr(args, "dtype", None) or "auto",
             "attention": getattr(args, "attention", None) or "full",
             "max_batch": getattr(args, "max_batch", None) or 16,
             "max_context": getattr(args, "max_context", None),
@@ -571,7 +571,7 @@ def serve(args: Any) -> int:
         model_id=model_id, aliases={model}, api_key=api_key,
         max_body_bytes=int(getattr(args, "max_body_bytes", None) or 1 << 20),
         default_max_tokens=getattr(args, "default_max_tokens", None),
-        device=getattr(args, "device", None) or "cpu", dtype=getattr(args, "dtype", None) or "float32",
+        device=getattr(args, "device", None) or "cpu", dtype=getattr(args, "dtype", None) or "auto",
         max_batch=max_batch,
     )
     bridge = AsyncEngine(build_engine_loader(args), max_batch=max_batch,
@@ -593,7 +593,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention", default="full")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--max-queue", type=int, default=64)

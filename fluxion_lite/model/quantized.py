@@ -1,0 +1,94 @@
+"""Weights kept in their GGUF block formats (the CPU default): products by the native library's quantized kernels.
+
+A GGUF file stores most matrices in 4-8 bit blocks. Dequantizing them to fp32 at load costs 6-8x the file's size in
+RAM and makes every decode step read that much; here the blocks stay as the file has them (memory-mapped: pages are
+read on first use and shared with the page cache) and each product quantizes its activations per block to 8 bits
+and runs integer dot products (native/fluxion.h, "QUANTIZED WEIGHTS").
+
+QuantLinear is one or several matrices that share an input (q/k/v; gate/up): one native call computes them all, the
+input quantized once. Prefill rows are many: above PREFILL_ROWS the weight is dequantized into a scratch buffer shared
+by every layer and multiplied by torch's fp32 GEMM, which is faster there than row-blocked integer products.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from fluxion_lite.hostkv import quant
+
+# Rows above which a product dequantizes the weight and uses the fp32 GEMM (prefill chunks) instead of the
+# quantized kernel, which reads each weight row once per 16 rows of x.
+PREFILL_ROWS = 32
+
+
+class DequantScratch:
+    """One fp32 buffer reused by every prefill product of a model (grown to the largest weight, never shrunk)."""
+
+    def __init__(self) -> None:
+        self.buf = torch.empty(0)
+
+    def take(self, n: int) -> torch.Tensor:
+        if self.buf.numel() < n:
+            self.buf = torch.empty(n)
+        return self.buf[:n]
+
+
+class QuantLinear:
+    """x [T, k] fp32 -> x @ [W_0; W_1; ...]^T [T, sum n_out] (+ bias) for weights kept in their block formats."""
+
+    def __init__(self, parts: Sequence[quant.QuantWeight], scratch: DequantScratch):
+        if not parts or len({p.k for p in parts}) != 1:
+            raise ValueError("QuantLinear needs one or more weights of one input width")
+        self.parts = list(parts)
+        self.k = parts[0].k
+        self.n_out = sum(p.n_out for p in parts)
+        self.scratch = scratch
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n_out, self.k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.n_out * p.row_bytes for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        x = x.float().contiguous()  # [T, k]
+        if x.shape[0] > PREFILL_ROWS:
+            y = torch.nn.functional.linear(x, self.dense(self.scratch.take(self.n_out * self.k)))  # [T, n_out]
+        elif len(self.parts) == 1:
+            y = self.parts[0].matmul(x)  # [T, n_out]
+        elif x.shape[0] == 1:  # one row: the parts write straight into one output row, no concatenation
+            y = torch.empty(1, self.n_out)
+            quant.matmul_many(self.parts, x, self._row_views(y))
+        else:
+            y = torch.cat(quant.matmul_many(self.parts, x), dim=1)  # [T, n_out]
+        if bias is not None:
+            y += bias
+        return y
+
+    def _row_views(self, y: torch.Tensor) -> list[torch.Tensor]:
+        """Each part's contiguous slice of a one-row output y [1, n_out], as [1, n_out_j]."""
+        views, at = [], 0
+        for p in self.parts:
+            views.append(y[:, at : at + p.n_out])
+            at += p.n_out
+        return views
+
+    def dense(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The whole matrix as fp32 [n_out, k] (into out's storage when given): prefill GEMMs, analysis tools."""
+        full = torch.empty(self.n_out * self.k) if out is None else out
+        at = 0
+        for p in self.parts:
+            p.dequantize(out=full[at * self.k : (at + p.n_out) * self.k].view(p.n_out, self.k))
+            at += p.n_out
+        return full.view(self.n_out, self.k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids [T] of a one-part matrix as fp32 [T, k]: the embedding lookup."""
+        (p,) = self.parts
+        out = torch.empty(ids.shape[0], self.k)
+        for i, r in enumerate(ids.tolist()):
+            p.dequantize(row0=r, n_rows=1, out=out[i : i + 1])
+        return out

@@ -1,0 +1,93 @@
+"""The CPU default keeps the GGUF file's block formats (model/quantized.py): the model's matrices are the file's
+memory-mapped blocks, and its logits follow the dequantised fp32 model's up to the 8-bit activation rounding."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fluxion_lite.engine.engine import Engine, resolve_dtype
+from fluxion_lite.errors import RequestError
+from fluxion_lite.model.attention import DenseAttention, SeqChunk
+from fluxion_lite.model.quantized import PREFILL_ROWS, QuantLinear
+from fluxion_lite.model.transformer import Transformer
+
+MODEL = "smollm2-135m"  # Q4_1 matrices, a Q8_0 embedding (tied output)
+
+
+@pytest.fixture(scope="module")
+def engines() -> tuple[Engine, Engine]:
+    return (Engine(MODEL, max_context=1024, prefix_cache_entries=0),
+            Engine(MODEL, dtype="float32", max_context=1024, prefix_cache_entries=0))
+
+
+def forward_logits(model: Transformer, tokens: list[int], one_by_one: bool) -> torch.Tensor:
+    """Logits [T, V] of every position: as one prefill (T rows at once), or token by token (decode steps)."""
+    cfg = model.cfg
+    attn = DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, model.dtype, model.device)
+    attn.allocate(0)
+    if not one_by_one:
+        return model.forward(torch.tensor(tokens), torch.arange(len(tokens)), [SeqChunk(0, 0, len(tokens))], attn,
+                             logit_rows=torch.arange(len(tokens)))
+    rows = [model.forward(torch.tensor([t]), torch.tensor([i]), [SeqChunk(0, i, 1)], attn) for i, t in enumerate(tokens)]
+    return torch.cat(rows)
+
+
+def test_auto_keeps_the_files_blocks_on_the_cpu(engines: tuple[Engine, Engine]) -> None:
+    quantized, dense = engines
+    assert resolve_dtype("auto", "cpu") == (torch.float32, True)
+    assert resolve_dtype("auto", "cuda") == (torch.bfloat16, False)
+    assert quantized.weights == "gguf" and dense.weights == "float32"
+    lw = quantized.model.layers[0]
+    assert isinstance(lw.wqkv, QuantLinear) and [p.name for p in lw.wqkv.parts] == ["Q4_1"] * 3
+    assert isinstance(quantized.model.embed, QuantLinear) and quantized.model.embed.parts[0].name == "Q8_0"
+    # the layers' matrices hold the file's bytes: 4-bit blocks are ~5x smaller than fp32
+    dense_bytes = sum(w.numel() * 4 for w in (dense.model.layers[0].wqkv, dense.model.layers[0].w_gate_up))
+    assert (lw.wqkv.nbytes + lw.w_gate_up.nbytes) * 5 < dense_bytes
+    with pytest.raises(RequestError, match="dtype='int3'"):
+        Engine(MODEL, dtype="int3")
+
+
+def test_quantized_logits_follow_the_dequantised_model(engines: tuple[Engine, Engine]) -> None:
+    quantized, dense = engines
+    tok = quantized.tokenizer
+    assert tok is not None
+    ids = tok.encode("The quick brown fox jumps over the lazy dog. Once upon a time, in a land far away,",
+                     add_special=False)[:24]
+    q_steps = forward_logits(quantized.model, ids, one_by_one=True)  # the quantized kernels (one row per call)
+    d_steps = forward_logits(dense.model, ids, one_by_one=True)
+    # the same weights; only the activations' 8-bit blocks differ: the argmax agrees almost everywhere and the
+    # logits stay close relative to their spread
+    agree = (q_steps.argmax(-1) == d_steps.argmax(-1)).float().mean().item()
+    assert agree >= 0.9
+    rel = ((q_steps - d_steps).norm(dim=-1) / d_steps.norm(dim=-1)).max().item()
+    assert rel < 0.05
+
+
+def test_prefill_rows_and_decode_rows_agree(engines: tuple[Engine, Engine]) -> None:
+    """A prefill of more than PREFILL_ROWS rows runs fp32 GEMMs over the dequantised weights; decode rows run the
+    quantized kernels: both compute the same model, up to the activation rounding."""
+    quantized, _ = engines
+    ids = list(range(1000, 1000 + PREFILL_ROWS + 8))
+    prefill = forward_logits(quantized.model, ids, one_by_one=False)
+    steps = forward_logits(quantized.model, ids, one_by_one=True)
+    assert (prefill.argmax(-1) == steps.argmax(-1)).float().mean().item() >= 0.9
+    assert ((prefill - steps).norm(dim=-1) / prefill.norm(dim=-1)).max().item() < 0.05
+
+
+def test_quant_linear_dense_and_rows_match_the_products() -> None:
+    from fluxion_lite.model.gguf_loader import load_gguf
+    from fluxion_lite.hub.catalog import get_model, local_path
+    from fluxion_lite.model.quantized import DequantScratch
+
+    loaded = load_gguf(local_path(get_model(MODEL)), quantized=True)
+    scratch = DequantScratch()
+    qkv = QuantLinear([loaded.tensors[f"blk.3.attn_{x}.weight"] for x in "qkv"], scratch)
+    dense = qkv.dense()  # [n_out, k] fp32
+    x = torch.randn(3, qkv.k)
+    for rows in (1, 3):  # one row: the parts write into one buffer; several: concatenated
+        torch.testing.assert_close(qkv(x[:rows]), x[:rows] @ dense.T, rtol=0.05, atol=0.05)
+    big = torch.randn(PREFILL_ROWS + 1, qkv.k)  # the prefill path: exact fp32 GEMM over the dequantised weight
+    torch.testing.assert_close(qkv(big), big @ dense.T, rtol=1e-4, atol=1e-4)
+    embed = QuantLinear([loaded.tensors["token_embd.weight"]], scratch)
+    ids = torch.tensor([0, 5, 49151, 5])
+    torch.testing.assert_close(embed.rows(ids), embed.dense()[ids])
