@@ -10,7 +10,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8080
 ARGS ?=
 
-.PHONY: setup serve test test-fast bench-parity bench-speed bench-kernels clean
+.PHONY: setup serve test test-fast test-research bench-parity bench-speed bench-kernels clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,7 @@ serve: setup
 
 test: setup
 	$(BIN)/fluxion-lite pull smollm2-135m
-	@if [ -f tests/browser_setup.sh ]; then bash tests/browser_setup.sh; fi
+	@if [ -f tests/support/browser_setup.sh ]; then bash tests/support/browser_setup.sh; fi
 	$(BIN)/python -m pytest -q -ra tests
 	# once per run: the native kernels' tests again, against an AddressSanitizer build
 	$(BIN)/python native/asan_check.py
@@ -36,6 +36,11 @@ test: setup
 # Everything except tests marked slow (real-model runs of more than a few seconds).
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow" tests
+
+# The research scripts' tests (research/README.md): not part of `make test`; CI runs both.
+test-research: setup
+	$(BIN)/fluxion-lite pull smollm2-135m
+	$(BIN)/python -m pytest -q -ra research/tests
 
 bench-parity: setup
 	$(BIN)/python bench/parity.py

@@ -98,7 +98,7 @@ def case(kind: str, n: int, k: int, with_bias: bool, dtype: torch.dtype, calls: 
         else:
             gemv_kernels.gemv(x, ws[i], bias)
 
-    # the two agree (one check per case; tests/test_gemv_kernels.py holds the float64 references)
+    # the two agree (one check per case; tests/kernels/test_gemv_kernels.py holds the float64 references)
     if kind == "add":
         res0 = res.clone()
         cublas(0)

@@ -2,7 +2,7 @@
 of the few texts a bench needs to find in prompts, exported where the real tokenizer runs.
 
 The GPU host answers RULER on token ids (bench/ruler_split.py); an analysis that also prints text or looks for an
-answer's tokens in a prompt (bench/parting_mass.py) needs only `decode` and the encodings of known strings. The table
+answer's tokens in a prompt (research/parting_mass.py) needs only `decode` and the encodings of known strings. The table
 is JSON: {"model": name, "pieces": [hex of token i's bytes, ...], "encodings": {text: [ids]}}.
 """
 from __future__ import annotations

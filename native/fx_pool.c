@@ -25,7 +25,7 @@
 
 /* The spin is a setting: between the layers of a GPU decode step the host is idle for the device's share of a layer
  * (0.2-1 ms), longer than FX_SPIN_NS, so without a longer spin every layer's first call woke sleeping workers and
- * ran largely on its caller alone (bench/pool_wake.py, VM: a 32K top-k 201 us back to back, 328 us after a 1 ms
+ * ran largely on its caller alone (research/pool_wake.py, VM: a 32K top-k 201 us back to back, 328 us after a 1 ms
  * pause). The GPU step raises it for its duration (fx_pool_set_spin_ns) and wakes the pool ahead of its calls
  * (fx_pool_wake); CPU decoding keeps the short spin so idle workers do not take cores from torch's threads. */
 static _Atomic int64_t g_spin_ns = FX_SPIN_NS;
