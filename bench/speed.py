@@ -6,7 +6,10 @@ and --dtype / their default types. Decode is also reported per CPU second of thi
 shared machine, wall time includes waiting for a core that other work holds, CPU time does not. With --threads 1 the
 CPU rate is each engine's own single-core speed; with more threads it also counts spinning workers.
 
-Usage: python bench/speed.py [--models ...] [--contexts 512 4096] [--decode 32] [--threads 1] [--out ...]
+Also per model: load time and the process's resident memory after loading, above its baseline after imports
+(RSS, from /proc; the GGUF file's pages count once they are read: memory-mapped weights are the file's pages).
+
+Usage: python bench/speed.py [--models ...] [--contexts 512 4096] [--decode 32] [--threads 2] [--dtype auto] [--out ...]
 """
 from __future__ import annotations
 
@@ -20,6 +23,7 @@ from pathlib import Path
 import torch
 
 from fluxion_lite.engine.engine import Engine
+from fluxion_lite.hostkv import native
 from fluxion_lite.offline.eval_text import essay_text
 from fluxion_lite.offline.llamacpp_peer import last_logits, load_peer
 from fluxion_lite.engine.sampling import SamplingParams
@@ -53,24 +57,38 @@ def peer_speed(peer: object, tokens: list[int], n_decode: int) -> tuple[float, f
     return len(tokens) / (t1 - t0), (n_decode - 1) / (t2 - t1), (n_decode - 1) / (c2 - c1)
 
 
+def rss_bytes() -> int:
+    """The process's resident set now (Linux /proc)."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
     ap.add_argument("--contexts", nargs="+", type=int, default=[512, 4096])
     ap.add_argument("--decode", type=int, default=32)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="auto: the CPU default (weights kept in the file's block formats)")
     ap.add_argument("--threads", type=int, default=0, help="threads for both engines (0: torch's default)")
     ap.add_argument("--out", default=None, help="default bench/results/speed[_<dtype>].json")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+        native.set_threads(args.threads)
     threads = torch.get_num_threads()
+    base_rss = rss_bytes()
     rows = []
     print(f"machine: {platform.node()} {platform.processor()} cores={os.cpu_count()} torch threads={threads}")
     print(f"{'model':<20}{'ctx':>6}{'prefill tok/s':>15}{'llama.cpp':>11}{'ratio':>7}{'decode tok/s':>14}{'llama.cpp':>11}"
           f"{'ratio':>7}{'cpu':>8}{'llama.cpp':>11}{'ratio':>7}")
     for name in args.models:
+        t_load = time.perf_counter()
         engine = Engine(name, dtype=args.dtype, prefill_chunk=512, prefix_cache_entries=0)
+        load_s = time.perf_counter() - t_load
+        load_rss = rss_bytes() - base_rss
+        file_bytes = engine.model_path.stat().st_size
+        print(f"{name}: loaded in {load_s:.2f} s, RSS +{load_rss / 2**20:.0f} MiB (file {file_bytes / 2**20:.0f} MiB)")
         assert engine.tokenizer is not None
         text_ids = engine.tokenizer.encode(essay_text()[: max(args.contexts) * 8], add_special=True)
         peer = load_peer(engine.model_path, n_ctx=max(args.contexts) + args.decode + 8, n_threads=threads, logits_all=False)
@@ -80,15 +98,18 @@ def main() -> None:
             p_peer, d_peer, c_peer = peer_speed(peer, tokens, args.decode)
             row = {"model": name, "context": n, "prefill_tps": p_ours, "prefill_tps_llamacpp": p_peer,
                    "decode_tps": d_ours, "decode_tps_llamacpp": d_peer,
-                   "decode_tok_per_cpu_s": c_ours, "decode_tok_per_cpu_s_llamacpp": c_peer}
+                   "decode_tok_per_cpu_s": c_ours, "decode_tok_per_cpu_s_llamacpp": c_peer,
+                   "load_s": load_s, "load_rss_bytes": load_rss, "file_bytes": file_bytes,
+                   "rss_after_bytes": rss_bytes() - base_rss}
             rows.append(row)
             print(f"{name:<20}{n:>6}{p_ours:>15.1f}{p_peer:>11.1f}{p_ours / p_peer:>7.2f}"
                   f"{d_ours:>14.1f}{d_peer:>11.1f}{d_ours / d_peer:>7.2f}{c_ours:>8.1f}{c_peer:>11.1f}{c_ours / c_peer:>7.2f}",
                   flush=True)
         del peer, engine
-    out = Path(args.out or ("bench/results/speed.json" if args.dtype == "float32" else f"bench/results/speed_{args.dtype}.json"))
+    out = Path(args.out or f"bench/results/speed_{args.dtype}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"machine": platform.node(), "threads": threads, "dtype": args.dtype,
+    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
+    out.write_text(json.dumps({"machine": platform.node(), "cpu": cpu, "threads": threads, "dtype": args.dtype,
                                "load_avg_1m_at_end": os.getloadavg()[0], "rows": rows}, indent=2))
     print(f"wrote {out}")
 
