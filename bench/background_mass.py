@@ -2,7 +2,7 @@
 
 Every sparse configuration drops the tokens it does not read and renormalises over the rest, so its output is
 full attention's with the unread part's share (its mass x its mean value) taken out. At 32K every sparse run tried
-loses the same RULER samples (docs/design-notes.md, twenty-first session), whatever its budget: a bias common to all
+loses the same RULER samples (docs/history.md), whatever its budget: a bias common to all
 of them. This measures, on real Q/K/V of RULER prompts, how much of a retrieval group's output error that dropped
 part is, and how much of it comes back when each unread span is approximated from per-block running sums (sum of
 keys and sum of values) at summary block size G:

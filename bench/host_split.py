@@ -43,7 +43,7 @@ from fluxion_lite.sparse.cost_model import Costs  # noqa: E402
 TIMED: list[tuple[Any, str, str]] = [
     (decode_graphs.DecodeGraphs, "forward", "DecodeGraphs.forward"),
     (decode_graphs._GraphSet, "run", "GraphSet.run"),
-    (sparse_attention.SparseAttention, "decode_hooks", "decode_hooks"),
+    (sparse_attention.SparseAttention, "captured_decode", "captured_decode"),
     (device_graph.DeviceGraphedDecode, "prepare", "  prepare"),
     (device_graph.DeviceGraphedDecode, "begin", "begin"),
     (host_kv.HostKVStore, "reserve_decode", "  reserve_decode"),

@@ -146,7 +146,7 @@ class Runner:
 
     def step(self, probe: NativeTimer | None = None) -> dict[str, Any]:
         chunks = self.chunks()
-        hooks = self.attn.decode_hooks(chunks)
+        hooks = self.attn.captured_decode(chunks)
         assert hooks is not None, "the step must take the graphed path"
         hooks.key(self.batch)
         t0 = time.perf_counter()
@@ -213,7 +213,7 @@ def measure(runner: Runner, steps: int, warmup: int) -> dict[str, Any]:
 def tasks_per_layer(attn: SparseAttention, n_layers: int) -> float:
     """The last step's retrieval tasks per layer (GraphedDecode.tasks: one table, or before 2026-11-30 a list of
     per-layer tuples: this script also times older commits)."""
-    t = attn._graphed.tasks
+    t = attn.host_capture.tasks
     return (sum(len(x[0]) for x in t) if isinstance(t, list) else len(t)) / n_layers
 
 

@@ -7,7 +7,7 @@ step beside the decode rows; a new prompt follows as soon as one finishes) and t
 `--variants` entry: SELECTION[:MIXED], FLUXION_SELECTION (gpu = device-side block selection, cpu = native top-k on
 the host) and, for gpu, FLUXION_MIXED_SELECT (where a mixed step's decode rows select: host, the default, or device);
 `+blocking-append` appends the step's K/V to the host store before the chunk's device work, after a blocking copy
-(the order before the eighteenth session) instead of while that work runs.
+(the engine's earlier order) instead of while that work runs.
 Each variant has its own engine (model loaded once per variant) and the variants take turns step by step, so a
 machine whose speed drifts over minutes (shared CPUs) slows them alike: compare medians of one run.
 

@@ -54,11 +54,11 @@ from model_shapes import SHAPES  # noqa: E402  (bench/ is not a package)
 # fluxion-gpu: fluxion's plan with selection and attention on the GPU (device_graph.py), one graph per step, the
 # pinned blocks held in device memory (the pin cache, serving's default) and the dynamic ones read over PCIe;
 # fluxion-gpu-nocache: the same with every block over PCIe (FLUXION_PIN_CACHE=0: no KV on the GPU beyond sink +
-# window; called fluxion-gpu before the ninth session); fluxion-gpu-layers: one graph per layer. Since the tenth
-# session fluxion-gpu also keeps the blocks read over PCIe for the next steps (reuse_cache.py);
-# fluxion-gpu-noreuse: the pin cache without the reuse cache (fluxion-gpu before the tenth session)
+# window; called fluxion-gpu before commit 13d0e16); fluxion-gpu-layers: one graph per layer. Since the reuse
+# cache, fluxion-gpu also keeps the blocks read over PCIe for the next steps (reuse_cache.py);
+# fluxion-gpu-noreuse: the pin cache without the reuse cache (fluxion-gpu before the reuse cache existed)
 # fluxion-gpu-early: fluxion-gpu with the early block choice (device_graph.py; batch 1 only). The engine turns it on
-# by default since the nineteenth session; here the other fluxion-gpu modes keep it off (unless FLUXION_EARLY_SELECT
+# by default (at batch 1); here the other fluxion-gpu modes keep it off (unless FLUXION_EARLY_SELECT
 # says otherwise), so that fluxion-gpu / fluxion-gpu-early stay the A/B pair of earlier tables
 EARLY_ENV = os.environ.get("FLUXION_EARLY_SELECT", "0")  # what the other fluxion-gpu modes keep
 MODES = ("full-gpu", "fluxion", "fluxion-gpu", "fluxion-gpu-early", "fluxion-gpu-noreuse", "fluxion-gpu-nocache",
@@ -97,7 +97,7 @@ def borrowed_plan(cfg: ModelConfig, source: Path, seed: int = 0) -> SparsePlan:
         row = src.groups[layer * len(src.groups) // cfg.n_layers]
         groups.append([rng.choice(row) for _ in range(cfg.n_kv_heads)])
     # the source's context scaling too (short_scale, and short_tokens for its long-only groups' ramp): a drawn plan
-    # reads at each context what the source reads there (runs before the twenty-second session drew no short scale)
+    # reads at each context what the source reads there (runs before long-only groups drew no short scale)
     return SparsePlan(src.sink, src.window, groups, source=f"drawn from {source.name}", pin_fraction=src.pin_fraction,
                       obs_window=src.obs_window, scoring=src.scoring, pin_span=src.pin_span, pin_decay=src.pin_decay,
                       short_scale=src.short_scale, short_tokens=src.short_tokens, pin_span_tokens=src.pin_span_tokens)
@@ -158,7 +158,7 @@ def synthetic_pins(attn: SparseAttention, seq: int, context: int, seed: int) -> 
     rng = np.random.default_rng(seed)
     for layer in range(attn.cfg.n_layers):
         mass = rng.random((attn.cfg.n_kv_heads, context))  # [Hkv, n_prompt]
-        attn.pins.pin_by_mass(layer, attn._slot[seq], mass, context + 1)
+        attn.pins.pin_by_mass(layer, attn.state.slot[seq], mass, context + 1)
 
 
 def new_attention(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan) -> object:

@@ -2,7 +2,7 @@
 
 Why: in one process a case's time can depend on what ran before it. On the H200 `fixed` at 32K batch 1 took 26.0
 and 26.4 ms when it ran after the 8K cases of the same process and 20.1-22.8 ms as a process's first case
-(docs/hybrid.md, thirteenth and fourteenth sessions), so a ratio against it moved by a quarter with the case list.
+(docs/history.md), so a ratio against it moved by a quarter with the case list.
 Here each case starts from the same state: a fresh interpreter, CUDA context, allocator and native pool.
 
 Every argument except --contexts/--batches/--modes/--out/--time-budget goes to each child unchanged; the children

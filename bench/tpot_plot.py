@@ -1,9 +1,9 @@
 """One TPOT-vs-context plot (bench/tpot.py's) from several tpot JSON files, e.g. the calls of one session.
 
 Rows are taken file by file in the order given; a later file's (mode, context, batch) replaces an earlier one's.
-Before the ninth session's 13d0e16 the device path without pin cache was called `fluxion-gpu` and the cache mode
+Before commit 13d0e16 the device path without pin cache was called `fluxion-gpu` and the cache mode
 `fluxion-gpu-pincache`: files from earlier commits get today's names (`fluxion-gpu-nocache`, `fluxion-gpu`). Before
-the tenth session's reuse cache, `fluxion-gpu` had none: in a file without a `fluxion-gpu-noreuse` row or the
+the reuse cache existed, `fluxion-gpu` had none: in a file without a `fluxion-gpu-noreuse` row or the
 `mode_names: reuse` mark it becomes `fluxion-gpu-noreuse`.
 Points from different files may come from different leases of the machine (`fixed` moved by up to 25% between
 them), which the title says.

@@ -14,12 +14,14 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxion_lite import __version__
 from fluxion_lite.hub.catalog import cache_dir, catalog, default_model_name, get_model, list_models
 from fluxion_lite.hub.resolve import resolve_model
 from fluxion_lite.errors import FluxionError, RequestError
+from fluxion_lite.plan import files as plan_files
 from fluxion_lite.settings import FLAG, Settings, parse_assignments, reference_markdown
 
 if TYPE_CHECKING:
@@ -130,7 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--from-labels", action="store_true", help="reuse the saved labels; only re-select the plan")
     calibrate.add_argument("--summary-weight", type=float, default=1.0,
                            help="cost of a byte of block summaries relative to a byte of K/V in the selector (default 1)")
-    calibrate.add_argument("--out-dir", default=None, help="where labels and plan go (default: the package's models/)")
+    calibrate.add_argument("--out-dir", default=None,
+                           help="where labels and plan go (default: the user cache, next to the models; the engine "
+                                "looks there before the shipped plans)")
     calibrate.add_argument("--train", action="store_true",
                            help="instead of the static plan: collect predictor data on varied prompts (or reuse it "
                                 "with --from-labels) and train the per-request head-property predictor")
@@ -398,9 +402,6 @@ def cmd_settings(args: argparse.Namespace) -> int:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from importlib.resources import files
-    from pathlib import Path
-
     from fluxion_lite.offline.calibration import run_calibration
     from fluxion_lite.plan.selector import DEFAULT_EPSILON, load_labels, save_labels, select_plan
 
@@ -415,16 +416,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             raise FluxionError(f"--{name} {getattr(args, name)}: must be >= 1")
     if args.positions >= args.context:
         raise FluxionError(f"--positions {args.positions} must be smaller than --context {args.context}")
-    out_dir = Path(args.out_dir) if args.out_dir else Path(str(files("fluxion_lite.models")))
+    out_dir = Path(args.out_dir) if args.out_dir else plan_files.user_dir()  # user data, never the installed package
     out_dir.mkdir(parents=True, exist_ok=True)
     name = Path(args.model).stem if args.model.endswith(".gguf") else args.model
     labels_path, plan_path = out_dir / f"{name}.calib.json", out_dir / f"{name}.plan.json"
     if args.train:
         return _train_predictor(args, out_dir, name)
     if args.from_labels:
-        shipped = Path(str(files("fluxion_lite.models"))) / labels_path.name
-        if not labels_path.is_file() and shipped.is_file():  # re-select into another folder from the shipped labels
-            labels_path = shipped
+        found = plan_files.find(name, ".calib.json")
+        if not labels_path.is_file() and found is not None:  # re-select into another folder from saved labels
+            labels_path = found
         if not labels_path.is_file():
             raise FluxionError(f"{labels_path}: no saved labels; run calibrate without --from-labels first")
         labels, meta = load_labels(labels_path)

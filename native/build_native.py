@@ -5,9 +5,10 @@ Used three ways:
   * `python3 native/build_native.py`: in-place build into fluxion_lite/ (no pip needed, e.g. on a bare host).
   * native/asan_check.py: `make_builder(sanitize=True)` compiled into a scratch folder.
 
-SIMD paths: every source compiles with the same flags; fx_simd_avx2.c / fx_simd_avx512.c / fx_simd_avx512bf16.c
-enable their instruction sets with a `#pragma GCC target` of their own, and fluxion.c picks one at run time
-(__builtin_cpu_supports; CPUID + XGETBV for AVX512-BF16).
+SIMD paths: every source compiles with the same flags; fx_simd_avx2.c / fx_simd_avx512.c / fx_simd_avx512bf16.c and
+fx_quant_avx2.c / fx_quant_avx512.c / fx_quant_avx512vnni.c enable their instruction sets with a `#pragma GCC target`
+of their own, and fluxion.c / fx_quant.c pick one at run time (__builtin_cpu_supports; CPUID + XGETBV for
+AVX512-BF16).
 That keeps per-file flags out of setuptools (cffi's set_source takes one flag list for all sources).
 
 Environment: FLUXION_NATIVE_ARCH=1 adds -march=native (opt-in; the default build runs on any x86-64).
@@ -23,7 +24,8 @@ from cffi import FFI
 NATIVE_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(NATIVE_DIR)
 SOURCES = ["fluxion.c", "fx_background.c", "fx_pool.c", "fx_simd_portable.c", "fx_simd_avx2.c", "fx_simd_avx512.c",
-           "fx_simd_avx512bf16.c"]
+           "fx_simd_avx512bf16.c", "fx_quant.c", "fx_quant_portable.c", "fx_quant_avx2.c", "fx_quant_avx512.c",
+           "fx_quant_avx512vnni.c"]
 
 HEADER = os.path.join(NATIVE_DIR, "fluxion.h")
 _CONSTANT = re.compile(r"#define\s+FX_\w+\s+\d+\s*$")
@@ -65,7 +67,8 @@ def make_builder(sanitize: bool = False, absolute_paths: bool = False) -> FFI:
         '#include "fluxion.h"',
         sources=[os.path.join(base, s) for s in SOURCES],
         include_dirs=[base],
-        depends=[os.path.join(base, h) for h in ("fluxion.h", "fx_internal.h", "fx_layout.h", "fx_simd_avx512.h")],
+        depends=[os.path.join(base, h) for h in ("fluxion.h", "fx_internal.h", "fx_layout.h", "fx_simd_avx512.h",
+                                                 "fx_quant.h", "fx_quant_avx512.h")],
         extra_compile_args=args,
         extra_link_args=link,
     )

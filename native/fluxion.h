@@ -80,6 +80,9 @@ enum {
     FX_E_APPEND = 12,   /* append past page-table capacity */
     FX_E_SCORING = 13,  /* unknown block-scoring mode */
     FX_E_PIN = 14,      /* bad pinned blocks (see PINNED BLOCKS below) */
+    FX_E_QTYPE = 15,    /* unknown weight type (QUANTIZED WEIGHTS below) */
+    FX_E_QSHAPE = 16,   /* bad matrix arguments: k not a positive multiple of the type's block, a negative size or row,
+                           a NULL array the sizes need, n outside [0, FX_QMM_MAX_MANY], byte counts past int64 */
 };
 /* Block scoring of fx_group_topk_scoring. */
 enum { FX_SCORE_GROUP = 0, FX_SCORE_PER_HEAD = 1, FX_SCORE_MIDRANGE = 2 };
@@ -248,5 +251,108 @@ double fx_read_bandwidth_probe(const void *buf, int64_t n_bytes, int32_t repeats
  * sum of all the 64-bit words read.  Tasks, ids and counts as for fx_sparse_attention, validated the same way. */
 int fx_read_blocks_probe(const fx_kv_view *kv, const int32_t *tasks, int64_t n_tasks, const int32_t *ids,
                          const int32_t *counts, int32_t k_cap, uint64_t *checksum, int64_t *err_index);
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * QUANTIZED WEIGHTS (fx_qmatmul, fx_qmatmul_many, fx_dequantize)
+ *
+ *   A weight matrix W [n_out][k] is stored row-major as in a GGUF file: row r is k / B blocks of the type's block size
+ *   B back to back, row_bytes = (k / B) * block_bytes, row r at byte offset r * row_bytes (k a multiple of B).  The
+ *   types are the GGUF/ggml type ids.  Multi-byte fields are little-endian and unaligned; f16 is IEEE binary16, bf16
+ *   the upper half of an fp32.  In block b of a row, element e (0 <= e < B) is W[r][b*B + e]; qs[i], qh[i], ... name
+ *   byte i of that block's array.
+ *
+ *   type (id)  B    bytes  fields at byte offsets                        element e
+ *   F32  (0)   1    4      0 fp32                                         the value
+ *   F16  (1)   1    2      0 f16                                          the value
+ *   BF16 (30)  1    2      0 bf16                                         the value
+ *   Q4_0 (2)   32   18     0 f16 d, 2 qs[16]                              d * (n(e) - 8)
+ *   Q4_1 (3)   32   20     0 f16 d, 2 f16 m, 4 qs[16]                     d * n(e) + m
+ *   Q5_0 (6)   32   22     0 f16 d, 2 qh[4], 6 qs[16]                     d * (n(e) + 16 h(e) - 16)
+ *   Q5_1 (7)   32   24     0 f16 d, 2 f16 m, 4 qh[4], 8 qs[16]            d * (n(e) + 16 h(e)) + m
+ *   Q8_0 (8)   32   34     0 f16 d, 2 int8 qs[32]                         d * qs[e]
+ *       n(e) = qs[e] & 15 for e < 16, qs[e - 16] >> 4 for e >= 16 (low nibbles: the block's first 16 elements);
+ *       h(e) = bit e of qh read as a uint32: bit e % 8 of qh[e / 8].
+ *   Q4_K (12)  256  144    0 f16 d, 2 f16 dmin, 4 scales[12], 16 qs[128]
+ *       8 sub-blocks of 32; element e of sub-block j = e / 32:          d * sc[j] * n(e) - dmin * mn[j]
+ *       n(e) = (qs[32 * (e / 64) + e % 32] >> (4 * (j % 2))) & 15: each 64 elements share 32 bytes, low nibbles
+ *       first.  sc[j], mn[j]: unsigned 6-bit, packed in scales: for j < 4, sc[j] = scales[j] & 63 and
+ *       mn[j] = scales[j + 4] & 63; for j >= 4, sc[j] = (scales[j + 4] & 15) | (scales[j - 4] >> 6) << 4 and
+ *       mn[j] = (scales[j + 4] >> 4) | (scales[j] >> 6) << 4.
+ *   Q5_K (13)  256  176    0 f16 d, 2 f16 dmin, 4 scales[12], 16 qh[32], 48 qs[128]
+ *       as Q4_K with n(e) + 16 * ((qh[e % 32] >> j) & 1) in place of n(e) (j = e / 32).
+ *   Q6_K (14)  256  210    0 ql[128], 128 qh[64], 192 int8 scales[16], 208 f16 d
+ *       element e:                                                       d * scales[e / 16] * (q(e) - 32)
+ *       with h = e / 128, t = e % 128: q(e) = ((ql[64 h + t % 64] >> (4 * (t / 64))) & 15)
+ *                                            | ((qh[32 h + t % 32] >> (2 * (t / 32))) & 3) << 4.
+ *   The value in fp32: every product in these formulas is exact in fp32 (d * sc, then * n; dmin * mn), so each
+ *   element is its exact value rounded once to fp32 (Q4_1/Q5_1/Q4_K/Q5_K: the final sum or difference rounds) --
+ *   what ggml and gguf-py compute.
+ *
+ *   Activations.  fx_qmatmul quantizes x per block to 8 bits in the caller's workspace, per row i of x:
+ *     32-block types (Q4_0 .. Q8_0): each 32 elements of the row; K types: each 256 elements, plus the sums of qx
+ *     over every 16 elements.  With amax = max |x| over the block: dx = amax / 127 (fp32), qx = the fp32 product
+ *     x * (127 / amax) rounded half to even (|qx| <= 127); amax = 0: dx = 0, qx = 0.  A block holding a NaN or an
+ *     infinity gets dx = NaN (the outputs of that x row are NaN).  So x = dx * qx to within dx / 2 per element.
+ *   The products are integer dot products (exact, int32) of the weights' integer parts with qx, scaled in fp32;
+ *   per block, with d, m, dmin, sc, mn, scales the weight block's fields and dx, qx the activation block's:
+ *     Q4_0/Q5_0/Q8_0  (d dx) * sum(qw qx)              qw = n - 8, n + 16 h - 16, qs: the signed integer part
+ *     Q4_1/Q5_1       (d dx) * sum(qw qx) + m * (dx * sum(qx))       qw = n, n + 16 h
+ *     Q4_K/Q5_K       dx * (d * sum_j sc[j] sum(qw qx) - dmin * sum_j mn[j] sum(qx))   (sums over sub-block j)
+ *     Q6_K            (d dx) * sum_j scales[j] sum((q - 32) qx)                        (sums over 16 elements)
+ *   and y[i][r] is the fp32 sum of its row's block terms: W @ (the quantized x) up to fp32 rounding.  The
+ *   summation order differs between SIMD paths (they agree to rounding, not bit for bit).  F32/F16/BF16 weights:
+ *   fp32 dot products with x as given (no quantization, no workspace).
+ *   SIMD: the library's path (fx_set_simd).  FX_SIMD_AVX2: vpmaddubsw + vpmaddwd; FX_SIMD_AVX512 and
+ *   FX_SIMD_AVX512_BF16: 512-bit, with AVX512-VNNI (vpdpbusd, vpdpwssd) where the CPU has it, else AVX-512BW
+ *   (vpmaddubsw + vpmaddwd) -- the same integer sums, so the two give the same results bit for bit;
+ *   FX_SIMD_PORTABLE: C.
+ *   Threads: output rows are split in chunks over the library pool; each chunk reads each of its weight rows once
+ *   for 16 rows of x at a time (m <= 16: once in all).  The activations are quantized on the calling thread.
+ *   No call allocates memory.
+ * ---------------------------------------------------------------------------------------------------------------
+ */
+enum {
+    FX_QT_ANY = -1, /* fx_qmatmul_workspace only: enough for any mix of types */
+    FX_QT_F32 = 0, FX_QT_F16 = 1, FX_QT_Q4_0 = 2, FX_QT_Q4_1 = 3, FX_QT_Q5_0 = 6, FX_QT_Q5_1 = 7, FX_QT_Q8_0 = 8,
+    FX_QT_Q4_K = 12, FX_QT_Q5_K = 13, FX_QT_Q6_K = 14, FX_QT_BF16 = 30,
+};
+#define FX_QMM_MAX_MANY 16 /* weights in one fx_qmatmul_many */
+
+/* Elements per block of a weight type (1 for F32/F16/BF16), 0 if the type is unknown. */
+int32_t fx_qblock_size(int32_t wtype);
+/* Bytes of one row of k elements (k a positive multiple of the block size); -FX_E_QTYPE or -FX_E_QSHAPE. */
+int64_t fx_qrow_bytes(int32_t wtype, int64_t k);
+
+/* Bytes of workspace fx_qmatmul needs for m rows of x of k elements (the quantized x, 64-byte aligned inside;
+ * 0 for F32/F16/BF16).  wtype FX_QT_ANY: enough for any weight type, and for any mix in fx_qmatmul_many (if k is not
+ * a multiple of 256, of the types k allows).  Negative: -FX_E_QTYPE, -FX_E_QSHAPE (k not a positive multiple of the
+ * block, m < 0). */
+int64_t fx_qmatmul_workspace(int32_t wtype, int64_t m, int64_t k);
+
+/* y [m][n_out] fp32 = x [m][k] fp32 @ W^T, W [n_out][k] of type wtype at w (QUANTIZED WEIGHTS above).
+ * work: work_bytes >= fx_qmatmul_workspace(wtype, m, k) bytes, any alignment (NULL when that is 0).  y must not
+ * overlap x, w or work.  m = 0 or n_out = 0: nothing to do.  Returns FX_OK, FX_E_QTYPE, FX_E_QSHAPE (k, negative m
+ * or n_out, NULL w / x / y / work where the sizes need them) or FX_E_OUTPUT (workspace too small), all before any
+ * memory is read or written. */
+int fx_qmatmul(int32_t wtype, const void *w, int64_t n_out, int64_t k, const float *x, int64_t m, float *y, void *work,
+               int64_t work_bytes);
+
+/* n weights sharing one input (q/k/v; gate/up), in ONE pool dispatch, x quantized once per format:
+ * ys[j] [m][n_outs[j]] = x [m][k] @ W_j^T for j < n (0 <= n <= FX_QMM_MAX_MANY), W_j of type wtypes[j] at ws[j].
+ * work: >= fx_qmatmul_workspace(t, m, k) for every type t of the call when they all quantize x the same way (all
+ * 32-block types, or all K types); a call mixing 32-block and K types needs the two sizes' sum;
+ * fx_qmatmul_workspace(FX_QT_ANY, m, k) covers every mix.  Errors as fx_qmatmul, checked for every weight before
+ * any work. */
+int fx_qmatmul_many(int32_t n, const int32_t *wtypes, const void *const *ws, const int64_t *n_outs, int64_t k,
+                    const float *x, int64_t m, float *const *ys, void *work, int64_t work_bytes);
+
+/* out [n_rows][k] fp32 = rows row0 .. row0 + n_rows - 1 of W (type wtype at w; row r at w + r * row_bytes), each
+ * element the fp32 value of QUANTIZED WEIGHTS' formulas (bit for bit on every SIMD path).  Rows are split over the
+ * pool.  FX_OK, FX_E_QTYPE, FX_E_QSHAPE (k, row0 < 0, n_rows < 0, NULL w / out when n_rows > 0). */
+int fx_dequantize(int32_t wtype, const void *w, int64_t row0, int64_t n_rows, int64_t k, float *out);
+
+/* The AVX-512 paths' integer dot products: on (the default), AVX512-VNNI where the CPU has it; off, AVX-512BW.
+ * Returns 1 when VNNI is used from now on (on, and the CPU has AVX512-VNNI), else 0. */
+int fx_set_vnni(int on);
 
 #endif

@@ -123,13 +123,13 @@ def test_graphed_step_with_background_matches_eager(placement: str) -> None:
     prefill((eager, runner), backends, prompts)
     called = []
     hooked = backends[1]
-    real = hooked._graphed._background
+    real = hooked.host_capture._background
 
     def counted(layer: int, lo: int, hi: int) -> None:
         called.append(layer)
         real(layer, lo, hi)
 
-    hooked._graphed._background = counted  # type: ignore[method-assign]
+    hooked.host_capture._background = counted  # type: ignore[method-assign]
     decode_and_compare(eager, runner, backends, lengths, 6, g, cfg.vocab_size)
     assert len(called) == 5 * cfg.n_layers  # every hooked step's layers (the first step runs eagerly)
     s = hooked.stats()

@@ -104,7 +104,7 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     for a in backends:
         a.reset_stats()
     decode_and_compare(eager, runner, backends, [n + 1 for n in lengths], 8, g, cfg.vocab_size)
-    hooked = backends[1]._device_graphed
+    hooked = backends[1].device_capture
     assert isinstance(hooked, DeviceGraphedDecode) and hooked.ds is not None
     assert hooked.whole_step == (graphs == "step") and hooked.fused == fused
     assert hooked.early_on == early and (hooked.early_choices > 0) == early
@@ -226,7 +226,7 @@ def test_captured_step_with_the_background_term_matches_the_eager_device_path(mo
             for a in backends:
                 a.reset_stats()
         pos = [p + 1 for p in pos]
-    hooked = backends[1]._device_graphed
+    hooked = backends[1].device_capture
     assert isinstance(hooked, DeviceGraphedDecode) and hooked.background and hooked.ds is not None
     assert hooked.fused == fused
     assert hooked.ds.bg_bounds is not None and bool((hooked.ds.bg_bounds[1] > hooked.ds.bg_bounds[0]).any())
@@ -247,7 +247,7 @@ def test_structure_changes_only_per_bucket(monkeypatch: pytest.MonkeyPatch) -> N
     prompts = [torch.randint(0, eager.cfg.vocab_size, (250,), generator=g)]
     prefill((eager, runner), backends, prompts)
     decode_and_compare(eager, runner, backends, [250], 10, g, eager.cfg.vocab_size)  # positions 250 .. 259
-    hooked = backends[1]._device_graphed
+    hooked = backends[1].device_capture
     assert hooked is not None
     # the first step ran eagerly; positions 251-255 share the 256-token bucket, 256-259 the next one
     assert sorted(shape[1] for shape in hooked.static) == [256, 512]
@@ -268,7 +268,7 @@ def test_queued_appends_reach_the_store_before_an_eager_step_and_a_free(monkeypa
     lengths = [200, 300]
     prefill((eager, runner), backends, [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths])
     decode_and_compare(eager, runner, backends, lengths, 4, g, cfg.vocab_size)  # eager first step, 3 device steps
-    hooked = backends[1]._device_graphed
+    hooked = backends[1].device_capture
     assert hooked is not None and hooked.overlap and hooked._queued is not None
     # a mixed step: sequence 2's prompt next to one decode token of each running sequence
     prompt = torch.randint(0, cfg.vocab_size, (40,), generator=g)
@@ -331,7 +331,7 @@ def test_decode_rows_of_a_mixed_step_equal_a_decode_step(monkeypatch: pytest.Mon
     torch.testing.assert_close(mixed[:2], alone, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mixed[2:], first, rtol=1e-5, atol=1e-5)
     # (the new K/V come out of a 42-row and a 2-row GEMM: equal up to float rounding)
-    torch.testing.assert_close(backends[0]._near, backends[1]._near, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(backends[0].state.near, backends[1].state.near, rtol=1e-5, atol=1e-5)
     decode_and_compare(eager, eager, backends, [p + 1 for p in pos] + [40], 3, g, cfg.vocab_size, tol=1e-5)
     for a in backends:
         a.executor.close()
@@ -354,7 +354,7 @@ def test_mixed_step_decode_rows_select_where_configured(monkeypatch: pytest.Monk
     lengths = [260, 190]
     prefill((eager, eager), backends, [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths])
     device_calls = []
-    dsum = backends[0]._dsum
+    dsum = backends[0].summaries
     assert dsum is not None
     real_select = dsum.select
     monkeypatch.setattr(dsum, "select", lambda *a, **k: device_calls.append(1) or real_select(*a, **k))
@@ -492,7 +492,7 @@ def test_pin_cache_follows_the_batch_as_sequences_end_and_arrive(monkeypatch: py
             pos[s] += 1
 
     def copied() -> int:  # blocks the pin cache has read over PCIe so far
-        hooked = backends[1]._device_graphed
+        hooked = backends[1].device_capture
         return 0 if hooked is None or hooked.pool is None else hooked.pool.blocks_copied
 
     for _ in range(3):
@@ -514,9 +514,9 @@ def test_pin_cache_follows_the_batch_as_sequences_end_and_arrive(monkeypatch: py
         step([0, 2, 3])
     pins = backends[1].pins
     assert pins is not None
-    new_pins = len(pins.slot_blocks(backends[1]._slot[3])[0])
+    new_pins = len(pins.slot_blocks(backends[1].state.slot[3])[0])
     assert new_pins > 0 and copied() - before == (new_pins if room else 0)  # only the new sequence's pins
-    hooked = backends[1]._device_graphed
+    hooked = backends[1].device_capture
     assert isinstance(hooked, DeviceGraphedDecode) and hooked.pin_cache == room
     ds = hooked.ds
     assert ds is not None and bool(ds.pinned.any())
@@ -600,7 +600,7 @@ def test_deferred_steps_match_synchronised_ones(monkeypatch: pytest.MonkeyPatch)
         want = eager.forward(inputs[step].cpu(), torch.tensor([c.start for c in chunks_at(step)]), chunks_at(step),
                              backends[0])
         torch.testing.assert_close(outs[step], want, rtol=2e-4, atol=2e-4)
-    hooked = [a._device_graphed for a in backends]
+    hooked = [a.device_capture for a in backends]
     assert all(isinstance(h, DeviceGraphedDecode) for h in hooked)
     for a in backends:
         a.flush()  # the last step's K/V (flush_appends waits for its step)

@@ -119,7 +119,7 @@ def test_graphed_host_step_matches_the_eager_one_across_short_tokens() -> None:
     lengths = [200, 600, 250]  # one row past 2 x short_tokens, two below short_tokens (one crosses it)
     prefill((eager, runner), backends, [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths])
     decode_and_compare(eager, runner, backends, lengths, 9, g, cfg.vocab_size)
-    assert backends[1]._graphed is not None and backends[1].bias_rows == 2 * len(GVALS) - 1
+    assert backends[1].host_capture is not None and backends[1].state.bias_rows == 2 * len(GVALS) - 1
     assert backends[1].stats()["kv_read_fraction"] == pytest.approx(backends[0].stats()["kv_read_fraction"])
     for a in backends:
         a.executor.close()
@@ -187,9 +187,9 @@ def test_captured_device_step_matches_the_eager_device_path(monkeypatch: pytest.
     lengths = [250, 700, 180]  # below (one crossing) and past short_tokens
     prefill((eager, runner), backends, [torch.randint(0, eager.cfg.vocab_size, (n,), generator=g) for n in lengths])
     decode_and_compare(eager, runner, backends, lengths, 9, g, eager.cfg.vocab_size)
-    hooked = backends[1]._device_graphed
+    hooked = backends[1].device_capture
     assert isinstance(hooked, DeviceGraphedDecode) and hooked.ds is not None
-    assert hooked.ds.bias.shape[0] == backends[1].bias_rows == 2 * len(GVALS) - 1
+    assert hooked.ds.bias.shape[0] == backends[1].state.bias_rows == 2 * len(GVALS) - 1
     assert backends[1].stats()["kv_read_fraction"] == pytest.approx(backends[0].stats()["kv_read_fraction"])
     for a in backends:
         a.executor.close()

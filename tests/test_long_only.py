@@ -176,7 +176,7 @@ def _decode(p: SparsePlan, n: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     q = torch.randn(1, 6, 16, generator=g)
     a.allocate(0)
     a.import_kv(0, 0, 0, k[:n], v[:n])
-    a._prefilling.discard(0)
+    a.state.prefilling.discard(0)
     out = a.attend(0, q, k[n:], v[n:], [SeqChunk(0, n, 1)])
     stats = a.stats()
     a.executor.close()

@@ -421,7 +421,9 @@ def test_graphed_step_with_pins_matches_eager(monkeypatch: pytest.MonkeyPatch, o
     real_host = GraphedDecode.host
     monkeypatch.setattr(GraphedDecode, "host", lambda self, layer: (hosted.append(layer), real_host(self, layer))[1])
     if not one_call:
-        monkeypatch.setattr(GraphedDecode, "_all_cpu", lambda self, *args: False)
+        from fluxion_lite.sparse.hybrid import HybridExecutor
+
+        monkeypatch.setattr(HybridExecutor, "all_cpu", lambda self, *args: False)
     real_select_attend, real_topk = native.PreparedSelection.select_attend, native.group_topk
 
     def select_attend(self: native.PreparedSelection, *args: object, **kw: object) -> object:

@@ -183,12 +183,12 @@ def backend_step(plan: SparsePlan, n: int = 1500) -> tuple[list[int], float]:
     k, v = torch.randn(n, 2, 16, generator=g), torch.randn(n, 2, 16, generator=g)
     a.allocate(0)
     a.import_kv(0, 0, 0, k, v)
-    a._prefilling.discard(0)
+    a.state.prefilling.discard(0)
     a.attend(0, torch.randn(1, 4, 16, generator=g), k[:1], v[:1], [SeqChunk(0, n, 1)])
-    st = a._step
+    st = a.state.step
     assert st is not None
-    _, _, _, _, k_blocks, _, _ = retrieval_tasks(st, a._gidx[:, None, :], a._g[:, None, :],
-                                                 a._retrieval[:, None, :], a._budget[:, None, :])
+    _, _, _, _, k_blocks, _, _ = retrieval_tasks(st, a.state.gidx[:, None, :], a.state.g[:, None, :],
+                                                 a.state.retrieval[:, None, :], a.state.budget[:, None, :])
     read = a.stats()["kv_read_fraction"]
     a.executor.close()
     return k_blocks.tolist(), read

@@ -54,7 +54,7 @@ def test_fast_path_matches_eager_and_predicts_the_selection(monkeypatch: pytest.
     decode_and_compare(eager, runner, backends, lengths, 9, g, cfg.vocab_size)
     hooked = backends[1]
     assert len(calls) == 8 * cfg.n_layers  # every hooked layer took the one-call path (the first step ran eagerly)
-    assert hooked._graphed.mispredicted == 0
+    assert hooked.host_capture.mispredicted == 0
     s_eager, s_hooked = backends[0].stats(), hooked.stats()
     assert s_hooked["kv_read_fraction"] == pytest.approx(s_eager["kv_read_fraction"])
     assert s_hooked["gpu_byte_fraction"] == 0.0 and s_hooked["cpu_attn_ms"] > 0 and s_hooked["cpu_topk_ms"] > 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Run HERE (the CPU machine), once per checkout, before a session's device calls: what the GPU host lacks.
+# Run HERE (the CPU machine), once per checkout, before the GPU host's calls: what the GPU host lacks.
 #   bash bench/device/prepare.sh [MODEL ...]        (default: qwen2.5-coder-0.5b)
 # - .whl/: cp312 wheels of what the H200 image lacks (its torch and numpy are there): cffi, pycparser (the native
 #   build), gguf with pyyaml, tqdm, requests and their small needs (the loader). Versions as in this venv.

@@ -28,6 +28,7 @@ from fluxion_lite.engine.async_decode import InFlight, chainable, queue_tokens, 
 from fluxion_lite.engine.sampling import Penalties, SamplingParams, penalised, sample_rows
 from fluxion_lite.sparse.backend import SparseAttention
 from fluxion_lite.plan.request_plan import load_planner
+from fluxion_lite.plan import files as plan_files
 from fluxion_lite.plan.sparse_plan import SparsePlan, with_background_override
 from fluxion_lite.engine.step_counters import StepCounters
 from fluxion_lite.model.tokenizer import IncrementalDecoder, Tokenizer
@@ -159,7 +160,8 @@ class Engine:
                               settings=self.settings)
         if mode == "fluxion" and self.use_predictor and isinstance(attn, SparseAttention):
             # per-request plans when the model ships a predictor (models/<model>.predictor.npz); else the static plan
-            attn.planner = load_planner(self.model_name, self.config, attn.plan, [lw.wo for lw in self.model.layers])
+            attn.planner = load_planner(self.model_name, self.config, attn.plan, [lw.wo for lw in self.model.layers],
+                                        self.settings)
         return attn
 
     def set_attention(self, mode: str, plan: SparsePlan | None = None) -> None:
@@ -471,7 +473,7 @@ def make_attention(
         return SparseAttention(cfg, plan or fixed_plan(cfg), dtype, device, max_seqs=max_seqs, placement="gpu",
                                selection="gpu", mixed_select="device", settings=settings)
     if mode == "fluxion":
-        plan = plan or load_fluxion_plan(model_name, cfg)
+        plan = plan or load_fluxion_plan(model_name, cfg, settings)
         # device_graph.py on the GPU: no round trip to the host per layer
         if (selection or fluxion_selection(device, plan, per_request_plans, settings)) == "gpu":
             return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="gpu", selection="gpu",
@@ -486,7 +488,7 @@ def fluxion_selection(device: torch.device, plan: SparsePlan, per_request_plans:
     Settings.load()), or auto (the default): on the GPU when the decode
     step can run there whole (device_graph.py: a CUDA device, zero-copy reads of the host store, one retrieval
     block size, group or midrange block scoring, the static plan, no unread-background term: the captured step
-    has the term since the forty-second session, but no GPU has run it yet), since that step needs no host round
+    has the term too, but no GPU has run it yet), since that step needs no host round
     trip per layer (H200, llama3.1-8b shape, 32K, batch 1: ~14 ms vs ~25 ms,
     bench/results/tpot_llama3.1-8b_h200_eef3831.json); else the native top-k on the CPU."""
     settings = settings if settings is not None else Settings.load()
@@ -497,7 +499,7 @@ def fluxion_selection(device: torch.device, plan: SparsePlan, per_request_plans:
     device_scoring = (settings.topk or plan.scoring) in ("group", "native", "midrange")
     # the unread-background term: the captured device step computes it (device_background.py, g = 16) but has not
     # been run or timed on a GPU yet, and the captured CPU step with the term is what RULER measured on the H200
-    # (forty-first session); FLUXION_SELECTION=gpu opts in until a GPU run decides
+    # (docs/sparse.md); FLUXION_SELECTION=gpu opts in until a GPU run decides
     background = with_background_override(plan, settings).background != "off"
     if device.type != "cuda" or per_request_plans or not one_g or not device_scoring or background:
         return "cpu"
@@ -511,14 +513,15 @@ def fixed_plan(cfg: ModelConfig) -> SparsePlan:
     return SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.05, sink=FIXED_SINK, window=FIXED_WINDOW)
 
 
-def load_fluxion_plan(model_name: str, cfg: ModelConfig) -> SparsePlan:
-    from importlib.resources import files
-
-    path = Path(str(files("fluxion_lite.models"))) / f"{model_name}.plan.json"
-    if not path.is_file():
+def load_fluxion_plan(model_name: str, cfg: ModelConfig, settings: Settings | None = None) -> SparsePlan:
+    """The model's plan: the user's own (written by calibrate into the cache: settings' cache_dir, None:
+    Settings.load()) first, else the shipped one."""
+    path = plan_files.find(model_name, ".plan.json", settings)
+    if path is None:
         raise RequestError(
-            f"attention='fluxion' needs a calibrated plan for {model_name!r} ({path.name} in models/); "
-            f"run `fluxion-lite calibrate {model_name}` or use attention='fixed'"
+            f"attention='fluxion' needs a calibrated plan for {model_name!r} ({model_name}.plan.json in "
+            f"{plan_files.user_dir(settings)} or the shipped models/); run `fluxion-lite calibrate {model_name}` "
+            f"or use attention='fixed'"
         )
     plan = SparsePlan.load(path)
     plan.validate(cfg.n_layers, cfg.n_kv_heads)

@@ -133,7 +133,7 @@ def sample_rows(logits: torch.Tensor, rows: list[tuple[SamplingParams, Penalties
                 ) -> torch.Tensor:
     """logits [R, V] fp32 (left unchanged), rows[r] = (params, penalties, rng) -> chosen ids [R] long on the
     logits' device, computed there: one read of R ints instead of R rows of logits to the host (on CUDA at a
-    152K vocabulary that read and the host's sort took ~2.5 ms of a batch-4 step, bench/results/session25_h200.log).
+    152K vocabulary that read and the host's sort took ~2.5 ms of a batch-4 step, docs/history.md).
     Each row's chosen id goes into its penalties' history."""
     if all(p.greedy and pen is None for p, pen, _ in rows):
         return torch.argmax(logits, dim=-1)  # one kernel for the common case

@@ -35,9 +35,7 @@ _SETTINGS = Settings.load()  # the environment's settings when the module is fir
 
 def _load_extension(path: str | None) -> Any:
     if not path:
-        from fluxion_lite import _native
-
-        return _native
+        return importlib.import_module("fluxion_lite._native")  # the cffi extension built by native/build_native.py
     loader = importlib.machinery.ExtensionFileLoader("fluxion_lite._native", path)
     spec = importlib.util.spec_from_file_location("fluxion_lite._native", path, loader=loader)
     if spec is None:

@@ -7,6 +7,7 @@ attention output for the new queries. Dense here; the hybrid sparse backend impl
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -53,8 +54,53 @@ class AttentionBackend(ABC):
         """Backend-specific counters (sparse statistics); empty for dense attention."""
         return {}
 
+    def captured_decode(self, chunks: list[SeqChunk]) -> CapturedDecode | None:
+        """This decode step's attention in capturable form (CUDA graphs, model/cuda_graphs.py), or None: then the
+        graphs leave attention out and call attend() eagerly between replays (the default, dense attention's)."""
+        return None
+
     def reset_stats(self) -> None:
         """Start the counters behind stats() afresh (per benchmark sample)."""
+
+
+class CapturedDecode(ABC):
+    """A backend's decode attention split for capture (AttentionBackend.captured_decode): prologue() and
+    epilogue() run inside the captured graphs, host() between their replays, begin()/end() bracket a step.
+
+    key(batch) changes whenever a buffer that a captured graph addresses was reallocated (then the graphs are
+    captured anew); owner_id() names the backend, so that one backend's graphs never outlive it. A form with
+    whole_step = True has no host work inside a step: all layers are one graph, host() is not called and
+    after_replay() runs once after the replay. early(layer, x, query), where offered, is called inside layer - 1's
+    post-attention with the residual stream x; query(snapshot of x) gives the layer's predicted q."""
+
+    whole_step = False
+
+    @abstractmethod
+    def key(self, batch: int) -> Hashable: ...
+
+    @abstractmethod
+    def owner_id(self) -> int: ...
+
+    @abstractmethod
+    def begin(self, chunks: list[SeqChunk]) -> None: ...
+
+    @abstractmethod
+    def prologue(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """q [B, Hq, D], k, v [B, Hkv, D]: graph buffers of the layer's new token per row."""
+
+    @abstractmethod
+    def host(self, layer: int) -> None: ...
+
+    @abstractmethod
+    def epilogue(self, layer: int) -> torch.Tensor:
+        """The layer's attention output o [B, Hq, D] in the model dtype."""
+
+    def after_replay(self) -> None:
+        """whole_step forms: the host work after the step's one replay."""
+
+    @abstractmethod
+    def end(self, defer_sync: bool = False) -> None:
+        """defer_sync: a whole-step form may wait for the previous step instead of this one (async decode)."""
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:

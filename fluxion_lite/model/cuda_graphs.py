@@ -15,21 +15,22 @@ logits), so both paths compute the same thing. One set of graphs per batch size,
 share one memory pool, which is safe because graphs that share a pool are replayed in the order they were captured.
 The RoPE table is sized to the model's context once, so a captured gather never reads a table that was reallocated.
 
-A backend may offer hooks (DecodeHooks, e.g. sparse_graph.GraphedDecode): then its device work before and after the
-host part of attention is captured into the same graphs, and only its host work runs between replays. Hooks with
-`whole_step` set (device_graph.DeviceGraphedDecode: no host work inside a step) get the whole step as one graph,
-one replay per step, and `after_replay()` instead of host(i).
+A backend may offer its decode attention in capturable form (AttentionBackend.captured_decode -> CapturedDecode, e.g.
+sparse/host_capture.GraphedDecode): then its device work before and after the host part of attention is captured
+into the same graphs, and only its host work runs between replays. Forms with `whole_step` set
+(sparse/device/capture.DeviceGraphedDecode: no host work inside a step) get the whole step as one graph, one replay
+per step, and `after_replay()` instead of host(i).
 """
 from __future__ import annotations
 
 import gc
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Callable, Hashable, Protocol
+from typing import TYPE_CHECKING, Callable, Hashable
 
 import torch
 
-from fluxion_lite.model.attention import AttentionBackend, SeqChunk
+from fluxion_lite.model.attention import AttentionBackend, CapturedDecode, SeqChunk
 from fluxion_lite.settings import Settings
 
 if TYPE_CHECKING:
@@ -54,23 +55,8 @@ class _Eager:
         self.replay = segment
 
 
-class DecodeHooks(Protocol):
-    """What a backend offers to have its decode attention captured too (sparse_graph.GraphedDecode): prologue and
-    epilogue run inside the graphs, host() between replays; begin/end bracket a step."""
-
-    def key(self, batch: int) -> Hashable: ...
-    def owner_id(self) -> int: ...
-    def begin(self, chunks: list[SeqChunk]) -> None: ...
-    def prologue(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
-    def host(self, layer: int) -> None: ...
-    def epilogue(self, layer: int) -> torch.Tensor: ...
-    def end(self) -> None: ...
-    # optional: early(layer, x, query) is called inside layer - 1's post_attention with the stream x after its
-    # attention; query(snapshot of x) -> layer's predicted q [B, Hq, D] (Transformer.query_ahead)
-
-
-def _whole_step(hooks: DecodeHooks | None) -> bool:
-    return bool(getattr(hooks, "whole_step", False))
+def _whole_step(hooks: CapturedDecode | None) -> bool:
+    return hooks is not None and hooks.whole_step
 
 
 class _GraphSet:
@@ -79,7 +65,7 @@ class _GraphSet:
     Captured on the first run, after that run's inputs (and the hooks' step) are in the static buffers: the
     warm-up pass writes the step's K/V where the real replay then writes them again."""
 
-    def __init__(self, model: Transformer, batch: int, pool: tuple[int, int] | None, hooks: DecodeHooks | None):
+    def __init__(self, model: Transformer, batch: int, pool: tuple[int, int] | None, hooks: CapturedDecode | None):
         cfg, dev = model.cfg, model.device
         self.model, self.batch, self.pool, self.hooks = model, batch, pool, hooks
         self.inputs = torch.zeros(2, batch, dtype=torch.long, device=dev)  # [2, B]: tokens, positions
@@ -178,9 +164,10 @@ class _GraphSet:
         if _whole_step(self.hooks):
             for g in self.graphs:  # one graph (segments one by one where nothing is captured)
                 g.replay()
-            self.hooks.after_replay()  # type: ignore[union-attr]
+            assert self.hooks is not None
+            self.hooks.after_replay()
             # defer_sync: end() waits for the previous step instead of this one (DeviceGraphedDecode.end)
-            self.hooks.end(defer_sync=defer_sync)  # type: ignore[call-arg, union-attr]
+            self.hooks.end(defer_sync=defer_sync)
             return self.logits.clone()
         self.graphs[0].replay()
         for i in range(self.model.cfg.n_layers):
@@ -238,7 +225,7 @@ class DecodeGraphs:
             self.sets.clear()
             self.table_ptr = rope.table.data_ptr()
         b = len(chunks)
-        hooks = attn.decode_hooks(chunks) if hasattr(attn, "decode_hooks") else None
+        hooks = attn.captured_decode(chunks)
         key: Hashable = ("plain", b) if hooks is None else ("hooked", hooks.key(b))
         if hooks is not None:  # one backend's graphs at a time: an old backend's sets would pin its buffers
             owner = hooks.owner_id()

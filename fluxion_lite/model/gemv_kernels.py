@@ -6,7 +6,7 @@ H200 step (8B shape, 32K, batch 1; bench/results/tpot_trace_h200_7a25f73_early1.
 0.67 ms, each a dependent launch on the layer's chain. Here one program owns BLOCK_N whole weight rows (a weight
 [N, K] is row-major, so each row is one contiguous read), walks K in BLOCK_K chunks and keeps a [BLOCK_N, BLOCK_K]
 fp32 partial in registers, reduced once at the end: no split, no second kernel. bench/gemv.py times these against
-cuBLAS per weight shape; `config` below holds what it chose. Measured (docs/hybrid.md, twenty-third session): about
+cuBLAS per weight shape; `config` below holds what it chose. Measured (docs/history.md): about
 even with cuBLAS on the 8B shape's large weights in isolation, 1.2-1.9x faster on the 0.5b model's small ones, and
 32K batch-1 TPOT 6.25 / 6.36 -> 6.18 / 6.28 ms on the 8B shape.
 
@@ -16,7 +16,7 @@ Three entry points, each one kernel:
   gemv_silu_mul x [1, K], w [2F, K] (gate rows then up rows) -> silu(gate) * up [1, F]  (the MLP's first half)
 gemv can also rotate its first rows by RoPE (`Rope`: q and k of a q/k/v product, a program owning whole pairs) and
 gemv / gemv_silu_mul can take the RMS norm of x inside (`Norm`); model.py uses what fuse_mode says (RoPE by
-default: the norm inside measured slower on large weights, docs/hybrid.md, twenty-fourth session). Each takes an L2
+default: the norm inside measured slower on large weights, docs/history.md). Each takes an L2
 eviction policy for its weight reads (l2_hints_enabled says why).
 
 Numerics follow the cuBLAS path they replace: products summed in fp32; gemv rounds the sum (+ bias) to x's dtype
@@ -163,7 +163,7 @@ def fuse_mode(settings: Settings | None = None) -> str:
     """What model.py moves into these kernels besides the product (FLUXION_GEMV_FUSE): "rope" (default) RoPE after
     q/k/v and the early query; "all" also the RMS norm before q/k/v, gate/up and the vocabulary; "none" neither.
     Why not "all": on the 8B shape's large weights the norm's extra loads in the weight loop cost more than the norm
-    kernel they replace (docs/hybrid.md, twenty-fourth session)."""
+    kernel they replace (docs/history.md)."""
     # the setting is settings.experimental.gemv_fuse (None: Settings.load()); a bad value is a SettingError (also a
     # RequestError) naming the variable, raised when the settings are loaded
     return (settings if settings is not None else Settings.load()).experimental.gemv_fuse

@@ -13,9 +13,7 @@ The selector (policy.py) turns these labels into a plan.
 """
 from __future__ import annotations
 
-import math
 import random
-from dataclasses import dataclass
 
 import torch
 

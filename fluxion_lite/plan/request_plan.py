@@ -13,16 +13,17 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.plan.head_features import FEATURE_QUERIES, prompt_features
+from fluxion_lite.plan import files as plan_files
 from fluxion_lite.plan.predictor import Predictor, config_costs, select_groups
 from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 from fluxion_lite.sparse.step import group_rows
+from fluxion_lite.settings import Settings
 
 
 @dataclass
@@ -147,16 +148,12 @@ class RequestPlanner:
         return line
 
 
-def predictor_path(model_name: str) -> Path:
-    from importlib.resources import files
-
-    return Path(str(files("fluxion_lite.models"))) / f"{model_name}.predictor.npz"
-
-
-def load_planner(model_name: str, cfg: ModelConfig, static: SparsePlan, wo: list[torch.Tensor]) -> RequestPlanner | None:
-    """The model's planner, or None when no predictor ships for it (the static plan is used alone)."""
-    path = predictor_path(model_name)
-    if not path.is_file():
+def load_planner(model_name: str, cfg: ModelConfig, static: SparsePlan, wo: list[torch.Tensor],
+                 settings: Settings | None = None) -> RequestPlanner | None:
+    """The model's planner (the user's predictor first, else the shipped one), or None when there is none (the
+    static plan is used alone). settings: whose cache_dir holds the user's files (None: Settings.load())."""
+    path = plan_files.find(model_name, ".predictor.npz", settings)
+    if path is None:
         return None
     pred = Predictor.load(path)
     m = pred.meta

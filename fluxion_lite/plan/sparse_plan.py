@@ -125,7 +125,7 @@ class SparsePlan:
     # between sink and window become one softmax term per 128-token block (mass from the 16-token blocks' midrange
     # keys, value the block's mean value), so the softmax no longer renormalises over the read tokens alone;
     # "all": streaming groups too. Costs the host store 0.78% more bytes (fp32 value sums per 128 tokens) and,
-    # per step, a scan of the 16-token summaries (docs/design-notes.md, fortieth session).
+    # per step, a scan of the 16-token summaries (docs/sparse.md).
     background: str = "off"
 
     def __post_init__(self) -> None:

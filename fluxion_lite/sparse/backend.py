@@ -33,7 +33,7 @@ from fluxion_lite.sparse.device.summaries import DeviceSummaries
 from fluxion_lite.errors import SettingError
 from fluxion_lite.settings import Settings
 from fluxion_lite.hostkv.store import HostKVStore
-from fluxion_lite.sparse.hybrid import HybridExecutor, StepStats, Timer
+from fluxion_lite.sparse.hybrid import HybridExecutor, Timer
 from fluxion_lite.sparse.attend import biased_attention, lse_merge_parts
 from fluxion_lite.model.kv_cache import DenseKVCache
 from fluxion_lite.plan.pins import PinnedBlocks
@@ -42,17 +42,14 @@ from fluxion_lite.sparse.cost_model import Costs, CostModel, Placement, measure_
 from fluxion_lite.plan.sparse_plan import GRANULARITIES, SparsePlan, with_background_override
 from fluxion_lite.sparse.device.capture import DeviceGraphedDecode
 from fluxion_lite.sparse.host_capture import GraphedDecode
-from fluxion_lite.sparse.step import (BACKGROUND_G, DecodeStep, active_retrieval, background_tasks, bias_rows, build_step,
-                          group_rows, retrieval_tasks)
+from fluxion_lite.sparse.state import SparseState
+from fluxion_lite.sparse.step import (BACKGROUND_G, DecodeStep, active_retrieval, background_tasks,
+                                      retrieval_tasks)
 from fluxion_lite.sparse import zero_copy as zc
 
-MAX_G = max(GRANULARITIES)
 _serials = itertools.count()  # identifies a backend in the CUDA-graph cache (an id() could be reused)
 Selection = Literal["cpu", "gpu"]
 
-
-def _align_up(x: int, a: int) -> int:
-    return -(-x // a) * a
 
 
 class SparseAttention(AttentionBackend):
@@ -72,37 +69,22 @@ class SparseAttention(AttentionBackend):
         self.store = HostKVStore(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16, max_seqs=max_seqs,
                                  page_tokens=256, granularities=GRANULARITIES,
                                  value_sums=plan.background != "off", hugepages=self.settings.hugepages)
-        self.sink_cap = _align_up(max(plan.sink, 1), MAX_G)
-        self.ring_cap = plan.window + MAX_G
+        # what the eager and the captured forms of the decode step share (sparse/state.py)
+        self.state = SparseState(cfg, plan, dtype, device)
         self.scratch = DenseKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype, device)
-        self._slot: dict[int, int] = {}
-        self._len: dict[int, int] = {}
-        self._prefilling: set[int] = set()
-        # [L, slot_cap, 2 (k, v), Hkv, sink_cap + ring_cap, D]: sink tokens at 0..sink_cap-1, then a ring where slot j
-        # holds the latest position p == j (mod ring_cap). One slab, so a step reads a slice or one gather per layer.
-        self._near = torch.zeros(cfg.n_layers, 0, 2, cfg.n_kv_heads, self.sink_cap + self.ring_cap, cfg.head_dim,
-                                 dtype=dtype, device=device)
-        # plan as arrays [L, Hkv]
-        self._retrieval, self._g, self._budget, long_only = plan.arrays()
-        self._long = long_only if long_only.any() else None  # None: no long-only groups (the usual plan)
-        # long-only groups stream through the exact sink and window (rows of their own) if the plan says so
-        self.long_exact = plan.exact_long_rows
-        self.bias_rows = bias_rows(self.long_exact)  # rows of a step's mask (DecodeStep.bias)
-        self._gidx = group_rows(self._g, self._long, self.long_exact)  # [L, Hkv] row of DecodeStep's per-g arrays
-        self._gidx_dev = torch.from_numpy(self._gidx).to(device)
-        self._dsum: DeviceSummaries | None = None
+        self.summaries: DeviceSummaries | None = None
         # per-request plans from the head-property predictor (request_plan.py); None: the static plan for all
         self.planner: RequestPlanner | None = None
         # blocks pinned at prefill end by the prompt's own attention (pinned.py); static plan only
         self.pins = PinnedBlocks(plan) if plan.pin_fraction > 0 else None
         if selection == "gpu":
-            gs = set(self._g[self._retrieval].tolist())
+            gs = set(self.state.g[self.state.retrieval].tolist())
             if len(gs) > 1:
                 raise ValueError(f"selection='gpu' mirrors one granularity; the plan uses {sorted(gs)}")
             g_dev = gs.pop() if gs else 16
             # with the unread-background term and g = 16 the device keeps value sums too, so the captured step
             # computes the term there (device_background.py); other block sizes compute it eagerly on the host
-            self._dsum = DeviceSummaries(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, g_dev, device,
+            self.summaries = DeviceSummaries(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, g_dev, device,
                                          value_sums=plan.background != "off" and g_dev == BACKGROUND_G)
         # With device selection, the decode rows of a step that holds a prompt chunk (an eager step: the captured
         # step runs decode rows only) select on the host and split their tasks between CPU and GPU, as CPU selection
@@ -113,19 +95,16 @@ class SparseAttention(AttentionBackend):
         mixed = mixed_select or self.settings.experimental.mixed_select
         if mixed not in ("host", "device"):
             raise SettingError(f"mixed_select / FLUXION_MIXED_SELECT={mixed!r}: use host or device")
-        self.mixed_host_select = self._dsum is not None and mixed == "host"
+        self.mixed_host_select = self.summaries is not None and mixed == "host"
         cuda = device.type == "cuda"
         # new K/V per layer waiting for the host store: [L, 2, rows, Hkv, D] (pinned), (slots, rows, event) per layer
         self._kv_out = torch.empty(cfg.n_layers, 2, 0, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16)
-        self._pending: list[tuple[list[int], int, torch.cuda.Event | None] | None] = [None] * cfg.n_layers
         self._q_out = torch.empty(0, cfg.n_heads, cfg.head_dim, pin_memory=cuda)  # q for the CPU kernels
         # a mixed step's K/V on their way to the host store, one layer at a time: [2, rows, Hkv, D] bf16 (pinned)
         self._chunk_out = torch.empty(2, 0, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16, pin_memory=cuda)
-        # False: a mixed step appends to the host store first, after a blocking copy (the order before the
-        # eighteenth session; bench/mixed_step.py's "+blocking-append" variants, for A/B)
+        # False: a mixed step appends to the host store first, after a blocking copy (the older order;
+        # research/mixed_step.py's "+blocking-append" variants, for A/B)
         self.overlap_chunk_append = True
-        self._step: DecodeStep | None = None
-        self._st = StepStats()
         self.timer = Timer(device)
         base = costs or measure_costs(str(device) if cuda else "cpu")
         if not cuda and costs is None:  # the "GPU" side is torch on this CPU: model it as a slow but usable side
@@ -144,18 +123,13 @@ class SparseAttention(AttentionBackend):
             base = replace(base, zero_copy=False)
         self.costs = CostModel(base)
         self.executor = HybridExecutor(device, torch.bfloat16, cfg.head_dim, self.r, self.costs, placement,
-                                       self.timer, self._st,
+                                       self.timer, self.state.stats,
                                        feeder=zc.ZeroCopyFeeder(self.store, device) if self.zero_copy else None)
         self._zc_seen = (0.0, 0)  # zero-copy bytes and GPU calls at the last step's end (for the online rate)
         self._t_step = 0.0
-        self._read_tokens = 0.0  # sum over decode (step, layer, seq, group) of tokens read
-        self._context_tokens = 0.0  # same sum of context lengths
-        # (layer, seq, group) decode evaluations that streamed / all of them: with per-request plans the streaming
-        # share differs from the static plan's
-        self._stream_groups = self._all_groups = 0.0
         self.serial = next(_serials)
-        self._graphed = GraphedDecode(self)
-        self._device_graphed: DeviceGraphedDecode | None = None  # made at the first graphable device-selection step
+        self.host_capture = GraphedDecode(self)
+        self.device_capture: DeviceGraphedDecode | None = None  # made at the first graphable device-selection step
         # block scoring of the native top-k (native.SCORINGS), for the eager and the graphed decode paths alike:
         # the argument, else FLUXION_TOPK, else the plan's (plan files can name it: policy variants)
         env = self.settings.topk
@@ -180,11 +154,11 @@ class SparseAttention(AttentionBackend):
             raise ValueError(f"topk_scoring={value!r} needs selection='cpu' (the device-side selection scores "
                              f"blocks by the group bound or the midrange)")
         self._topk_scoring = value
-        if self._dsum is not None:
-            self._dsum.midrange = value == "midrange"
-            self._device_graphed = None  # its captures hold the old scoring
+        if self.summaries is not None:
+            self.summaries.midrange = value == "midrange"
+            self.device_capture = None  # its captures hold the old scoring
 
-    def decode_hooks(self, chunks: list[SeqChunk]) -> GraphedDecode | DeviceGraphedDecode | None:
+    def captured_decode(self, chunks: list[SeqChunk]) -> GraphedDecode | DeviceGraphedDecode | None:
         """The captured form of this decode step (sparse_graph.py; device_graph.py for device-side selection with
         the zero-copy feeder), or None where it must run eagerly: prefill chunks or a sequence's first decode step,
         a token still landing in the sink, per-request plans, device selection without the zero-copy feeder or with
@@ -192,18 +166,18 @@ class SparseAttention(AttentionBackend):
         summaries)."""
         if self.planner is not None:
             return None
-        if any(c.length != 1 or c.seq_id in self._prefilling or c.start < self.sink_cap for c in chunks):
+        if any(c.length != 1 or c.seq_id in self.state.prefilling or c.start < self.state.sink_cap for c in chunks):
             return None
         if self.selection == "cpu":
-            return self._graphed
+            return self.host_capture
         if self.executor.feeder is None:
             return None
-        if self.plan.background != "off" and not (self._dsum is not None and self._dsum.value_sums):
+        if self.plan.background != "off" and not (self.summaries is not None and self.summaries.value_sums):
             return None  # the term's device form needs g = 16 (device_background.py): eager, on the host
-        if self._device_graphed is None:
-            self._device_graphed = DeviceGraphedDecode(self)
-        self._device_graphed.prepare(chunks)
-        return self._device_graphed
+        if self.device_capture is None:
+            self.device_capture = DeviceGraphedDecode(self)
+        self.device_capture.prepare(chunks)
+        return self.device_capture
 
     def ensure_decode_buffers(self, batch: int) -> None:
         """Pinned q and new-K/V buffers of the eager decode path with room for `batch` rows (grown by doubling)."""
@@ -228,27 +202,20 @@ class SparseAttention(AttentionBackend):
 
     # ---- sequence lifecycle ---------------------------------------------------------------------------------------
     def allocate(self, seq_id: int) -> None:
-        if seq_id in self._slot:
+        if seq_id in self.state.slot:
             raise ValueError(f"sequence {seq_id} already has a KV cache")
         slot = self.store.allocate()
-        self._slot[seq_id] = slot
+        self.state.slot[seq_id] = slot
         self.scratch.allocate(seq_id)
-        self._prefilling.add(seq_id)
-        if slot >= self._near.shape[1]:
-            self._grow_near(slot + 1)
-        self._near[:, slot].zero_()
-        self._len[seq_id] = 0
-
-    def _grow_near(self, n: int) -> None:
-        old = self._near
-        shape = list(old.shape)
-        shape[1] = max(n, 2 * shape[1])
-        self._near = torch.zeros(shape, dtype=old.dtype, device=old.device)
-        self._near[:, : old.shape[1]] = old
+        self.state.prefilling.add(seq_id)
+        if slot >= self.state.near.shape[1]:
+            self.state.grow_near(slot + 1)
+        self.state.near[:, slot].zero_()
+        self.state.length[seq_id] = 0
 
     def free(self, seq_id: int) -> None:
         self.flush()
-        slot = self._slot.pop(seq_id, None)
+        slot = self.state.slot.pop(seq_id, None)
         if slot is not None:
             if self.zero_copy:  # the GPU may still read this slot's pages through the alias
                 self.executor.wait_idle()
@@ -256,9 +223,9 @@ class SparseAttention(AttentionBackend):
         self.scratch.free(seq_id)
         if self.pins is not None:
             self.pins.forget(seq_id, slot)
-        self._len.pop(seq_id, None)
-        self._prefilling.discard(seq_id)
-        self._step = None
+        self.state.length.pop(seq_id, None)
+        self.state.prefilling.discard(seq_id)
+        self.state.step = None
         if self.planner is not None:
             self.planner.forget(seq_id)
 
@@ -266,73 +233,71 @@ class SparseAttention(AttentionBackend):
         raise NotImplementedError("the sparse backend does not support prefix reuse yet")
 
     def seq_len(self, seq_id: int) -> int:
-        return self._len[seq_id]
+        return self.state.length[seq_id]
 
     def bytes_used(self) -> tuple[int, int]:
         # the slab's rows of live sequences (free rows are kept for reuse, like a pool)
-        per_seq = self._near[:, :1].numel() * self._near.element_size()
-        device_bytes = self.scratch.bytes_used() + per_seq * len(self._slot)
-        if self._dsum is not None:
-            device_bytes += self._dsum.bytes_used()
-        if self._device_graphed is not None:  # its pin and reuse caches (FLUXION_PIN_CACHE / _REUSE_CACHE=0: off)
-            device_bytes += self._device_graphed.pin_cache_bytes() + self._device_graphed.reuse_cache_bytes()
+        per_seq = self.state.near[:, :1].numel() * self.state.near.element_size()
+        device_bytes = self.scratch.bytes_used() + per_seq * len(self.state.slot)
+        if self.summaries is not None:
+            device_bytes += self.summaries.bytes_used()
+        if self.device_capture is not None:  # its pin and reuse caches (FLUXION_PIN_CACHE / _REUSE_CACHE=0: off)
+            device_bytes += self.device_capture.pin_cache_bytes() + self.device_capture.reuse_cache_bytes()
         if self.device.type == "cuda":
             return self.store.bytes_used, device_bytes
         return self.store.bytes_used + device_bytes, 0
 
     def stats(self) -> dict[str, float]:
-        frac = self._read_tokens / self._context_tokens if self._context_tokens else 0.0
+        frac = self.state.read_tokens / self.state.context_tokens if self.state.context_tokens else 0.0
         c = self.costs.costs
-        streaming = self._stream_groups / self._all_groups if self._all_groups else self.plan.streaming_fraction
-        return {"kv_read_fraction": frac, "streaming_fraction": streaming, **self._st.as_dict(),
+        streaming = self.state.stream_groups / self.state.all_groups if self.state.all_groups else self.plan.streaming_fraction
+        return {"kv_read_fraction": frac, "streaming_fraction": streaming, **self.state.stats.as_dict(),
                 "cpu_gbs": c.cpu_gbs, "gather_gbs": c.gather_gbs, "h2d_gbs": c.h2d_gbs or 0.0,
                 "zero_copy": float(self.zero_copy), "pcie_read_gbs": c.pcie_read_gbs or 0.0,
                 "gpu_attn_gbs": c.gpu_attn_gbs or 0.0}
 
     def reset_stats(self) -> None:
-        self._read_tokens = self._context_tokens = 0.0
-        self._stream_groups = self._all_groups = 0.0
-        self._st.__init__()  # type: ignore[misc]  # in place: the executor holds the same object
+        self.state.reset_counts()
         self._zc_seen = (0.0, self.executor.zc_calls)
         self.timer.collect()
 
     def flush(self) -> None:
         """Append every queued decode K/V to the host store (tests and free() need the store complete)."""
         for layer in range(self.cfg.n_layers):
-            self._flush(layer)
+            self.flush_layer(layer)
 
     def import_kv(self, layer: int, seq_id: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V computed elsewhere (a prefill node, a benchmark's synthetic context) without attending over it:
         k, v [n, Hkv, D] at positions start..start+n-1 of an allocated sequence, layer by layer, in order."""
-        self._flush(layer)
-        slot, n = self._slot[seq_id], k.shape[0]
+        self.flush_layer(layer)
+        slot, n = self.state.slot[seq_id], k.shape[0]
         self.store.append(layer, slot, k.to(torch.bfloat16).cpu(), v.to(torch.bfloat16).cpu())
-        if self._dsum is not None:
-            self._dsum.append_chunk(layer, slot, start, k.to(self.device), v.to(self.device))
-        head = max(0, min(n, self.sink_cap - start))  # only the sink's and the ring's tokens go to the device
+        if self.summaries is not None:
+            self.summaries.append_chunk(layer, slot, start, k.to(self.device), v.to(self.device))
+        head = max(0, min(n, self.state.sink_cap - start))  # only the sink's and the ring's tokens go to the device
         if head:
             self._write_near(layer, slot, start, k[:head].to(self.device), v[:head].to(self.device))
-        tail = min(n, self.ring_cap)
+        tail = min(n, self.state.ring_cap)
         self._write_near(layer, slot, start + n - tail, k[n - tail :].to(self.device), v[n - tail :].to(self.device))
         if layer == self.cfg.n_layers - 1:
-            self._len[seq_id] = start + n
+            self.state.length[seq_id] = start + n
 
     # ---- attention ------------------------------------------------------------------------------------------------
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
-        self._flush(layer)
-        if all(c.length == 1 and c.seq_id not in self._prefilling for c in chunks):
+        self.flush_layer(layer)
+        if all(c.length == 1 and c.seq_id not in self.state.prefilling for c in chunks):
             out = self._decode(layer, q, k, v, chunks)  # the hot path: every row a decode token
         else:
             out = self._mixed(layer, q, k, v, chunks)
         if layer == self.cfg.n_layers - 1:
             for c in chunks:
-                self._len[c.seq_id] = c.start + c.length
+                self.state.length[c.seq_id] = c.start + c.length
         return out
 
     def _mixed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
         """A call with prefill chunks: dense prefill of the chunks, the host append (overlapping the chunks' device
         work on CUDA), then the decode rows as a decode step runs them."""
-        slots = [self._slot[c.seq_id] for c in chunks]
+        slots = [self.state.slot[c.seq_id] for c in chunks]
         k_host, v_host, copied = self._copy_to_host(k, v)
         if not self.overlap_chunk_append:
             self._append_chunk_kv(layer, chunks, slots, k_host, v_host, copied)
@@ -342,12 +307,12 @@ class SparseAttention(AttentionBackend):
         for c, slot in zip(chunks, slots):
             sl = slice(offset, offset + c.length)
             if c.length > 1:
-                if c.seq_id not in self._prefilling:
+                if c.seq_id not in self.state.prefilling:
                     raise ValueError(f"sequence {c.seq_id}: a prefill chunk after decoding started is not supported")
                 with record_function("fluxion::mixed_chunk"):
                     self._write_near(layer, slot, c.start, k[sl], v[sl])
-                    if self._dsum is not None:
-                        self._dsum.append_chunk(layer, slot, c.start, k[sl], v[sl])
+                    if self.summaries is not None:
+                        self.summaries.append_chunk(layer, slot, c.start, k[sl], v[sl])
                     keys, values = self.scratch.append(layer, c.seq_id, c.start, k[sl], v[sl])
                     out[sl] = causal_attention(q[sl], keys, values, c.start, self.scale)
                     if self.planner is not None:
@@ -357,13 +322,13 @@ class SparseAttention(AttentionBackend):
             else:
                 rows.append(offset)
                 dec.append(c)
-                if self.planner is not None and c.seq_id in self._prefilling:  # prefill ended: plan this layer
+                if self.planner is not None and c.seq_id in self.state.prefilling:  # prefill ended: plan this layer
                     self.planner.prefill_done(layer, c.seq_id, lambda i, s=c.seq_id: self.scratch.view(i, s))
-                if self.pins is not None and self.planner is None and c.seq_id in self._prefilling:
+                if self.pins is not None and self.planner is None and c.seq_id in self.state.prefilling:
                     self.pins.pin(layer, c.seq_id, slot, lambda i, s=c.seq_id: self.scratch.view(i, s)[0],
                                   c.start + 1, self.scale)
-                if layer == self.cfg.n_layers - 1 and c.seq_id in self._prefilling:
-                    self._prefilling.discard(c.seq_id)  # decoding started: the dense scratch goes
+                if layer == self.cfg.n_layers - 1 and c.seq_id in self.state.prefilling:
+                    self.state.prefilling.discard(c.seq_id)  # decoding started: the dense scratch goes
                     self.scratch.free(c.seq_id)
             offset += c.length
         # The host store takes this layer's K/V while the device runs the chunk's attention queued above (the copy
@@ -372,7 +337,7 @@ class SparseAttention(AttentionBackend):
             self._append_chunk_kv(layer, chunks, slots, k_host, v_host, copied)
         if dec:  # the one-token rows together, as a decode step writes them (not one small copy per row)
             with record_function("fluxion::mixed_decode_rows"):
-                st = self._step_for(dec)
+                st = self.state.step_for(dec)
                 idx = torch.tensor(rows, device=q.device)
                 self._write_tokens(layer, st, k[idx], v[idx])
                 out[idx] = self._attend_decode(layer, q[idx], st, host_select=self.mixed_host_select)
@@ -411,34 +376,25 @@ class SparseAttention(AttentionBackend):
     def _write_near(self, layer: int, slot: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Sink and ring slots of a chunk's tokens (k, v [n, Hkv, D] at positions start..)."""
         n, end = k.shape[0], start + k.shape[0]
-        near = self._near[layer, slot]  # [2, Hkv, Ltot, D]
+        near = self.state.near[layer, slot]  # [2, Hkv, Ltot, D]
         kv = torch.stack([k, v]).transpose(1, 2).to(self.dtype)  # [2, Hkv, n, D]
-        if start < self.sink_cap:
-            m = min(end, self.sink_cap) - start
+        if start < self.state.sink_cap:
+            m = min(end, self.state.sink_cap) - start
             near[:, :, start : start + m] = kv[:, :, :m]
-        lo = max(start, end - self.ring_cap)
-        ring = self.sink_cap + torch.arange(lo, end, device=k.device) % self.ring_cap
+        lo = max(start, end - self.state.ring_cap)
+        ring = self.state.sink_cap + torch.arange(lo, end, device=k.device) % self.state.ring_cap
         near[:, :, ring] = kv[:, :, lo - start :]
-
-    def _step_for(self, chunks: list[SeqChunk]) -> DecodeStep:
-        key = tuple((c.seq_id, c.start) for c in chunks)
-        if self._step is None or self._step.key != key:
-            self._step = build_step(key, [self._slot[c.seq_id] for c in chunks], self.plan.sink, self.plan.window,
-                                    self.sink_cap, self.ring_cap, self.device,
-                                    self.plan.budget_factor if self.plan.scales_budgets else None,
-                                    self.plan.short_tokens, self._long is not None, self.long_exact)
-        return self._step
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
         if layer == 0:
             self._t_step = time.perf_counter()
-        st = self._step_for(chunks)
+        st = self.state.step_for(chunks)
         self._write_tokens(layer, st, k, v)
         self._queue_host_append(layer, st, k, v)
         out = self._attend_decode(layer, q, st)
         if layer == self.cfg.n_layers - 1:
             spans = self.timer.collect()
-            s = self._st
+            s = self.state.stats
             s.steps += 1
             s.step_s += time.perf_counter() - self._t_step
             s.gpu_compute_s += spans.get("stream", 0.0) + spans.get("gpu_tasks", 0.0) + spans.get("merge", 0.0)
@@ -454,11 +410,11 @@ class SparseAttention(AttentionBackend):
         """One new token per row of st (k, v [B, Hkv, D]) into the device ring (and sink) slots and the device
         summaries."""
         kv_new = torch.stack([k, v], dim=1).to(self.dtype)  # [B, 2, Hkv, D]
-        self._near[layer][st.slots_dev, :, :, st.ring_dev] = kv_new
+        self.state.near[layer][st.slots_dev, :, :, st.ring_dev] = kv_new
         for b in st.sink_rows:  # early positions also live in the sink slots
-            self._near[layer, int(st.slots[b]), :, :, int(st.n[b] - 1)] = kv_new[b]
-        if self._dsum is not None:
-            self._dsum.append_tokens(layer, st.slots_dev, st.pos_dev, int(st.slots.max()), int(st.n.max() - 1), k,
+            self.state.near[layer, int(st.slots[b]), :, :, int(st.n[b] - 1)] = kv_new[b]
+        if self.summaries is not None:
+            self.summaries.append_tokens(layer, st.slots_dev, st.pos_dev, int(st.slots.max()), int(st.n.max() - 1), k,
                                     v)
 
     def _queue_host_append(self, layer: int, st: DecodeStep, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -470,24 +426,24 @@ class SparseAttention(AttentionBackend):
         if self.device.type == "cuda":
             ev = torch.cuda.Event()
             ev.record()
-            self._st.pcie_bytes += 2 * k.numel() * 2
-        self._pending[layer] = (st.slots.tolist(), B, ev)
+            self.state.stats.pcie_bytes += 2 * k.numel() * 2
+        self.state.pending[layer] = (st.slots.tolist(), B, ev)
 
-    def _flush(self, layer: int) -> None:
+    def flush_layer(self, layer: int) -> None:
         """Everything queued for the host store goes in (before anything reads it or appends to it)."""
-        self._flush_eager(layer)
-        if self._device_graphed is not None:  # the last device-graphed step's K/V (every layer)
-            self._device_graphed.flush_appends()
+        self.flush_eager_layer(layer)
+        if self.device_capture is not None:  # the last device-graphed step's K/V (every layer)
+            self.device_capture.flush_appends()
 
-    def _flush_eager(self, layer: int) -> None:
-        p = self._pending[layer]
+    def flush_eager_layer(self, layer: int) -> None:
+        p = self.state.pending[layer]
         if p is None:
             return
         slots, B, ev = p
         if ev is not None:
             ev.synchronize()  # recorded a step ago: normally long complete
         self.store.append_batch(layer, slots, self._kv_out[layer, 0, :B], self._kv_out[layer, 1, :B])
-        self._pending[layer] = None
+        self.state.pending[layer] = None
 
     def _attend_decode(self, layer: int, q: torch.Tensor, st: DecodeStep, host_select: bool = False) -> torch.Tensor:
         """q: [B, Hq, D], one new token per sequence (already in the device buffers) -> out [B, Hq, D].
@@ -495,7 +451,7 @@ class SparseAttention(AttentionBackend):
         let the scheduler split the tasks between CPU and GPU (what CPU selection does) for this call."""
         B, hkv, r, d = st.batch, self.cfg.n_kv_heads, self.r, self.cfg.head_dim
         cuda = self.device.type == "cuda"
-        on_host = self._dsum is None or host_select
+        on_host = self.summaries is None or host_select
         rp = self._row_plan(st)
         tasks, meta = self._layer_tasks(layer, st, rp)
         pinned = self.pins is not None and rp is None and len(tasks) > 0 and self.pins.any(layer)
@@ -505,22 +461,22 @@ class SparseAttention(AttentionBackend):
             self._q_out[:B].copy_(q, non_blocking=True)
             ev_q = torch.cuda.Event()
             ev_q.record()
-            self._st.pcie_bytes += q.numel() * 4
+            self.state.stats.pcie_bytes += q.numel() * 4
         m0 = self.timer.mark()
-        near = self._near[layer]
+        near = self.state.near[layer]
         kv = near[st.first_slot : st.first_slot + B] if st.first_slot is not None else near[st.slots_dev]
         keys, values = kv[:, 0], kv[:, 1]  # [B, Hkv, Ltot, D]
         qg = q.view(B, hkv, r, d)
         if rp is None:
-            bias = st.bias[self._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
+            bias = st.bias[self.state.gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
         else:  # per-row plans: each (row, group) picks its own g's mask
             bias = st.bias[rp.gidx_dev[layer], torch.arange(B, device=self.device)[:, None]][:, :, None, :]  # [B, Hkv, 1, Ltot]
         out, lse_s = biased_attention(qg, keys, values, bias, self.scale)  # [B, Hkv, r, D], [B, Hkv, r]
         m1 = self.timer.mark()
         self.timer.span("stream", m0, m1)
-        gi_read = self._gidx[layer][None, :] if rp is None else rp.gidx[layer]  # [1 or B, Hkv]
-        self._read_tokens += float(st.stream_read[gi_read, np.arange(B)[:, None]].sum())
-        self._context_tokens += float(st.n.sum()) * hkv
+        gi_read = self.state.gidx[layer][None, :] if rp is None else rp.gidx[layer]  # [1 or B, Hkv]
+        self.state.read_tokens += float(st.stream_read[gi_read, np.arange(B)[:, None]].sum())
+        self.state.context_tokens += float(st.n.sum()) * hkv
         parts = [(out, lse_s)]  # partial attentions (and the background term) merged by log-sum-exp
         ids = counts = None
         q_host = None
@@ -538,12 +494,12 @@ class SparseAttention(AttentionBackend):
                                                    pin_counts=pin_counts)
             else:
                 ids, counts = self._select_on_device(layer, st, qg, bi, h, k_blocks, lo, hi, pinned)
-            self._st.cpu_topk_s += time.perf_counter() - t0
+            self.state.stats.cpu_topk_s += time.perf_counter() - t0
             o_r, lse_r = self.executor.run(view, q if q_host is None else q_host, qg.reshape(B * hkv, r, d), tasks,
                                            ids, counts, bi * hkv + h, B * hkv, self.scale,
-                                           placement=None if self._dsum is None else "auto" if host_select else "gpu",
+                                           placement=None if self.summaries is None else "auto" if host_select else "gpu",
                                            layer=layer)
-            self._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
+            self.state.read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
             parts.append((o_r.view(B, hkv, r, d), lse_r.view(B, hkv, r)))
         if self.plan.background != "off":
             if q_host is None:  # device selection: its ids are not ascending, as native.background needs them
@@ -600,7 +556,7 @@ class SparseAttention(AttentionBackend):
         all_tasks, ids, counts, rows = (np.concatenate(x) if len(parts) > 1 else x[0] for x in zip(*parts))
         t0 = time.perf_counter()
         o_b, lse_b = native.background(self.store.view(layer), q_host, all_tasks, ids, counts, self.scale)
-        self._st.cpu_background_s += time.perf_counter() - t0
+        self.state.stats.cpu_background_s += time.perf_counter() - t0
         return rows, o_b, lse_b
 
     def _row_plan(self, st: DecodeStep) -> RowPlan | None:
@@ -614,14 +570,14 @@ class SparseAttention(AttentionBackend):
         """Retrieval tasks of this layer, built with array ops: a retrieval group whose gap between sink and window
         holds at least one block. Returns the native task table and (seq row, group, k, lo, hi) per task."""
         if rp is None:  # the static plan: [1, 1, Hkv], broadcast over rows
-            gi, g, ret, bud = (a[layer][None, None, :] for a in (self._gidx, self._g, self._retrieval, self._budget))
-            long_only = None if self._long is None else self._long[layer][None, None, :]
+            gi, g, ret, bud = (a[layer][None, None, :] for a in (self.state.gidx, self.state.g, self.state.retrieval, self.state.budget))
+            long_only = None if self.state.long_only is None else self.state.long_only[layer][None, None, :]
         else:  # per-request plans: [1, B, Hkv]
             gi, g, ret, bud = (a[layer][None] for a in (rp.gidx, rp.g, rp.retrieval, rp.budget))
             long_only = None if rp.long_only is None else rp.long_only[layer][None]
         n_groups = st.batch * ret.shape[-1]
-        self._stream_groups += float(n_groups - active_retrieval(st, ret, long_only).sum())
-        self._all_groups += float(n_groups)
+        self.state.stream_groups += float(n_groups - active_retrieval(st, ret, long_only).sum())
+        self.state.all_groups += float(n_groups)
         tasks, _, bi, h, k_blocks, lo, hi = retrieval_tasks(st, gi, g, ret, bud, long_only)
         return tasks, (bi, h, k_blocks, lo, hi)
 
@@ -630,8 +586,8 @@ class SparseAttention(AttentionBackend):
                           ) -> tuple[np.ndarray, np.ndarray]:
         """Top-k on the device over mirrored summaries (pins first, if the layer has any); only the chosen block
         ids come back to the host."""
-        assert self._dsum is not None
-        B, hkv, g = st.batch, self.cfg.n_kv_heads, self._dsum.g
+        assert self.summaries is not None
+        B, hkv, g = st.batch, self.cfg.n_kv_heads, self.summaries.g
         lo_blk, hi_blk = -(-lo // g), hi // g  # eligible blocks lie wholly inside [lo, hi)
         bounds = np.zeros((2, B, hkv), np.int64)  # non-task groups: empty range
         bounds[0, bi, h], bounds[1, bi, h] = lo_blk, hi_blk
@@ -642,8 +598,8 @@ class SparseAttention(AttentionBackend):
         if pinned:
             assert self.pins is not None
             mask = torch.from_numpy(self.pins.mask(st.slots, n_blocks, layer)).to(self.device)
-        ids = self._dsum.select(layer, qg, st.slots_dev, b_dev[0], b_dev[1], n_blocks, k_max, mask).cpu().numpy()
-        self._st.pcie_bytes += ids.nbytes
+        ids = self.summaries.select(layer, qg, st.slots_dev, b_dev[0], b_dev[1], n_blocks, k_max, mask).cpu().numpy()
+        self.state.stats.pcie_bytes += ids.nbytes
         ids_t = np.ascontiguousarray(ids[bi, h])  # [T, k]
         counts = np.minimum(k_blocks, np.maximum(hi_blk - lo_blk, 0)).astype(np.int32)
         if ids_t.shape[1] < k_max:  # fewer blocks exist than k_max: pad (never read beyond counts)

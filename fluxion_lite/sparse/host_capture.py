@@ -36,10 +36,11 @@ import numpy as np
 import torch
 
 from fluxion_lite.hostkv import native
-from fluxion_lite.model.attention import SeqChunk
+from fluxion_lite.model.attention import CapturedDecode, SeqChunk
 from fluxion_lite.sparse.attend import biased_attention
-from fluxion_lite.sparse.cost_model import Placement, all_cpu_suffices, split_tasks, task_bytes
-from fluxion_lite.sparse.step import DecodeStep, active_retrieval, retrieval_tasks
+from fluxion_lite.sparse.cost_model import Placement
+from fluxion_lite.sparse.hybrid import ResultRows
+from fluxion_lite.sparse.step import DecodeStep
 
 if TYPE_CHECKING:
     from fluxion_lite.sparse.backend import SparseAttention
@@ -50,54 +51,9 @@ LOG = logging.getLogger("fluxion_lite.sparse.host_capture")
 GPU_STEP_SPIN_US = 2000.0
 
 
-def plan_tasks(a: SparseAttention, st: DecodeStep) -> tuple[np.ndarray, np.ndarray, list[int], np.ndarray]:
-    """Every layer's retrieval tasks of a step in one pass over [L, B, Hkv] (sparse_step.retrieval_tasks on the static
-    plan's arrays); no side effects, so a step may be planned ahead (device_graph.py's look-ahead).
-    Returns the task table int32 [T, 9] (layer-major), each task's result row (sequence row * Hkv + group, int64
-    [T], ascending within a layer), the layer boundaries (layer l's tasks are rows ends[l] .. ends[l + 1]) and
-    each task's selected tokens as top-k will select them (int64 [T]): min(k, eligible blocks) blocks of g tokens,
-    the eligible blocks being those wholly inside the g-aligned gap [lo, hi) between sink and window (at host(l)
-    the store holds n - 1 >= hi tokens of the layer, so no block past hi exists to be excluded)."""
-    n_layers, hkv = a.cfg.n_layers, a.cfg.n_kv_heads
-    gi = a._gidx[:, None, :]  # [L, 1, Hkv]
-    tasks, li, bi, h, k_blocks, lo, hi = retrieval_tasks(st, gi, a._g[:, None, :], a._retrieval[:, None, :],
-                                                a._budget[:, None, :], _long(a))
-    ends = np.searchsorted(li, np.arange(n_layers + 1))  # li is layer-major
-    g = tasks[:, 3].astype(np.int64)
-    selected = np.minimum(k_blocks, (hi - lo) // g) * g
-    return tasks, bi * hkv + h, ends.tolist(), selected
-
-
-def step_counts(a: SparseAttention, st: DecodeStep) -> tuple[float, float, float, float]:
-    """The step's streaming reads and context (tokens), streaming and all groups: what count_step adds."""
-    n_layers, hkv, B = a.cfg.n_layers, a.cfg.n_kv_heads, st.batch
-    gi = a._gidx[:, None, :]  # [L, 1, Hkv]
-    retrieving = float(active_retrieval(st, a._retrieval[:, None, :], _long(a)).sum())
-    return (float(st.stream_read[gi, np.arange(B)[None, :, None]].sum()), float(st.n.sum()) * hkv * n_layers,
-            float(n_layers * B * hkv) - retrieving, float(n_layers * B * hkv))
-
-
-def _long(a: SparseAttention) -> np.ndarray | None:
-    """The static plan's long-only flags as [L, 1, Hkv], or None when it has none."""
-    return None if a._long is None else a._long[:, None, :]
-
-
-def add_counts(a: SparseAttention, counts: tuple[float, float, float, float]) -> None:
-    """step_counts' values into the backend's counters (stats())."""
-    a._read_tokens += counts[0]
-    a._context_tokens += counts[1]
-    a._stream_groups += counts[2]
-    a._all_groups += counts[3]
-
-
-def count_step(a: SparseAttention, st: DecodeStep) -> None:
-    """The step's streaming reads and context, streaming and all groups into the backend's counters (stats())."""
-    add_counts(a, step_counts(a, st))
-
-
 def expected_sizes(selected: np.ndarray, ends: list[int]) -> list[tuple[int, int]]:
     """Per layer (selected tokens of all its tasks, of its smallest non-empty task; 0, 0 without tasks) from each
-    task's selected tokens [T] and the layer boundaries (plan_tasks)."""
+    task's selected tokens [T] and the layer boundaries (SparseState.plan_tasks)."""
     starts, stops = np.array(ends[:-1]), np.array(ends[1:])
     busy = stops > starts  # layers with tasks: reduceat over their starts covers exactly their rows
     totals, smallest = np.zeros(len(starts), np.int64), np.zeros(len(starts), np.int64)
@@ -119,11 +75,11 @@ def stream_layer(a: SparseAttention, layer: int, slots: torch.Tensor, ring: torc
     [B] (device slab rows, the token's ring slot); bias fp32 [G, B, Ltot] (DecodeStep.bias). Returns
     qg [B, Hkv, r, D] (a view of q), out_s [B, Hkv, r, D] and lse_s [B, Hkv, r]."""
     B, hkv, r, d = q.shape[0], a.cfg.n_kv_heads, a.r, a.cfg.head_dim
-    near = a._near[layer]  # [slots, 2, Hkv, Ltot, D]
+    near = a.state.near[layer]  # [slots, 2, Hkv, Ltot, D]
     near[slots, :, :, ring] = torch.stack([k, v], dim=1).to(a.dtype)  # [B, 2, Hkv, D]
     kv = near[slots]  # [B, 2, Hkv, Ltot, D]
     qg = q.view(B, hkv, r, d)
-    group_bias = bias[a._gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
+    group_bias = bias[a.state.gidx_dev[layer]].transpose(0, 1)[:, :, None, :]  # [Hkv, B, Ltot] -> [B, Hkv, 1, Ltot]
     out_s, lse_s = biased_attention(qg, kv[:, 0], kv[:, 1], group_bias, a.scale)
     return qg, out_s, lse_s
 
@@ -136,11 +92,11 @@ class StaticStep:
         cuda = dev.type == "cuda"
         hkv, r, d = cfg.n_kv_heads, owner.r, cfg.head_dim
         n_bh = batch * hkv
-        ltot = owner.sink_cap + owner.ring_cap
+        ltot = owner.state.sink_cap + owner.state.ring_cap
         self.batch = batch
         self.slots = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] rows of the device slab
         self.ring = torch.zeros(batch, dtype=torch.long, device=dev)  # [B] the new token's ring slot
-        self.bias = torch.zeros(owner.bias_rows, batch, ltot, dtype=torch.float32, device=dev)  # [G, B, Ltot]
+        self.bias = torch.zeros(owner.state.bias_rows, batch, ltot, dtype=torch.float32, device=dev)  # [G, B, Ltot]
         # CPU results in one flat buffer (pinned) and its device twin: out [B Hkv, r, D], then lse [B Hkv, r]. Laid
         # out as the native attention writes them, so a layer whose tasks cover every row writes them in place.
         n_o = n_bh * r * d
@@ -151,6 +107,7 @@ class StaticStep:
         self.o_np, self.lse_np = res_np[:n_o].reshape(n_bh, r, d), res_np[n_o:].reshape(n_bh, r)
         self.o_gpu = torch.zeros(n_bh, r, d, dtype=torch.float32, device=dev)  # zero-copy GPU tasks' results
         self.lse_gpu = torch.full((n_bh, r), float("-inf"), dtype=torch.float32, device=dev)
+        self.rows = ResultRows(self.o_np, self.lse_np, self.o_gpu, self.lse_gpu)  # where the executor writes
         self.out_s: list[torch.Tensor | None] = [None] * cfg.n_layers  # streaming part per layer (graph outputs)
         self.lse_s: list[torch.Tensor | None] = [None] * cfg.n_layers
         self.q: list[torch.Tensor | None] = [None] * cfg.n_layers  # the layer's q [B Hkv, r, D] (graph buffer)
@@ -189,8 +146,8 @@ class StaticStep:
         self.bias.copy_(st.bias)
 
 
-class GraphedDecode:
-    """The hooks decode_graphs.py calls for a graphable SparseAttention step (see the module docstring)."""
+class GraphedDecode(CapturedDecode):
+    """The captured form of a SparseAttention decode step with CPU selection (see the module docstring)."""
 
     def __init__(self, owner: SparseAttention):
         # a weak reference: graph sets hold this object, and must not keep a dropped backend (and its pinned host
@@ -201,7 +158,7 @@ class GraphedDecode:
         self.ss: StaticStep | None = None
         self.st: DecodeStep | None = None
         self.chunks: list[SeqChunk] = []
-        # the step's tasks (plan_tasks): table, result row, layer boundaries; their prepared native calls; the
+        # the step's tasks (SparseState.plan_tasks): table, result row, layer boundaries; their prepared native calls; the
         # layers' store views (valid for the step: see begin)
         self.tasks = np.zeros((0, native.TASK_FIELDS), np.int32)
         self.bh = np.zeros(0, np.int64)
@@ -225,21 +182,21 @@ class GraphedDecode:
         ss = self.static.get(batch)
         if ss is None:
             ss = self.static[batch] = StaticStep(a, batch)
-        return (a.serial, batch, a._near.data_ptr(), id(ss))
+        return (a.serial, batch, a.state.near.data_ptr(), id(ss))
 
     def begin(self, chunks: list[SeqChunk]) -> None:
         a = self.a
         self.chunks = chunks
         for layer in range(a.cfg.n_layers):  # K/V queued by an eager step (the first decode step) go in first
-            a._flush(layer)
-        self.st = st = a._step_for(chunks)
+            a.flush_layer(layer)
+        self.st = st = a.state.step_for(chunks)
         self.ss = ss = self.static[len(chunks)]
         ss.load(st)
         a.store.reserve_decode(st.slots)  # before the views are fetched: the step's appends add no pages
         ss.slots32[:] = st.slots
         self.views = [a.store.view(layer) for layer in range(a.cfg.n_layers)]
-        count_step(a, st)  # the counters the eager path adds layer by layer
-        self.tasks, self.bh, self.ends, selected = plan_tasks(a, st)
+        a.state.count_step(st)  # the counters the eager path adds layer by layer
+        self.tasks, self.bh, self.ends, selected = a.state.plan_tasks(st)
         # what top-k will select, per layer: all the scheduler needs to see that a layer goes all-CPU (auto only)
         self.expect = expected_sizes(selected, self.ends) if a.placement == "auto" else [(0, 0)] * a.cfg.n_layers
         self.sel = None
@@ -249,21 +206,21 @@ class GraphedDecode:
         if a.device.type == "cuda":  # the host calls come a device layer apart: keep the pool's workers spinning
             native.set_spin_us(GPU_STEP_SPIN_US)
             native.wake_threads()
-        self._wait0 = a._st.gpu_wait_s
+        self._wait0 = a.state.stats.gpu_wait_s
         self._t0 = time.perf_counter()
 
-    def end(self) -> None:
+    def end(self, defer_sync: bool = False) -> None:
         a = self.a
         self._append(a.cfg.n_layers - 1)  # while the device runs the last layer's tail and the logits
         for c in self.chunks:
-            a._len[c.seq_id] = c.start + c.length
+            a.state.length[c.seq_id] = c.start + c.length
         if a.device.type == "cuda":
             torch.cuda.current_stream(a.device).synchronize()  # the step's end on the device (logits are read next)
             native.set_spin_us(None)  # idle workers sleep soon again between steps and requests
-        a._st.steps += 1
+        a.state.stats.steps += 1
         step = time.perf_counter() - self._t0
-        a._st.step_s += step
-        a._st.gpu_compute_s += max(0.0, step - (a._st.gpu_wait_s - self._wait0))  # the device was busy otherwise
+        a.state.stats.step_s += step
+        a.state.stats.gpu_compute_s += max(0.0, step - (a.state.stats.gpu_wait_s - self._wait0))  # the device was busy otherwise
 
     # ---- captured pieces -----------------------------------------------------------------------------------------
     def prologue(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -321,21 +278,27 @@ class GraphedDecode:
             per_token = a.cfg.head_dim * 2 * ex.elem  # K+V bytes of one selected token (scheduler.task_bytes)
             placement: Placement = a.placement if ex.feeder is not None else "cpu"
             pins = self._pins(lo, hi)  # they take part of each task's k: the native top-k adds them to its selection
-            if self._all_cpu(placement, *self.expect[layer], per_token):  # the one-call path
+            total, smallest = self.expect[layer]
+            if ex.all_cpu(placement, float(total * per_token), float(smallest * per_token)):  # one native call
                 self._select_attend(layer, view, lo, hi, per_token, *pins)
             else:
                 sel = self.sel
                 t0 = time.perf_counter()
                 sel.topk(view, lo, hi, a.topk_scoring, *pins)  # prepared: arguments checked once per step
-                a._st.cpu_topk_s += time.perf_counter() - t0
-                self._run_tasks(layer, view, lo, hi, sel.ids[lo:hi], sel.counts[lo:hi], placement)
+                a.state.stats.cpu_topk_s += time.perf_counter() - t0
+                ids, counts, tasks = sel.ids[lo:hi], sel.counts[lo:hi], self.tasks[lo:hi]
+                a.state.read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
+                q_dev = ss.q[layer]
+                assert q_dev is not None
+                ex.run(view, ss.q32, q_dev, tasks, ids, counts, self.bh[lo:hi], ss.batch * a.cfg.n_kv_heads,
+                       a.scale, placement, layer, into=ss.rows)
         else:
             ss.lse_np.fill(-np.inf)  # no CPU task in this layer
         if a.plan.background != "off":
             self._background(layer, lo, hi)
         if ss.res_dev is not ss.res_host:
             ss.res_dev.copy_(ss.res_host, non_blocking=True)  # read by the next replay's epilogue
-        a._st.gpu_wait_s += time.perf_counter() - t_idle
+        a.state.stats.gpu_wait_s += time.perf_counter() - t_idle
 
     def _background(self, layer: int, lo: int, hi: int) -> None:
         """The layer's unread-background term (SparseAttention.background_rows) merged by log-sum-exp into the CPU
@@ -348,7 +311,7 @@ class GraphedDecode:
             assert self.sel is not None
             ids, counts = self.sel.ids[lo:hi], self.sel.counts[lo:hi]
         got = a.background_rows(layer, st, ss.q32, self.tasks[lo:hi], ids, counts, self.bh[lo:hi],
-                                a._gidx[layer][None, :])
+                                a.state.gidx[layer][None, :])
         if got is None:
             return
         rows, o_b, lse_b = got
@@ -399,61 +362,9 @@ class GraphedDecode:
                             self.expect[layer][0])
             self.mispredicted += 1
         nbytes = float(tokens * per_token)
-        a._read_tokens += float(tokens)
-        st = a._st
+        a.state.read_tokens += float(tokens)
+        st = a.state.stats
         st.cpu_topk_s += t_select
         st.cpu_attn_s += t_attend
         st.cpu_bytes += nbytes
         a.executor.cost_model.observe_cpu(nbytes, t_attend)
-
-    def _all_cpu(self, placement: Placement, total: int, smallest: int, per_token: int) -> bool:
-        """Whether scheduler.split_tasks puts every task on the CPU, for tasks of `total` selected tokens whose
-        smallest non-empty one has `smallest`: always for placement cpu (or no GPU side), and for auto when the
-        scheduler's own shortcut applies (the CPU finishes everything before the GPU could finish the smallest
-        task). Decided before the selection from the sizes top-k will give (plan_tasks), without the queue."""
-        if placement == "cpu":
-            return True
-        if placement != "auto":
-            return False
-        costs = self.a.executor.cost_model.costs
-        return not costs.has_gpu or all_cpu_suffices(costs, float(total * per_token), float(smallest * per_token))
-
-    def _run_tasks(self, layer: int, view: native.KVView, lo: int, hi: int, ids: np.ndarray, counts: np.ndarray,
-                   placement: Placement) -> None:
-        """The layer's tasks (rows lo .. hi of the step's table) with their selections (ids int32 [T, k], counts
-        [T]) as the scheduler splits them: CPU tasks into the pinned result buffer, GPU tasks (zero-copy feeder)
-        into the device buffers."""
-        a, ss = self.a, self.ss
-        assert ss is not None
-        ex = a.executor
-        tasks, bh = self.tasks[lo:hi], self.bh[lo:hi]
-        a._read_tokens += float((counts.astype(np.float64) * tasks[:, 3]).sum())
-        nbytes = task_bytes(counts, tasks[:, 3].astype(np.int64), a.cfg.head_dim, ex.elem)
-        split = split_tasks(nbytes, ex.cost_model.costs, placement)
-        a._st.cpu_bytes += split.cpu_bytes
-        a._st.gpu_bytes += split.gpu_bytes
-        ci, gi = split.cpu, split.gpu
-        ss.lse_np.fill(-np.inf)  # rows without a CPU task
-        q_dev = ss.q[layer]
-        assert q_dev is not None
-        cpu_args = (view, ss.q32, tasks[ci], ids[ci], counts[ci], bh[ci], split.cpu_bytes)
-        fut = None
-        if len(ci) and len(gi):  # both sides: the CPU part in the worker while this thread queues the GPU part
-            fut = ex.submit(self._cpu_part, *cpu_args)
-        if len(gi):
-            ex.zero_copy_into(layer, view, q_dev, tasks[gi], ids[gi], counts[gi], bh[gi], a.scale, ss.o_gpu,
-                              ss.lse_gpu)
-        if fut is not None:
-            t0 = time.perf_counter()
-            fut.result()
-            a._st.host_wait_s += time.perf_counter() - t0
-        elif len(ci):
-            self._cpu_part(*cpu_args)
-
-    def _cpu_part(self, view: native.KVView, q_host: torch.Tensor, tasks: np.ndarray, ids: np.ndarray,
-                  counts: np.ndarray, bh: np.ndarray, nbytes: float) -> None:
-        a, ss = self.a, self.ss
-        assert ss is not None
-        o, lse = a.executor.cpu_part(view, q_host, tasks, ids, counts, a.scale, nbytes)  # [Tc, r, D], [Tc, r]
-        ss.o_np[bh] = o.numpy()  # [B Hkv, r, D]
-        ss.lse_np[bh] = lse.numpy()

@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
 from fluxion_lite.hostkv import native
-from fluxion_lite.sparse.attend import lse_merge_parts, masked_attention
-from fluxion_lite.sparse.cost_model import CostModel, Placement, split_tasks, task_bytes
+from fluxion_lite.sparse.attend import block_attention
+from fluxion_lite.sparse.cost_model import CostModel, Placement, Split, all_cpu_suffices, split_tasks, task_bytes
 from fluxion_lite.sparse.zero_copy import ZeroCopyFeeder
 
 
@@ -135,6 +135,18 @@ class _Pinned:
         self.dev = torch.zeros(cap, dtype=self.dtype, device=self.device) if self.pin else self.host
 
 
+@dataclass
+class ResultRows:
+    """Where a captured step wants a layer's retrieval results (HybridExecutor.run's `into`): the CPU tasks' rows in
+    pinned host arrays (numpy views: the host writes them at a fraction of a torch call's cost), the GPU tasks' rows
+    in device tensors; n_bh = batch * Hkv rows each."""
+
+    o_host: np.ndarray  # fp32 [n_bh, r, D]
+    lse_host: np.ndarray  # fp32 [n_bh, r]
+    o_dev: torch.Tensor  # fp32 [n_bh, r, D]
+    lse_dev: torch.Tensor  # fp32 [n_bh, r]
+
+
 class HybridExecutor:
     """Runs a layer's retrieval tasks on the CPU worker and the GPU feeder; see the module docstring."""
 
@@ -168,12 +180,33 @@ class HybridExecutor:
         if self._last_use is not None and not self._last_use.query():
             self._last_use.synchronize()
 
+    def all_cpu(self, placement: Placement, total_bytes: float, smallest_bytes: float) -> bool:
+        """Whether run() would put every task of a layer on the CPU, for tasks of total_bytes whose smallest
+        non-empty one has smallest_bytes: always for placement cpu (or no GPU side), and for auto when the cost
+        model's shortcut applies (the CPU finishes everything before the GPU could finish the smallest task). Lets
+        a caller that knows the sizes before the selection (the captured host step) select and attend in one
+        native call instead."""
+        if placement == "cpu":
+            return True
+        if placement != "auto":
+            return False
+        costs = self.cost_model.costs
+        return not costs.has_gpu or all_cpu_suffices(costs, total_bytes, smallest_bytes)
+
     def run(self, view: native.KVView, q_host: torch.Tensor, qg: torch.Tensor, tasks: np.ndarray, ids: np.ndarray,
             counts: np.ndarray, bh: np.ndarray, n_bh: int, scale: float,
-            placement: Placement | None = None, layer: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """tasks int32 [T, 9], ids int32 [T, k_cap], counts int32 [T], bh int64 [T] flat (seq * Hkv + group) index;
+            placement: Placement | None = None, layer: int | None = None,
+            into: ResultRows | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The one place where a layer's retrieval tasks are split between the CPU and the GPU and run.
+
+        tasks int32 [T, 9], ids int32 [T, k_cap], counts int32 [T], bh int64 [T] flat (seq * Hkv + group) index;
         q_host fp32 [B, Hq, D] (CPU), qg [B * Hkv, r, D] on the device. Returns device o fp32 [n_bh, r, D] and
-        lse fp32 [n_bh, r] covering every task (lse -inf elsewhere)."""
+        lse fp32 [n_bh, r] covering every task (lse -inf elsewhere).
+
+        into: result buffers of a captured step (host_capture.StaticStep): the CPU tasks' rows go into its pinned
+        host arrays (every other row's lse set to -inf; the caller copies them to the device with the layer's
+        other host results), the GPU tasks' rows into its device tensors, which are returned. Nothing is timed on
+        the device timeline then (the captured step accounts its own time)."""
         r, d, dev = self.r, self.d, self.device
         g = tasks[:, 3].astype(np.int64)
         nbytes = task_bytes(counts, g, d, self.elem)
@@ -181,6 +214,8 @@ class HybridExecutor:
         st = self.stats
         st.cpu_bytes += split.cpu_bytes
         st.gpu_bytes += split.gpu_bytes
+        if into is not None:
+            return self._run_into(into, view, q_host, qg, tasks, ids, counts, bh, scale, split, layer)
         self._reuse_guard()
         o_full = torch.zeros(n_bh, r, d, dtype=torch.float32, device=dev)
         lse_full = torch.full((n_bh, r), float("-inf"), dtype=torch.float32, device=dev)
@@ -257,6 +292,35 @@ class HybridExecutor:
             self._last_use = torch.cuda.Event()
             self._last_use.record()
         return o_full, lse_full
+
+    def _run_into(self, into: ResultRows, view: native.KVView, q_host: torch.Tensor, qg: torch.Tensor,
+                  tasks: np.ndarray, ids: np.ndarray, counts: np.ndarray, bh: np.ndarray, scale: float,
+                  split: Split, layer: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """run() into a captured step's buffers: the CPU part on the worker while this thread queues the GPU part
+        (zero-copy feeder; a captured step without it runs placement cpu), or on this thread when one side is
+        empty."""
+        ci, gi = split.cpu, split.gpu
+        into.lse_host.fill(-np.inf)  # rows without a CPU task
+        cpu_args = (into, view, q_host, tasks[ci], ids[ci], counts[ci], bh[ci], scale, split.cpu_bytes)
+        fut = self._worker.submit(self._cpu_rows, *cpu_args) if len(ci) and len(gi) else None
+        if len(gi):
+            assert layer is not None and self.feeder is not None, "a captured step's GPU tasks need the feeder"
+            self.zero_copy_into(layer, view, qg, tasks[gi], ids[gi], counts[gi], bh[gi], scale, into.o_dev,
+                                into.lse_dev)
+        if fut is not None:
+            t0 = time.perf_counter()
+            fut.result()  # re-raises a native error from the worker
+            self.stats.host_wait_s += time.perf_counter() - t0
+        elif len(ci):
+            self._cpu_rows(*cpu_args)
+        return into.o_dev, into.lse_dev
+
+    def _cpu_rows(self, into: ResultRows, view: native.KVView, q_host: torch.Tensor, tasks: np.ndarray,
+                  ids: np.ndarray, counts: np.ndarray, bh: np.ndarray, scale: float, nbytes: float) -> None:
+        """CPU tasks' native attention into rows bh of a captured step's host result arrays."""
+        o, lse = self.cpu_part(view, q_host, tasks, ids, counts, scale, nbytes)  # [Tc, r, D], [Tc, r]
+        into.o_host[bh] = o.numpy()  # [B Hkv, r, D]
+        into.lse_host[bh] = lse.numpy()
 
     def zero_copy_into(self, layer: int, view: native.KVView, qg: torch.Tensor, tasks: np.ndarray, ids: np.ndarray,
                        counts: np.ndarray, bh: np.ndarray, scale: float, o_dst: torch.Tensor,

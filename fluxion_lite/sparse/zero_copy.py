@@ -230,22 +230,24 @@ class ZeroCopyFeeder:
         self.store, self.device = store, device
         self.h, self.p, self.d = store.n_kv_heads, store.page_tokens, store.head_dim
         self.chunks_per_head = self.p // CHUNK_TOKENS  # chunks of one head in one page (K or V)
-        self._span: torch.Tensor | None = None  # int64 [span_chunks, chunk_bytes / 8]
+        self.span: torch.Tensor | None = None  # int64 [span_chunks, chunk_bytes / 8]
         self._span_version = -1
         self._base = 0
         # per layer: device table [S, max_pages] of each page's first chunk in the span (0 where no page)
         self._tables: list[torch.Tensor | None] = [None] * store.n_layers
         self._table_key: list[tuple[int, int, int]] = [(-1, -1, -1)] * store.n_layers
 
-    def _refresh(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def refresh(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The alias over every slab (span, int64 rows of one chunk) and the layer's chunk table, rebuilt only when
+        the store's slabs or the layer's pages changed; the device step reads both at fixed addresses."""
         st = self.store
         if self._span_version != st.slab_version:
             starts = st.page_addresses()
             base = min(a for a, _ in starts)
             end = max(a + n * st.page_stride for a, n in starts)
             # owner: the store's slab list, so no slab can go while an alias of it lives
-            self._span = raw_view(base, ((end - base) // st.chunk_bytes, st.chunk_bytes // 8), torch.int64,
-                                  self.device, st.slabs)
+            self.span = raw_view(base, ((end - base) // st.chunk_bytes, st.chunk_bytes // 8), torch.int64,
+                                 self.device, st.slabs)
             self._base, self._span_version = base, st.slab_version
         key = (st.slab_version, int(st.layer_version[layer]), st.page_table(layer).shape[1])
         if self._table_key[layer] != key:
@@ -253,8 +255,8 @@ class ZeroCopyFeeder:
             table = np.where(addr != 0, (addr - self._base) // st.chunk_bytes, 0)
             self._tables[layer] = torch.from_numpy(table).to(self.device)
             self._table_key[layer] = key
-        assert self._span is not None and self._tables[layer] is not None
-        return self._span, self._tables[layer]  # type: ignore[return-value]
+        assert self.span is not None and self._tables[layer] is not None
+        return self.span, self._tables[layer]  # type: ignore[return-value]
 
     def attend(self, layer: int, n_tokens: np.ndarray, qg: torch.Tensor, tasks: np.ndarray, ids: np.ndarray,
                counts: np.ndarray, bh: np.ndarray, scale: float, meta_host: torch.Tensor, meta_dev: torch.Tensor,
@@ -267,7 +269,7 @@ class ZeroCopyFeeder:
 
         Only the selected chunks cross PCIe: they are read packed (task after task), then placed into a padded
         [T, C * 16, D] layout in device memory for the batched attention (C: chunks of the largest task)."""
-        span, table = self._refresh(layer)
+        span, table = self.refresh(layer)
         T, dev = len(tasks), self.device
         kc = self.ids_width(counts)
         n_live = counts.astype(np.int64) * tasks[:, 3] // CHUNK_TOKENS  # [T] chunks per task

@@ -58,11 +58,11 @@ from fluxion_lite.sparse.device import kernels as device_kernels
 
 from fluxion_lite.sparse.device import topk as device_topk
 from fluxion_lite.sparse.device.background import background_term, merge_into_partial, merge_normalised, selected_blocks
-from fluxion_lite.model.attention import SeqChunk
+from fluxion_lite.model.attention import CapturedDecode, SeqChunk
 from fluxion_lite.sparse.attend import lse_merge
 from fluxion_lite.sparse.device.pin_cache import DevicePinPool, span_kv_rows
 from fluxion_lite.sparse.device.reuse_cache import DeviceReuseCache
-from fluxion_lite.sparse.host_capture import add_counts, plan_tasks, step_counts, stream_layer
+from fluxion_lite.sparse.host_capture import stream_layer
 from fluxion_lite.sparse.device.step_buffers import DeviceStep
 from fluxion_lite.sparse.device.topk import ReuseViews
 from fluxion_lite.sparse.step import BACKGROUND_G, DecodeStep, GVALS
@@ -91,7 +91,7 @@ def background_bounds(a: SparseAttention, st: DecodeStep, layer_of: np.ndarray, 
     term's tasks exclude them (SparseAttention.background_rows, sparse_step.background_tasks); empty for a group
     without a term (with background "retrieval": one without a retrieval task this step). layer_of, rows, heads:
     the step's retrieval tasks (plan_tasks)."""
-    gi = a._gidx[:, None, :]  # [L, 1, Hkv]
+    gi = a.state.gidx[:, None, :]  # [L, 1, Hkv]
     b = np.arange(st.batch)[None, :, None]  # [1, B, 1]
     lo, hi = -(-st.sink_hi[gi, b] // BACKGROUND_G), st.win_lo[gi, b] // BACKGROUND_G  # [L, B, Hkv]
     if a.plan.background != "all":
@@ -101,8 +101,8 @@ def background_bounds(a: SparseAttention, st: DecodeStep, layer_of: np.ndarray, 
     return np.stack([lo, np.maximum(hi, lo)])
 
 
-class DeviceGraphedDecode:
-    """DecodeHooks (decode_graphs.py) for SparseAttention with selection='gpu' and zero-copy reads."""
+class DeviceGraphedDecode(CapturedDecode):
+    """CapturedDecode (model/attention.py) for SparseAttention with selection='gpu' and zero-copy reads."""
 
     def __init__(self, owner: SparseAttention):
         # No host work between layers, so decode_graphs may capture the step as one graph (measured: one ~7.7 ms
@@ -119,8 +119,8 @@ class DeviceGraphedDecode:
         # the GPU beyond sink + window: FLUXION_PIN_CACHE=0 leaves it out (what issue 5's 13.6 ms target assumes).
         self.a = weakref.proxy(owner)  # graph sets hold this object: they must not keep a dropped backend alive
         self.serial = owner.serial
-        assert owner._dsum is not None and owner.executor.feeder is not None
-        self.dsum, self.feeder = owner._dsum, owner.executor.feeder
+        assert owner.summaries is not None and owner.executor.feeder is not None
+        self.dsum, self.feeder = owner.summaries, owner.executor.feeder
         self.g = self.dsum.g
         # the unread-background term (device_background.py): from the g = 16 summaries and the device value sums
         self.background = owner.plan.background != "off"
@@ -144,7 +144,7 @@ class DeviceGraphedDecode:
         self._shape: tuple[object, ...] = ()
         self._t0 = 0.0
         # Host work overlapped with the device step (FLUXION_STEP_OVERLAP=0: off, for A/B). At batch 1 on the H200
-        # host a step's host work took ~1.3 ms of a ~9.5 ms step with the GPU idle (session 11's cProfile): the
+        # host a step's host work took ~1.3 ms of a ~9.5 ms step with the GPU idle (a cProfile of bench/tpot.py): the
         # next step's plan (~0.7 ms) and the store appends (~0.3 ms). With overlap, end() appends the previous
         # step's K/V and plans the likely next step (the same rows, one token on) while the device runs; the host
         # store then lags the device by one more token, which top-k never reads (the newest tokens are in the window).
@@ -163,14 +163,14 @@ class DeviceGraphedDecode:
                       if self.fused and owner.device.type == "cuda"
                       and owner.settings.stream_branch else None)
         # Early block choice (on by default since RULER at batch 1 showed no loss: 4K and 32K, 156 samples each, 9
-        # better and 9 worse over both, docs/hybrid.md, nineteenth session; FLUXION_EARLY_SELECT=0 for A/B): layer l's
+        # better and 9 worse over both, docs/history.md; FLUXION_EARLY_SELECT=0 for A/B): layer l's
         # blocks are chosen with a query predicted from the stream after layer l-1's attention (Transformer.
         # query_ahead), on a second side stream while layer l-1's MLP runs, and with the reuse cache the chosen
         # blocks' PCIe reads run there too (block_attention stage 1). Layer l's own chain then keeps block attention
         # over device memory only (stage 2). Measured (H200, 8B shape, 32K b1): the retrieval chain 1506 -> 1017 us
         # per step, the step ~0.2 ms shorter (the extra q GEMV and side kernels slow the MLP's GEMMs by ~6 us per
         # layer). The predicted query's choice held 97-99% of the real choice's attention mass on real models
-        # (bench/speculative_select.py, docs/hybrid.md, fifteenth session).
+        # (research/speculative_select.py, docs/history.md).
         self.early_on = (self.fused and not self.torch_topk
                          and owner.settings.early_select)
         # high priority: its kernels take SMs as the MLP's GEMM blocks retire, instead of queueing behind them
@@ -182,23 +182,23 @@ class DeviceGraphedDecode:
         self._early_refs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.early_choices = 0  # layers whose blocks were chosen early (tests check the path ran)
 
-    # ---- the step's structure (decode_hooks calls prepare before key) -------------------------------------------
+    # ---- the step's structure (captured_decode calls prepare before key) -------------------------------------------
     def prepare(self, chunks: list[SeqChunk]) -> None:
         """Sizes of this step's static tensors; grows the device summaries first, so nothing the graphs address
         moves during the step (begin() reserves the host pages, whose tables are copied into fixed tensors)."""
         a = self.a
         n_max = max(c.start for c in chunks) + 1
         nb = bucket_tokens(n_max)
-        self.dsum.reserve(a.cfg.n_layers, max(a._slot[c.seq_id] for c in chunks), nb // self.g)
+        self.dsum.reserve(a.cfg.n_layers, max(a.state.slot[c.seq_id] for c in chunks), nb // self.g)
         bucket = self._buckets.get(nb)
         if bucket is None:  # once per length bucket, not per step
             # an upper bound of every row's k in this bucket: the budget factor's largest value over the bucket's
             # lengths (a budget curve may rise with n), a long-only group's factor only rises (0 below
             # short_tokens: no blocks, as a streaming group)
-            factor = np.full(a._budget.shape, a.plan.max_budget_factor(max(nb - BUCKET_TOKENS + 1, 1), nb))
-            if a._long is not None:
-                factor[a._long] = float(a.plan.long_factor(nb))
-            k_cap = np.where(a._retrieval, np.ceil(a._budget * nb * factor / self.g), 0).astype(np.int64)  # [L, Hkv]
+            factor = np.full(a.state.budget.shape, a.plan.max_budget_factor(max(nb - BUCKET_TOKENS + 1, 1), nb))
+            if a.state.long_only is not None:
+                factor[a.state.long_only] = float(a.plan.long_factor(nb))
+            k_cap = np.where(a.state.retrieval, np.ceil(a.state.budget * nb * factor / self.g), 0).astype(np.int64)  # [L, Hkv]
             widths = tuple(int(w) for w in np.minimum(k_cap, nb // self.g).max(axis=1))  # per layer
             bucket = self._buckets[nb] = (k_cap, -(-nb // a.store.page_tokens), k_cap.tobytes(), widths)
         k_cap, page_cap, caps_key, widths = bucket
@@ -210,7 +210,7 @@ class DeviceGraphedDecode:
         if self.reuse is not None:  # may reallocate: before the graphs' key is taken
             self._reuse_now = self.reuse if self.reuse.ensure(len(chunks), nb // self.g, widths) else None
         if self.pool is not None and a.pins is not None:  # may grow the pool: before the graphs' key is taken
-            self.pool.reserve(a.pins, np.array([a._slot[c.seq_id] for c in chunks]))
+            self.pool.reserve(a.pins, np.array([a.state.slot[c.seq_id] for c in chunks]))
 
     @property
     def pin_cache(self) -> bool:
@@ -236,9 +236,9 @@ class DeviceGraphedDecode:
     def key(self, batch: int) -> tuple[object, ...]:
         """Changes whenever a buffer the captured graphs address was reallocated, or the step's structure changed."""
         a = self.a
-        self.feeder._refresh(0)  # the span alias follows the store's slabs
+        self.feeder.refresh(0)  # the span alias follows the store's slabs
         ds = self.static[self._shape]
-        return ("device", a.serial, self._shape, a._near.data_ptr(), self.dsum.version, a.store.slab_version,
+        return ("device", a.serial, self._shape, a.state.near.data_ptr(), self.dsum.version, a.store.slab_version,
                 ds.serial, 0 if self.pool is None else self.pool.serial, 0 if self.reuse is None else self.reuse.serial,
                 self.reuse_on)
 
@@ -246,11 +246,11 @@ class DeviceGraphedDecode:
     def begin(self, chunks: list[SeqChunk]) -> None:
         a = self.a
         self.chunks = chunks
-        eager = any(p is not None for p in a._pending)
+        eager = any(p is not None for p in a.state.pending)
         if eager:  # K/V queued by an eager step go in first
             for layer in range(a.cfg.n_layers):
-                a._flush_eager(layer)
-        self.st = st = a._step_for(chunks)  # planned by the last end() when these are its rows one token on
+                a.flush_eager_layer(layer)
+        self.st = st = a.state.step_for(chunks)  # planned by the last end() when these are its rows one token on
         self.ds = ds = self.static[self._shape]
         ahead, self._ahead = self._ahead, None
         planned: StepInputs | None = None
@@ -277,7 +277,7 @@ class DeviceGraphedDecode:
         stale = (range(self.a.cfg.n_layers) if ds.table_slabs != store.slab_version
                  else np.flatnonzero(ds.table_versions != store.layer_version).tolist())
         for layer in stale:
-            _, table = self.feeder._refresh(layer)  # [S, max_pages] chunk index of each page in the span
+            _, table = self.feeder.refresh(layer)  # [S, max_pages] chunk index of each page in the span
             w = min(table.shape[1], ds.tables.shape[2])
             ds.tables[layer].zero_()
             ds.tables[layer, : table.shape[0], :w] = table[:, :w]
@@ -286,13 +286,13 @@ class DeviceGraphedDecode:
 
     def _load_tasks(self, ds: DeviceStep, st: DecodeStep, planned: StepInputs | None) -> None:
         """The step's integer inputs (ds.ints: slots, positions, ring slots, eligible blocks, and each (layer, row,
-        group)'s k as the host paths compute it: sparse_graph.plan_tasks) in one copy, made by the previous end()
-        when it planned these rows (`planned`; else now); the counters (step_counts' streaming and context,
+        group)'s k as the host paths compute it: SparseState.plan_tasks) in one copy, made by the previous end()
+        when it planned these rows (`planned`; else now); the counters (SparseState.step_counts' streaming and context,
         planned with them; the bytes fetched over PCIe)."""
         a = self.a
         ints, k_row, counts = planned if planned is not None else self._step_ints(ds, st)
         ds.ints.copy_(ints, non_blocking=True)  # pinned on CUDA: asynchronous, after the previous step's reads
-        add_counts(a, counts)
+        a.state.add_counts(counts)
         # the kernels skip masked ranks; the torch path reads every rank up to k_cap and masks afterwards
         fetched = int(k_row.sum()) if self.fused else ds.fetched_blocks
         if self.pin_cache:  # pinned blocks rank first and come from the device cache
@@ -301,10 +301,10 @@ class DeviceGraphedDecode:
 
     def _step_ints(self, ds: DeviceStep, st: DecodeStep) -> StepInputs:
         """ds.ints' contents for step st, on the host (pinned on CUDA), with k_row int64 [L, B, Hkv] (each (layer,
-        row, group)'s k: sparse_graph.plan_tasks capped at the structure's k_cap) and the step's counters
-        (sparse_graph.step_counts with the tokens the step selects added to the tokens read)."""
+        row, group)'s k: SparseState.plan_tasks capped at the structure's k_cap) and the step's counters
+        (SparseState.step_counts with the tokens the step selects added to the tokens read)."""
         a, B = self.a, st.batch
-        tasks, _, ends, selected = plan_tasks(a, st)  # tasks: int32 [T, 9] (slot, row, group, g, k, ...)
+        tasks, _, ends, selected = a.state.plan_tasks(st)  # tasks: int32 [T, 9] (slot, row, group, g, k, ...)
         layer_of = np.repeat(np.arange(len(ends) - 1), np.diff(ends))  # [T]
         heads = tasks[:, 2].astype(np.int64)
         host = torch.empty(ds.ints.shape[0], dtype=torch.long, pin_memory=a.device.type == "cuda")
@@ -319,7 +319,7 @@ class DeviceGraphedDecode:
         if ds.bg_bounds is not None:
             bg = ints[5 * B + k_row.size:].reshape(ds.bg_bounds.shape)
             bg[:] = background_bounds(a, st, layer_of, tasks[:, 1].astype(np.int64), heads)
-        read, context, streaming, groups = step_counts(a, st)
+        read, context, streaming, groups = a.state.step_counts(st)
         return host, k_row, (read + float(selected.sum()), context, streaming, groups)
 
     def _plan_next(self) -> None:
@@ -327,7 +327,7 @@ class DeviceGraphedDecode:
         (SparseAttention._step_for keeps it) and its integer inputs (_step_ints, for the same step structure);
         begin() uses them when the rows and the structure are as expected."""
         nxt = [SeqChunk(c.seq_id, c.start + c.length, 1) for c in self.chunks]
-        st = self.a._step_for(nxt)
+        st = self.a.state.step_for(nxt)
         ds = self.ds
         assert ds is not None
         # its pages too: the store holds what begin() would count from (the queued step just went in), and the
@@ -352,8 +352,8 @@ class DeviceGraphedDecode:
         """Blocks read from the host store over PCIe (K and V, 16-bit), in the backend's byte counters."""
         a = self.a
         nbytes = float(blocks * self.g * a.cfg.head_dim * 2 * 2)
-        a._st.gpu_bytes += nbytes
-        a._st.zero_copy_bytes += nbytes
+        a.state.stats.gpu_bytes += nbytes
+        a.state.stats.zero_copy_bytes += nbytes
 
     def _load_pins(self, ds: DeviceStep, st: DecodeStep) -> None:
         """The rows' pinned blocks as a mask [L, B, Hkv, NB] (rebuilt only when the rows or their pins changed);
@@ -366,7 +366,7 @@ class DeviceGraphedDecode:
             ds.pin_count[:] = mask.sum(-1)
             ds.pins_key = key
         if self.pool is not None and self.pin_cache:
-            span = self.feeder._span
+            span = self.feeder.span
             assert span is not None
             copied = self.pool.blocks_copied
             self.pool.fill(span.view(a.store.dtype), ds.tables)  # after _load_tables: the step's page tables
@@ -402,14 +402,14 @@ class DeviceGraphedDecode:
         if not self.overlap:
             self.flush_appends()
         for c in self.chunks:
-            a._len[c.seq_id] = c.start + c.length
-        a._st.steps += 1
+            a.state.length[c.seq_id] = c.start + c.length
+        a.state.stats.steps += 1
         now = time.perf_counter()
         # deferred: the time since the previous end, the step's share of a run of steps (its own span ends later)
         step = now - (self._last_end if deferred and self._last_end > 0 else self._t0)
         self._last_end = now if deferred else 0.0
-        a._st.step_s += step
-        a._st.gpu_compute_s += step  # nothing inside the step waits for the host
+        a.state.stats.step_s += step
+        a.state.stats.gpu_compute_s += step  # nothing inside the step waits for the host
 
     # ---- captured pieces -----------------------------------------------------------------------------------------
     def prologue(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -419,7 +419,7 @@ class DeviceGraphedDecode:
         flat = ds.flat[layer]
         if self.fused:  # device_kernels: append, streaming part, scores, top-k, block attention, combine
             qg = q.view(ds.batch, a.cfg.n_kv_heads, a.r, a.cfg.head_dim)
-            device_kernels.append_token(k, v, a._near[layer], ds.stage[layer], self.dsum.layer(layer), ds.slots,
+            device_kernels.append_token(k, v, a.state.near[layer], ds.stage[layer], self.dsum.layer(layer), ds.slots,
                                         ds.pos, ds.ring, self.g)  # summary capacity reserved in prepare()
             if self.background:
                 self.dsum.append_values(layer, ds.slots, ds.pos, v)
@@ -468,7 +468,7 @@ class DeviceGraphedDecode:
     def _stream_part(self, layer: int, qg: torch.Tensor, ds: DeviceStep) -> None:
         """Attention over the device sink + window of every group -> the partials ds.stream_o/m/l."""
         a = self.a
-        device_kernels.stream_attention(qg, a._near[layer], ds.bias, a._gidx_dev[layer], ds.slots, ds.stream_o,
+        device_kernels.stream_attention(qg, a.state.near[layer], ds.bias, a.state.gidx_dev[layer], ds.slots, ds.stream_o,
                                         ds.stream_m, ds.stream_l, a.scale)
 
     def _retrieve_fused(self, layer: int, qg: torch.Tensor, ds: DeviceStep,
@@ -510,7 +510,7 @@ class DeviceGraphedDecode:
                 ids: torch.Tensor, vals: torch.Tensor, reuse: ReuseViews | None, stage: int) -> None:
         """device_kernels.block_attention over the chosen blocks (stage: see there) -> ds.part_o/m/l."""
         _, flat_h, flat_j = flat
-        span = self.feeder._span
+        span = self.feeder.span
         assert span is not None
         pin = self.pool is not None and self.pool.kv is not None
         cache = self._reuse_now
@@ -559,7 +559,7 @@ class DeviceGraphedDecode:
         vals, ids = scores.topk(width, dim=-1)  # [B, Hkv, width] best first
         ids, vals = ids[:, flat_h, flat_j], vals[:, flat_h, flat_j]  # [B, N]: each group's first k_cap
         valid = (vals > float("-inf")) & (flat_j < ds.k_row[layer][:, flat_h])  # [B, N]
-        span = self.feeder._span
+        span = self.feeder.span
         assert span is not None
         n = flat_h.shape[0]
         rows = span.index_select(0, span_kv_rows(ds.tables[layer], ds.slots[:, None].expand(B, n),

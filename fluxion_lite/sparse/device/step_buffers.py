@@ -45,8 +45,8 @@ class DeviceStep:
         # with the term: each (layer, row, group)'s background candidates, 16-token blocks [lo, hi) ([2, L, B, Hkv])
         self.bg_bounds = (self.ints[5 * batch + per_group:].view(2, n_layers, batch, hkv) if self.background
                           else None)
-        ltot = owner.sink_cap + owner.ring_cap
-        self.bias = torch.zeros(owner.bias_rows, batch, ltot, dtype=torch.float32, device=dev)  # [G, B, Ltot]
+        ltot = owner.state.sink_cap + owner.state.ring_cap
+        self.bias = torch.zeros(owner.state.bias_rows, batch, ltot, dtype=torch.float32, device=dev)  # [G, B, Ltot]
         self.pinned = torch.zeros(n_layers, batch, hkv, n_blocks, dtype=torch.bool, device=dev)  # [L, B, Hkv, NB]
         # per layer: each page's first chunk in the zero-copy span, rows = store slots (static copies of the
         # feeder's tables, refreshed in place when the store's page tables change)
@@ -78,7 +78,7 @@ class DeviceStep:
             self.part_m = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
             self.part_l = torch.empty(batch, n_max, r, dtype=torch.float32, device=dev)
             self.out = torch.empty(n_layers, batch, hkv, r, d, dtype=owner.dtype, device=dev)  # per layer: merged
-            splits = device_kernels.stream_splits(owner.sink_cap + owner.ring_cap)  # any layer's streaming partials
+            splits = device_kernels.stream_splits(owner.state.sink_cap + owner.state.ring_cap)  # any layer's streaming partials
             self.stream_o = torch.empty(batch, hkv, splits, r, d, dtype=torch.float32, device=dev)
             self.stream_m = torch.empty(batch, hkv, splits, r, dtype=torch.float32, device=dev)
             self.stream_l = torch.empty(batch, hkv, splits, r, dtype=torch.float32, device=dev)

@@ -1,0 +1,173 @@
+/* Internal interfaces of the quantized-weight kernels (fx_quant*.c): the quantized activations as the kernels read
+ * them, the per-SIMD-path kernel table, and the block-format helpers every path shares.  fluxion.h ("QUANTIZED
+ * WEIGHTS") states the block layouts and the arithmetic; this file only names them for the C code. */
+#ifndef FX_QUANT_H
+#define FX_QUANT_H
+
+#include <stdint.h>
+#include <string.h>
+#include "fx_internal.h"
+
+#define FXQ_NTYPES 31   /* type ids 0 .. 30 index the kernel tables */
+#define FXQ_TILE_M 16   /* rows of x handled per pass over a weight row */
+
+/* Block sizes and bytes per block (fluxion.h's table). */
+enum {
+    FXQ_BYTES_Q4_0 = 18, FXQ_BYTES_Q4_1 = 20, FXQ_BYTES_Q5_0 = 22, FXQ_BYTES_Q5_1 = 24, FXQ_BYTES_Q8_0 = 34,
+    FXQ_BYTES_Q4_K = 144, FXQ_BYTES_Q5_K = 176, FXQ_BYTES_Q6_K = 210,
+};
+
+/* The activations of a tile of x rows, quantized (fx_quant.c, quantize_rows) or as given.  Row i of the tile starts
+ * at i * k (q, x), i * (k / 32) (d32, s32), i * (k / 256) (d256), i * (k / 16) (bs256); pointers of a format the call
+ * does not use are NULL. */
+typedef struct fxq_act {
+    int64_t k;
+    const int8_t *q32;     /* 32-block format: qx [k] */
+    const float *d32;      /*   dx per 32-block */
+    const float *s32;      /*   dx * sum(qx) per 32-block (fp32 product) */
+    const int8_t *q256;    /* 256-block format (K types): qx [k] */
+    const float *d256;     /*   dx per 256-block */
+    const int16_t *bs256;  /*   sum(qx) per 16 elements */
+    const float *x;        /* F32/F16/BF16 weights: x as given [k] */
+} fxq_act;
+
+/* y[i * ldy + r] = dot(weight row r, x row i) for r < n_rows, i < m (1 <= m <= FXQ_TILE_M); weight row r at
+ * w + r * row_bytes.  Each weight row is read from memory once for all m rows. */
+typedef void (*fxq_rows_fn)(const uint8_t *w, int64_t row_bytes, int64_t n_rows, const fxq_act *a, int m, float *y,
+                            int64_t ldy);
+
+typedef struct fx_qkernels {
+    const char *name;
+    fxq_rows_fn rows[FXQ_NTYPES]; /* by type id; NULL for ids that are not weight types */
+    /* out[0 .. k) = one row of type wtype, as fp32 (fluxion.h's formulas, bit for bit on every path) */
+    void (*dequant_row)(int32_t wtype, const uint8_t *row, int64_t k, float *out);
+} fx_qkernels;
+
+extern const fx_qkernels fx_qkernels_portable;
+extern const fx_qkernels fx_qkernels_avx2;
+extern const fx_qkernels fx_qkernels_avx512;      /* AVX-512BW integer dot products */
+extern const fx_qkernels fx_qkernels_avx512vnni;  /* the same kernels with AVX512-VNNI instructions */
+
+/* ---- shared helpers (static inline: each path's file compiles them for its own instruction set) ---- */
+
+static inline uint16_t fxq_u16(const uint8_t *p) {
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static inline uint32_t fxq_u32(const uint8_t *p) {
+    uint32_t v;
+    memcpy(&v, p, 4);
+    return v;
+}
+
+/* Q4_K / Q5_K: the eight 6-bit scales and mins packed in 12 bytes (fluxion.h, Q4_K). */
+static inline void fxq_k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8]) {
+    for (int j = 0; j < 4; j++) {
+        sc[j] = s[j] & 63;
+        mn[j] = s[j + 4] & 63;
+        sc[j + 4] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
+        mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
+    }
+}
+
+/* One row of any type as fp32.  Each value is computed exactly as fluxion.h writes it, with fp32 operations whose
+ * products are all exact, so whatever the compiler does with them (vectorising, contracting a product and a sum into
+ * an FMA) the result is the same: the exact value rounded once. */
+static inline void fxq_dequant_row_generic(int32_t t, const uint8_t *w, int64_t k, float *out) {
+    switch (t) {
+        case FX_QT_F32: memcpy(out, w, (size_t)k * 4); return;
+        case FX_QT_F16:
+            for (int64_t e = 0; e < k; e++) out[e] = fx_f16_to_f32(fxq_u16(w + 2 * e));
+            return;
+        case FX_QT_BF16:
+            for (int64_t e = 0; e < k; e++) out[e] = fx_bf16_to_f32(fxq_u16(w + 2 * e));
+            return;
+        default: break;
+    }
+    int64_t nb = t >= FX_QT_Q4_K ? k / 256 : k / 32;
+    for (int64_t b = 0; b < nb; b++) {
+        switch (t) {
+            case FX_QT_Q4_0: {
+                const uint8_t *p = w + b * FXQ_BYTES_Q4_0, *qs = p + 2;
+                float d = fx_f16_to_f32(fxq_u16(p)), *o = out + 32 * b;
+                for (int e = 0; e < 16; e++) {
+                    o[e] = d * (float)((qs[e] & 15) - 8);
+                    o[e + 16] = d * (float)((qs[e] >> 4) - 8);
+                }
+                break;
+            }
+            case FX_QT_Q4_1: {
+                const uint8_t *p = w + b * FXQ_BYTES_Q4_1, *qs = p + 4;
+                float d = fx_f16_to_f32(fxq_u16(p)), m = fx_f16_to_f32(fxq_u16(p + 2)), *o = out + 32 * b;
+                for (int e = 0; e < 16; e++) {
+                    o[e] = d * (float)(qs[e] & 15) + m;
+                    o[e + 16] = d * (float)(qs[e] >> 4) + m;
+                }
+                break;
+            }
+            case FX_QT_Q5_0: {
+                const uint8_t *p = w + b * FXQ_BYTES_Q5_0, *qs = p + 6;
+                float d = fx_f16_to_f32(fxq_u16(p)), *o = out + 32 * b;
+                uint32_t qh = fxq_u32(p + 2);
+                for (int e = 0; e < 16; e++) {
+                    o[e] = d * (float)((int)((qs[e] & 15) | ((qh >> e) & 1) << 4) - 16);
+                    o[e + 16] = d * (float)((int)((qs[e] >> 4) | ((qh >> (e + 16)) & 1) << 4) - 16);
+                }
+                break;
+            }
+            case FX_QT_Q5_1: {
+                const uint8_t *p = w + b * FXQ_BYTES_Q5_1, *qs = p + 8;
+                float d = fx_f16_to_f32(fxq_u16(p)), m = fx_f16_to_f32(fxq_u16(p + 2)), *o = out + 32 * b;
+                uint32_t qh = fxq_u32(p + 4);
+                for (int e = 0; e < 16; e++) {
+                    o[e] = d * (float)((qs[e] & 15) | ((qh >> e) & 1) << 4) + m;
+                    o[e + 16] = d * (float)((qs[e] >> 4) | ((qh >> (e + 16)) & 1) << 4) + m;
+                }
+                break;
+            }
+            case FX_QT_Q8_0: {
+                const uint8_t *p = w + b * FXQ_BYTES_Q8_0;
+                float d = fx_f16_to_f32(fxq_u16(p)), *o = out + 32 * b;
+                for (int e = 0; e < 32; e++) o[e] = d * (float)(int8_t)p[2 + e];
+                break;
+            }
+            case FX_QT_Q4_K:
+            case FX_QT_Q5_K: {
+                int five = t == FX_QT_Q5_K;
+                const uint8_t *p = w + b * (five ? FXQ_BYTES_Q5_K : FXQ_BYTES_Q4_K);
+                const uint8_t *qh = p + 16, *qs = p + (five ? 48 : 16);
+                float d = fx_f16_to_f32(fxq_u16(p)), dmin = fx_f16_to_f32(fxq_u16(p + 2)), *o = out + 256 * b;
+                uint8_t sc[8], mn[8];
+                fxq_k4_scales(p + 4, sc, mn);
+                for (int j = 0; j < 8; j++) {
+                    float dj = d * (float)sc[j], mj = dmin * (float)mn[j];
+                    const uint8_t *q = qs + 32 * (j / 2);
+                    int shift = 4 * (j % 2);
+                    for (int l = 0; l < 32; l++) {
+                        int n = (q[l] >> shift) & 15;
+                        if (five) n |= ((qh[l] >> j) & 1) << 4;
+                        o[32 * j + l] = dj * (float)n - mj;
+                    }
+                }
+                break;
+            }
+            case FX_QT_Q6_K: {
+                const uint8_t *p = w + b * FXQ_BYTES_Q6_K, *ql = p, *qh = p + 128;
+                const int8_t *scales = (const int8_t *)(p + 192);
+                float d = fx_f16_to_f32(fxq_u16(p + 208)), *o = out + 256 * b;
+                for (int e = 0; e < 256; e++) {
+                    int h = e / 128, t2 = e % 128;
+                    int q = ((ql[64 * h + t2 % 64] >> (4 * (t2 / 64))) & 15) |
+                            ((qh[32 * h + t2 % 32] >> (2 * (t2 / 32))) & 3) << 4;
+                    o[e] = (d * (float)scales[e / 16]) * (float)(q - 32);
+                }
+                break;
+            }
+            default: break;
+        }
+    }
+}
+
+#endif
