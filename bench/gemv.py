@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -90,13 +89,15 @@ def case(kind: str, n: int, k: int, with_bias: bool, dtype: torch.dtype, calls: 
         else:
             F.linear(x, ws[i], bias)
 
+    tiles: tuple[int, int, int] | None = None  # the tiling under test (the kernels' `tiles`: FLUXION_GEMV_CONFIG)
+
     def kernel(i: int) -> None:
         if kind == "add":
-            gemv_kernels.gemv_add_(res, x, ws[i])
+            gemv_kernels.gemv_add_(res, x, ws[i], tiles=tiles)
         elif kind == "silu":
-            gemv_kernels.gemv_silu_mul(x, ws[i])
+            gemv_kernels.gemv_silu_mul(x, ws[i], tiles=tiles)
         else:
-            gemv_kernels.gemv(x, ws[i], bias)
+            gemv_kernels.gemv(x, ws[i], bias, tiles=tiles)
 
     # the two agree (one check per case; tests/kernels/test_gemv_kernels.py holds the float64 references)
     if kind == "add":
@@ -114,14 +115,12 @@ def case(kind: str, n: int, k: int, with_bias: bool, dtype: torch.dtype, calls: 
     out = {"kind": kind, "n": n, "k": k, "bytes": nbytes, "max_rel_diff": err,
            "cublas_us": time_graph(cublas, copies, calls, repeats), "configs": {}}
     for cfg in configs:
-        os.environ["FLUXION_GEMV_CONFIG"] = ",".join(map(str, cfg))
+        tiles = cfg
         try:
             out["configs"][",".join(map(str, cfg))] = time_graph(kernel, copies, calls, repeats)
         except Exception as exc:  # a tiling that does not compile (registers, shared memory) is skipped, not fatal
             out["configs"][",".join(map(str, cfg))] = None
             print(f"  {kind} {n}x{k} {cfg}: {type(exc).__name__}: {str(exc)[:100]}", flush=True)
-        finally:
-            del os.environ["FLUXION_GEMV_CONFIG"]
     timed = {c: t for c, t in out["configs"].items() if t is not None}
     best = min(timed, key=timed.get)
     out |= {"best": [int(v) for v in best.split(",")], "best_us": timed[best],

@@ -46,6 +46,7 @@ from fluxion_lite.hostkv.store import page_stride
 from fluxion_lite.model.transformer import Transformer
 from fluxion_lite.sparse.backend import SparseAttention
 from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
+from fluxion_lite.settings import Settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from model_shapes import SHAPES  # noqa: E402  (bench/ is not a package)
@@ -163,7 +164,7 @@ def synthetic_pins(attn: SparseAttention, seq: int, context: int, seed: int) -> 
 def new_attention(model: Transformer, mode: str, context: int, batch: int, plan: SparsePlan) -> object:
     if mode.startswith("fluxion-gpu"):
         os.environ["FLUXION_DEVICE_GRAPHS"] = "layer" if mode == "fluxion-gpu-layers" else "step"
-        os.environ["FLUXION_PIN_CACHE"] = "0" if mode == "fluxion-gpu-nocache" else "1"  # read when the step is made
+        os.environ["FLUXION_PIN_CACHE"] = "0" if mode == "fluxion-gpu-nocache" else "1"  # read when the backend is made
         os.environ["FLUXION_REUSE_CACHE"] = "0" if mode == "fluxion-gpu-noreuse" else "1"  # (nocache: off with it)
         os.environ["FLUXION_EARLY_SELECT"] = "1" if mode == "fluxion-gpu-early" else EARLY_ENV
         attn: object = SparseAttention(model.cfg, plan, model.dtype, model.device, max_seqs=batch + 1, placement="gpu",
@@ -448,8 +449,9 @@ def main() -> None:
     machine = machine_name(dev)
     note = (f"{name} ({weights}, {dtype}); fluxion plan: {plan.source}; machine {machine}, {os.cpu_count()} CPUs, "
             f"native threads {native.get_threads()}, commit {commit or '?'}")
-    zc_ok, zc_why = (zero_copy.check(dev) if dev.type == "cuda" else
-                     (os.environ.get("FLUXION_ZERO_COPY") == "1", "CPU device: staging unless FLUXION_ZERO_COPY=1"))
+    zc_setting = Settings.load().zero_copy  # FLUXION_ZERO_COPY, as the backends read it
+    zc_ok, zc_why = (zero_copy.check(dev, zc_setting is not False) if dev.type == "cuda" else
+                     (zc_setting is True, "CPU device: staging unless FLUXION_ZERO_COPY=1"))
     note += f"; zero-copy feeder: {'on' if zc_ok else 'off'} ({zc_why})"
     print(note, flush=True)
     print("command: python " + " ".join(sys.argv), flush=True)

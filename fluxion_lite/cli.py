@@ -1,8 +1,10 @@
-"""The `fluxion-lite` command: pull, models, generate, chat, serve.
+"""The `fluxion-lite` command: pull, models, generate, chat, serve, calibrate, settings.
 
 User errors (any FluxionError, or a file that cannot be read) print `error: <message>` on stderr and exit 2;
 Ctrl-C exits 130 without a traceback. torch and the engine are imported only by the commands that run a model, so
-`pull` and `models` start instantly.
+`pull`, `models` and `settings` start instantly. The commands that run a model build one Settings
+(fluxion_lite.settings) from the environment and their flags (`--set NAME=VALUE`, serve's `--api-key`) before
+loading anything, and hand it to the engine.
 """
 
 from __future__ import annotations
@@ -16,10 +18,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fluxion_lite import __version__
-from fluxion_lite.hub.catalog import catalog, default_model_name, get_model, list_models
+from fluxion_lite.hub.catalog import cache_dir, catalog, default_model_name, get_model, list_models
 from fluxion_lite.hub.resolve import resolve_model
 from fluxion_lite.errors import FluxionError, RequestError
 from fluxion_lite.plan import files as plan_files
+from fluxion_lite.settings import FLAG, Settings, parse_assignments, reference_markdown
 
 if TYPE_CHECKING:
     from fluxion_lite.engine.llm import LLM
@@ -49,6 +52,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--predictor", action="store_true",
                         help="fluxion: plan each request with the head-property predictor (experimental; default: "
                              "the calibrated static plan)")
+
+
+def _add_settings_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--set", dest="set_values", action="append", default=[], metavar="NAME=VALUE",
+                        help="a setting for this run, over the environment: FLUXION_X=VALUE or its field name "
+                             "(repeatable; `fluxion-lite settings` lists them)")
 
 
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
@@ -84,12 +93,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_options(generate)
     generate.add_argument("prompt", nargs="?", default=None, help="prompt text (or use --prompt-file)")
     generate.add_argument("-f", "--prompt-file", default=None, help="read the prompt from a file ('-' = stdin)")
+    _add_settings_option(generate)
     _add_sampling_options(generate)
     generate.set_defaults(handler=cmd_generate)
 
     chat = commands.add_parser("chat", help="interactive multi-turn chat using the model's chat template")
     _add_model_options(chat)
     chat.add_argument("--system", default=None, help="system message")
+    _add_settings_option(chat)
     _add_sampling_options(chat)
     chat.set_defaults(handler=cmd_chat)
 
@@ -98,8 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="bind address (default: 127.0.0.1)")
     serve.add_argument("--port", type=int, default=8080, help="port (default: 8080)")
     serve.add_argument(
-        "--api-key", default=os.environ.get("FLUXION_API_KEY"), help="require this bearer token (env FLUXION_API_KEY)"
+        "--api-key", default=None, help="require this bearer token (default: the setting FLUXION_API_KEY)"
     )
+    _add_settings_option(serve)
     serve.add_argument("--max-batch", type=int, default=16, help="sequences decoded together (default: 16)")
     serve.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (default: 64)")
     serve.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill step")
@@ -130,7 +142,21 @@ def build_parser() -> argparse.ArgumentParser:
                                 "with --from-labels) and train the per-request head-property predictor")
     calibrate.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     calibrate.set_defaults(handler=cmd_calibrate)
+
+    settings = commands.add_parser("settings", help="print every setting's effective value and where it came from")
+    settings.add_argument("--markdown", action="store_true",
+                          help="print the reference of every setting instead (docs/configuration.md)")
+    _add_settings_option(settings)
+    settings.set_defaults(handler=cmd_settings)
     return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The environment's settings with the command line's over them (`--set` pairs, serve's --api-key)."""
+    flags: dict[str, Any] = parse_assignments(getattr(args, "set_values", None) or [])
+    if getattr(args, "api_key", None):
+        flags["api_key"] = args.api_key
+    return Settings.load(flags=flags)
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
@@ -165,6 +191,7 @@ def _check_device(device: str) -> None:
 
 
 def _load_llm(args: argparse.Namespace) -> LLM:
+    settings = settings_from_args(args)  # a bad setting stops the command before torch is imported
     from fluxion_lite.engine.llm import LLM
 
     if args.max_context is not None and args.max_context < 1:
@@ -178,7 +205,7 @@ def _load_llm(args: argparse.Namespace) -> LLM:
 
         torch.set_num_threads(args.threads)
     llm = LLM(model, device=args.device, dtype=args.dtype, attention=args.attention, max_context=args.max_context,
-              predictor=args.predictor)
+              predictor=args.predictor, settings=settings)
     if args.explain:
         print(llm.engine.explain(), file=sys.stderr)
     return llm
@@ -327,6 +354,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if not 1 <= args.port <= 65535:
         raise FluxionError(f"--port {args.port}: must be in 1..65535")
+    args.settings = settings_from_args(args)  # what the server's engine gets (app.serve)
     try:
         app = importlib.import_module("fluxion_lite.server.app")
     except ModuleNotFoundError as exc:
@@ -346,9 +374,33 @@ def cmd_serve(args: argparse.Namespace) -> int:
             raise FluxionError(f"--{flag.replace('_', '-')} {value}: must be >= 1")
     # The server loads the model in the background; resolve (and pull, with progress) now so a bad name fails here.
     args.model = args.model or default_model_name()
-    resolve_model(args.model)
+    resolve_model(args.model, settings=args.settings)
     result = app.serve(args)
     return int(result) if isinstance(result, int) else 0
+
+
+def cmd_settings(args: argparse.Namespace) -> int:
+    """`fluxion-lite settings`: each setting's effective value and its source (default, env FLUXION_X or flag),
+    product settings first, then the experimental ones; --markdown: the reference (docs/configuration.md)."""
+    if args.markdown:
+        sys.stdout.write(reference_markdown())
+        return 0
+    settings = settings_from_args(args)
+    # the model cache's effective directory rather than the rule (the rule is in the reference)
+    rows = [(knob, str(cache_dir(settings)) if knob.name == "cache_dir" else value, source)
+            for knob, value, source in settings.rows()]
+    width = max(len(knob.env) for knob, _, _ in rows)
+    value_width = max(len(value) for _, value, _ in rows)
+    for title, experimental in (("settings", False), ("experimental settings (A/B comparisons)", True)):
+        if experimental:
+            print()
+        print(f"{title}:")
+        for knob, value, source in rows:
+            if knob.experimental == experimental:
+                print(f"  {knob.env.ljust(width)}  {value.ljust(value_width)}  {source}")
+    overridden = sum(source != "default" for _, _, source in rows)
+    print(f"\n{overridden} of {len(rows)} set (env or {FLAG}); `fluxion-lite settings --markdown` describes each")
+    return 0
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

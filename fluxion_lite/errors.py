@@ -28,6 +28,8 @@ class CapacityError(FluxionError):
     """A request does not fit in the configured KV memory or batch limits."""
 
 
-class SettingError(FluxionError, ValueError):
-    """An environment switch (FLUXION_*) or backend option holds a value the engine does not know. Also a
-    ValueError, as the backend's other bad-argument errors are."""
+class SettingError(RequestError, ValueError):
+    """A setting (a FLUXION_* variable, a --set flag; fluxion_lite.settings) or a backend option holds a value the
+    engine does not know; the message names it and the values it takes. Also a RequestError, as the switches read
+    while building an engine raised before the settings object existed, and a ValueError, as the backend's other
+    bad-argument errors are."""

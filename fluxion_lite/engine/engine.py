@@ -32,6 +32,8 @@ from fluxion_lite.plan import files as plan_files
 from fluxion_lite.plan.sparse_plan import SparsePlan, with_background_override
 from fluxion_lite.engine.step_counters import StepCounters
 from fluxion_lite.model.tokenizer import IncrementalDecoder, Tokenizer
+from fluxion_lite.hostkv import native
+from fluxion_lite.settings import Settings
 
 # full-gpu (alias full): dense KV on the device; the rest keep all KV in host RAM (sink + window on the device):
 # full-host reads everything on the CPU, fixed is the static all-CPU sparse baseline, gpu-sparse selects on the device
@@ -113,7 +115,11 @@ class Engine:
         prefix_cache_entries: int = 8,
         load_tokenizer: bool = True,
         predictor: bool = False,
+        settings: Settings | None = None,
     ):
+        """settings: every FLUXION_* knob (fluxion_lite.settings), handed to the model, the attention backend and the
+        native library; None: Settings.load(), the environment now."""
+        self.settings = settings if settings is not None else Settings.load()
         if attention not in ATTENTION_MODES:
             raise RequestError(f"attention={attention!r}: supported modes are {', '.join(ATTENTION_MODES)}")
         compute_dtype, quantized = resolve_dtype(dtype, device)
@@ -121,12 +127,13 @@ class Engine:
             raise RequestError(f"device={device!r}: CUDA is not available on this machine")
         if max_batch < 1 or prefill_chunk < 1:
             raise RequestError("max_batch and prefill_chunk must be >= 1")
-        path = _resolve(model)
+        native.configure(self.settings)  # the native pool and SIMD path (process-wide), if these settings differ
+        path = _resolve(model, self.settings)
         self.model_path = path
         self.model_name = model if not Path(model).suffix == ".gguf" else path.name
         loaded = load_gguf(path, dtype=torch.float32, quantized=quantized)
         self.config = loaded.config
-        self.model = Transformer(loaded, device=device, dtype=compute_dtype)
+        self.model = Transformer(loaded, device=device, dtype=compute_dtype, settings=self.settings)
         self.tokenizer = Tokenizer(path, loaded.metadata) if load_tokenizer else None
         del loaded  # dequantised fp32 copies (if any): the model holds its own (possibly bf16/GPU) weights
         self.weights = "gguf" if quantized else str(compute_dtype).removeprefix("torch.")  # what the weights are
@@ -156,15 +163,18 @@ class Engine:
         # Async decode (async_decode.py): on CUDA a pure decode batch chains its steps on the device, the host
         # reading each step's tokens while the next one runs. FLUXION_ASYNC_DECODE=0: off; on
         # the CPU it is off by default (nothing to overlap; tests turn it on to check the bookkeeping).
-        self.async_decode = os.environ.get("FLUXION_ASYNC_DECODE", "1" if self.device.type == "cuda" else "0") != "0"
+        wanted = self.settings.async_decode
+        self.async_decode = self.device.type == "cuda" if wanted is None else wanted
         self._inflight: InFlight | None = None
 
     def _make_backend(self, mode: str, plan: SparsePlan | None = None) -> AttentionBackend:
         attn = make_attention(mode, self.config, self.dtype, self.device, max_seqs=self.max_batch + 4,
-                              model_name=self.model_name, plan=plan, per_request_plans=self.use_predictor)
+                              model_name=self.model_name, plan=plan, per_request_plans=self.use_predictor,
+                              settings=self.settings)
         if mode == "fluxion" and self.use_predictor and isinstance(attn, SparseAttention):
             # per-request plans when the model ships a predictor (models/<model>.predictor.npz); else the static plan
-            attn.planner = load_planner(self.model_name, self.config, attn.plan, [lw.wo_dense() for lw in self.model.layers])
+            attn.planner = load_planner(self.model_name, self.config, attn.plan,
+                                        [lw.wo_dense() for lw in self.model.layers], self.settings)
         return attn
 
     def set_attention(self, mode: str, plan: SparsePlan | None = None) -> None:
@@ -455,49 +465,58 @@ class Engine:
 def make_attention(
     mode: str, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_seqs: int, model_name: str,
     plan: SparsePlan | None = None, per_request_plans: bool = False, selection: str | None = None,
+    settings: Settings | None = None,
 ) -> AttentionBackend:
     """The attention backend for a mode (ATTENTION_MODES). `plan` overrides the mode's default plan;
     per_request_plans: the predictor will set plans per request (selection stays on the CPU then); selection:
-    where `fluxion` selects ("cpu" or "gpu"; None: fluxion_selection decides)."""
+    where `fluxion` selects ("cpu" or "gpu"; None: fluxion_selection decides); settings: the sparse backends'
+    (None: Settings.load())."""
+    settings = settings if settings is not None else Settings.load()
     if mode in ("full", "full-gpu"):
         return DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype, device)
     if mode == "full-host":
         # every group reads all of its blocks on the CPU; g = 128 keeps the (useless) top-k scan at 1.5% of the KV
         plan = plan or SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=128, budget=1.0, sink=FIXED_SINK,
                                           window=FIXED_WINDOW)
-        return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="cpu")
+        return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="cpu", settings=settings)
     if mode == "fixed":
-        return SparseAttention(cfg, plan or fixed_plan(cfg), dtype, device, max_seqs=max_seqs, placement="cpu")
+        return SparseAttention(cfg, plan or fixed_plan(cfg), dtype, device, max_seqs=max_seqs, placement="cpu",
+                               settings=settings)
     if mode == "gpu-sparse":  # the baseline selects on the device in every step, mixed steps included
         return SparseAttention(cfg, plan or fixed_plan(cfg), dtype, device, max_seqs=max_seqs, placement="gpu",
-                               selection="gpu", mixed_select="device")
+                               selection="gpu", mixed_select="device", settings=settings)
     if mode == "fluxion":
-        plan = plan or load_fluxion_plan(model_name, cfg)
-        if (selection or fluxion_selection(device, plan, per_request_plans)) == "gpu":  # device_graph.py: no per-layer round trip
-            return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="gpu", selection="gpu")
-        return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="auto")
+        plan = plan or load_fluxion_plan(model_name, cfg, settings)
+        # device_graph.py on the GPU: no round trip to the host per layer
+        if (selection or fluxion_selection(device, plan, per_request_plans, settings)) == "gpu":
+            return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="gpu", selection="gpu",
+                                   settings=settings)
+        return SparseAttention(cfg, plan, dtype, device, max_seqs=max_seqs, placement="auto", settings=settings)
     raise RequestError(f"attention={mode!r}: supported modes are {', '.join(ATTENTION_MODES)}")
 
 
-def fluxion_selection(device: torch.device, plan: SparsePlan, per_request_plans: bool) -> str:
-    """Where `fluxion` selects blocks: FLUXION_SELECTION=cpu|gpu, or auto (the default): on the GPU when the decode
+def fluxion_selection(device: torch.device, plan: SparsePlan, per_request_plans: bool,
+                      settings: Settings | None = None) -> str:
+    """Where `fluxion` selects blocks: the setting FLUXION_SELECTION=cpu|gpu (settings.selection; None:
+    Settings.load()), or auto (the default): on the GPU when the decode
     step can run there whole (device_graph.py: a CUDA device, zero-copy reads of the host store, one retrieval
     block size, group or midrange block scoring, the static plan, no unread-background term: the captured step
     has the term too, but no GPU has run it yet), since that step needs no host round
     trip per layer (H200, llama3.1-8b shape, 32K, batch 1: ~14 ms vs ~25 ms,
     bench/results/tpot_llama3.1-8b_h200_eef3831.json); else the native top-k on the CPU."""
-    choice = os.environ.get("FLUXION_SELECTION", "auto")
-    if choice not in ("auto", "cpu", "gpu"):
-        raise RequestError(f"FLUXION_SELECTION={choice!r}: use auto, cpu or gpu")
+    settings = settings if settings is not None else Settings.load()
+    choice = settings.selection  # auto, cpu or gpu (checked when the settings were parsed)
     if choice != "auto":
         return choice
     one_g = len({grp.g for layer in plan.groups for grp in layer if not grp.streaming}) <= 1
-    device_scoring = (os.environ.get("FLUXION_TOPK") or plan.scoring) in ("group", "native", "midrange")
+    device_scoring = (settings.topk or plan.scoring) in ("group", "native", "midrange")
     # the unread-background term: the captured device step computes it (device_background.py, g = 16) but has not
     # been run or timed on a GPU yet, and the captured CPU step with the term is what RULER measured on the H200
     # (docs/sparse.md); FLUXION_SELECTION=gpu opts in until a GPU run decides
-    background = with_background_override(plan).background != "off"
+    background = with_background_override(plan, settings).background != "off"
     if device.type != "cuda" or per_request_plans or not one_g or not device_scoring or background:
+        return "cpu"
+    if settings.zero_copy is False:  # FLUXION_ZERO_COPY=0: the staging path, which syncs per layer
         return "cpu"
     return "gpu" if zero_copy.check(device)[0] else "cpu"
 
@@ -507,13 +526,14 @@ def fixed_plan(cfg: ModelConfig) -> SparsePlan:
     return SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.05, sink=FIXED_SINK, window=FIXED_WINDOW)
 
 
-def load_fluxion_plan(model_name: str, cfg: ModelConfig) -> SparsePlan:
-    """The model's plan: the user's own (written by calibrate into the cache) first, else the shipped one."""
-    path = plan_files.find(model_name, ".plan.json")
+def load_fluxion_plan(model_name: str, cfg: ModelConfig, settings: Settings | None = None) -> SparsePlan:
+    """The model's plan: the user's own (written by calibrate into the cache: settings' cache_dir, None:
+    Settings.load()) first, else the shipped one."""
+    path = plan_files.find(model_name, ".plan.json", settings)
     if path is None:
         raise RequestError(
             f"attention='fluxion' needs a calibrated plan for {model_name!r} ({model_name}.plan.json in "
-            f"{plan_files.user_dir()} or the shipped models/); run `fluxion-lite calibrate {model_name}` "
+            f"{plan_files.user_dir(settings)} or the shipped models/); run `fluxion-lite calibrate {model_name}` "
             f"or use attention='fixed'"
         )
     plan = SparsePlan.load(path)
@@ -521,7 +541,7 @@ def load_fluxion_plan(model_name: str, cfg: ModelConfig) -> SparsePlan:
     return plan
 
 
-def _resolve(model: str) -> Path:
+def _resolve(model: str, settings: Settings) -> Path:
     try:
         from fluxion_lite.hub.resolve import resolve_model
     except ImportError:  # catalog not present: accept only paths
@@ -531,7 +551,7 @@ def _resolve(model: str) -> Path:
 
             raise UnknownModelError(f"{model}: no such model file")
         return path
-    return resolve_model(model)
+    return resolve_model(model, settings=settings)
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

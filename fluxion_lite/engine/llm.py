@@ -6,13 +6,17 @@ from typing import Any
 
 from fluxion_lite.engine.engine import Engine
 from fluxion_lite.engine.sampling import SamplingParams
+from fluxion_lite.settings import Settings
 
 
 class LLM:
     """A model plus an engine, driven synchronously by the caller's thread."""
 
-    def __init__(self, model: str, **engine_kwargs: Any):
-        self.engine = Engine(model, **engine_kwargs)
+    def __init__(self, model: str, *, settings: Settings | None = None, **engine_kwargs: Any):
+        """settings: every FLUXION_* knob (fluxion_lite.settings; None: Settings.load() when the engine is built);
+        engine_kwargs: the rest of Engine's arguments."""
+        self.engine = Engine(model, settings=settings, **engine_kwargs)
+        self.settings = self.engine.settings
         if self.engine.tokenizer is None:
             raise ValueError("LLM needs the tokenizer; use Engine(load_tokenizer=False) for token ids")
         self.tokenizer = self.engine.tokenizer

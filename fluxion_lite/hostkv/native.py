@@ -6,10 +6,11 @@ checked here and mistakes raise ValueError naming the argument; the C side valid
 
 Arrays may be numpy arrays or CPU torch tensors; nothing is copied (pointers go straight to C).
 
-Settings: set_threads(n) / env FLUXION_THREADS (default: physical cores), set_simd(path) / env FLUXION_SIMD
+Settings: set_threads(n) / FLUXION_THREADS (default: physical cores), set_simd(path) / FLUXION_SIMD
 (portable | avx2 | avx512 | avx512bf16 | auto; avx512bf16 = avx512 plus q.k by bf16 dot products when q is exactly
-bf16, see fluxion.h), set_checks(on), set_stream_stores(on) / env FLUXION_STREAM_STORES (0 | 1).
-Env FLUXION_NATIVE_SO loads another build of the extension (the AddressSanitizer build of native/asan_check.py).
+bf16, see fluxion.h), set_checks(on), set_stream_stores(on) / FLUXION_STREAM_STORES (0 | 1). The variables are read
+through fluxion_lite.settings when this module is imported, and configure(settings) applies an engine's settings.
+FLUXION_NATIVE_SO loads another build of the extension (the AddressSanitizer build of native/asan_check.py).
 """
 from __future__ import annotations
 
@@ -21,14 +22,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from fluxion_lite.settings import Settings
+
 try:
     import torch
 except ImportError:  # the kernels work on numpy arrays alone
     torch = None  # type: ignore[assignment]
 
 
-def _load_extension() -> Any:
-    path = os.environ.get("FLUXION_NATIVE_SO")
+_SETTINGS = Settings.load()  # the environment's settings when the module is first imported
+
+
+def _load_extension(path: str | None) -> Any:
     if not path:
         return importlib.import_module("fluxion_lite._native")  # the cffi extension built by native/build_native.py
     loader = importlib.machinery.ExtensionFileLoader("fluxion_lite._native", path)
@@ -40,7 +45,7 @@ def _load_extension() -> Any:
     return module
 
 
-_ext = _load_extension()
+_ext = _load_extension(_SETTINGS.native_so)
 ffi, lib = _ext.ffi, _ext.lib
 
 # the header's constants (build_native.py binds fluxion.h itself, so these cannot drift from the C side)
@@ -176,25 +181,24 @@ def page_bytes(n_kv_heads: int, head_dim: int, page_tokens: int, granularities: 
     return int(lib.fx_page_bytes(n_kv_heads, head_dim, page_tokens, gran_mask(granularities, value_sums)))
 
 
-def _init_from_env() -> None:
-    threads = os.environ.get("FLUXION_THREADS")
-    if threads:
-        try:
-            n = int(threads)
-        except ValueError:
-            raise ValueError(f"FLUXION_THREADS must be a positive integer, got {threads!r}") from None
-        set_threads(n)
-    else:
-        set_threads(physical_cores())
-    set_simd(os.environ.get("FLUXION_SIMD") or "auto")
-    stream = os.environ.get("FLUXION_STREAM_STORES")
-    if stream is not None:
-        if stream not in ("0", "1"):
-            raise ValueError(f"FLUXION_STREAM_STORES must be 0 or 1, got {stream!r}")
-        set_stream_stores(stream == "1")
+_configured: tuple[int | None, str, bool] | None = None  # what configure() applied last
 
 
-_init_from_env()
+def configure(settings: Settings) -> None:
+    """The pool size, SIMD path and gather stores of `settings` (threads, simd, experimental.stream_stores) into
+    the library, unless they are what configure() applied last (so set_threads / set_simd calls in between stand
+    until the settings change). Runs at import with the environment's settings; the engine calls it with its own."""
+    global _configured
+    wanted = (settings.threads, settings.simd, settings.experimental.stream_stores)
+    if wanted == _configured:
+        return
+    set_threads(settings.threads or physical_cores())
+    set_simd(settings.simd)
+    set_stream_stores(settings.experimental.stream_stores)
+    _configured = wanted
+
+
+configure(_SETTINGS)
 
 # ------------------------------------------------------------------------------------------------ array helpers --
 #

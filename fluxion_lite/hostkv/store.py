@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 import warnings
 from typing import Sequence
 
@@ -25,6 +24,7 @@ import torch
 
 from fluxion_lite.hostkv import native
 from fluxion_lite.errors import CapacityError
+from fluxion_lite.settings import Settings
 
 
 CHUNK_TOKENS = 16  # the GPU gather's unit: the smallest granularity, so every block is whole chunks
@@ -42,12 +42,12 @@ def page_stride(page_bytes: int, head_dim: int) -> int:
 HUGE_PAGE = 2 << 20
 
 
-def _huge_page_slab(size: int) -> torch.Tensor | None:
+def _huge_page_slab(size: int, wanted: bool = True) -> torch.Tensor | None:
     """A slab in anonymous memory that asks for transparent huge pages (madvise), 2 MiB aligned; None where that is
-    unavailable or turned off (FLUXION_HUGEPAGES=0). Block-sparse reads touch a new 4 KiB page every few blocks: with
+    unavailable or not wanted (FLUXION_HUGEPAGES=0). Block-sparse reads touch a new 4 KiB page every few blocks: with
     2 MiB pages the page walks go, worth +11-15% of single-thread kernel bandwidth on the VM (docs/native.md).
     Pinned (CUDA) slabs keep torch's allocator."""
-    if os.environ.get("FLUXION_HUGEPAGES", "1") == "0" or not hasattr(mmap, "MADV_HUGEPAGE") or size < HUGE_PAGE:
+    if not wanted or not hasattr(mmap, "MADV_HUGEPAGE") or size < HUGE_PAGE:
         return None
     try:
         region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -66,13 +66,14 @@ class HostKVStore:
 
     slab_bytes: largest slab (a power of two: torch's pinned allocator rounds sizes up to one); the first slabs are
     smaller and each new one doubles the capacity until that size.  max_bytes: bound on the bytes of all slabs
-    (None: no bound); growing past it raises CapacityError."""
+    (None: no bound); growing past it raises CapacityError.  hugepages: unpinned slabs ask for transparent huge pages
+    (None: the setting FLUXION_HUGEPAGES, read now)."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, *, dtype: torch.dtype = torch.bfloat16,
                  max_seqs: int = 16, page_tokens: int = 256, granularities: Sequence[int] = (16, 32, 64, 128),
                  pin_memory: bool | None = None, initial_pages_per_seq: int = 4,
                  slab_bytes: int = DEFAULT_SLAB_BYTES, max_bytes: int | None = None,
-                 value_sums: bool = False) -> None:
+                 value_sums: bool = False, hugepages: bool | None = None) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype must be torch.float16 or torch.bfloat16, got {dtype}")
         for name, value in (("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("max_seqs", max_seqs)):
@@ -84,6 +85,7 @@ class HostKVStore:
         self.granularities = tuple(sorted(set(granularities)))
         self.value_sums = value_sums
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.hugepages = Settings.load().hugepages if hugepages is None else hugepages
         self.page_bytes = native.page_bytes(n_kv_heads, head_dim, page_tokens, self.granularities, value_sums)
         self.page_stride = page_stride(self.page_bytes, head_dim)
         self.chunk_bytes = CHUNK_TOKENS * head_dim * 2
@@ -299,7 +301,7 @@ class HostKVStore:
         try:
             # not zeroed: rows a GPU gather reads past a task's valid tokens are masked, NaN bits included
             # (hybrid.masked_attention), and zeroing 100+ GiB of slabs would cost seconds
-            slab = None if self.pin_memory else _huge_page_slab(size)
+            slab = None if self.pin_memory else _huge_page_slab(size, self.hugepages)
             if slab is None:
                 slab = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
         except RuntimeError as e:  # pinned (page-locked) memory is limited by RAM and ulimit -l

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from fluxion_lite.errors import FluxionError, UnknownModelError
+from fluxion_lite.settings import Settings
 
-CACHE_ENV = "FLUXION_CACHE_DIR"
 STAMP_SUFFIX = ".verified"
 
 
@@ -142,9 +142,10 @@ def get_model(name: str) -> CatalogModel:
     return models[name]
 
 
-def cache_dir() -> Path:
-    """Where pulled models live: $FLUXION_CACHE_DIR, else $XDG_CACHE_HOME/fluxion-lite/models, else ~/.cache/..."""
-    override = os.environ.get(CACHE_ENV)
+def cache_dir(settings: Settings | None = None) -> Path:
+    """Where pulled models live: the setting FLUXION_CACHE_DIR (settings.cache_dir; None: Settings.load()), else
+    $XDG_CACHE_HOME/fluxion-lite/models, else ~/.cache/..."""
+    override = (settings if settings is not None else Settings.load()).cache_dir
     if override:
         return Path(override).expanduser().absolute()
     xdg = os.environ.get("XDG_CACHE_HOME")
@@ -152,8 +153,8 @@ def cache_dir() -> Path:
     return (base / "fluxion-lite" / "models").absolute()
 
 
-def local_path(model: CatalogModel) -> Path:
-    return cache_dir() / model.file_name
+def local_path(model: CatalogModel, settings: Settings | None = None) -> Path:
+    return cache_dir(settings) / model.file_name
 
 
 def _stamp_path(path: Path) -> Path:
@@ -189,9 +190,9 @@ def has_valid_stamp(path: Path, sha256: str) -> bool:
     )
 
 
-def is_present(model: CatalogModel) -> bool:
+def is_present(model: CatalogModel, settings: Settings | None = None) -> bool:
     """Pulled and verified (cheap: consults the stamp, never re-hashes)."""
-    path = local_path(model)
+    path = local_path(model, settings)
     return has_valid_stamp(path, model.sha256) and path.stat().st_size == model.size
 
 
@@ -211,13 +212,14 @@ def _gguf_summary(path: Path) -> tuple[str, int | None]:
         return "?", None
 
 
-def list_models() -> list[ModelListing]:
+def list_models(settings: Settings | None = None) -> list[ModelListing]:
     """Catalog models (pulled or not) followed by any other .gguf files found in the cache dir."""
+    settings = settings if settings is not None else Settings.load()
     default = default_model_name()
     rows: list[ModelListing] = []
     for model in catalog().values():
-        path = local_path(model)
-        if is_present(model):
+        path = local_path(model, settings)
+        if is_present(model, settings):
             status = "yes"
         elif path.exists():
             status = "unverified"
@@ -227,7 +229,7 @@ def list_models() -> list[ModelListing]:
             ModelListing(model.name, model.arch, model.size, model.context_length, status, path, model.name == default)
         )
     catalog_files = {m.file_name for m in catalog().values()}
-    directory = cache_dir()
+    directory = cache_dir(settings)
     if directory.is_dir():
         for path in sorted(directory.glob("*.gguf")):
             if path.name in catalog_files or not path.is_file():

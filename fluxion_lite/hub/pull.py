@@ -39,6 +39,7 @@ from fluxion_lite.hub.catalog import (
     write_stamp,
 )
 from fluxion_lite.errors import DownloadError
+from fluxion_lite.settings import Settings
 
 CHUNK = 1 << 20
 PIP_TAIL_LINES = 12
@@ -314,15 +315,17 @@ def pull(
     show_progress: bool = True,
     stream: TextIO | None = None,
     force: bool = False,
+    settings: Settings | None = None,
 ) -> Path:
     """Make sure the catalog model is in the cache, verified; return its path.
 
     Instant when it is already there (the stamp vouches for it). Parts fetched by an interrupted earlier pull are
-    reused. `force` discards the cached file and any staged parts first.
+    reused. `force` discards the cached file and any staged parts first. settings: whose cache_dir (None:
+    Settings.load()).
     """
     entry = get_model(model) if isinstance(model, str) else model
     progress = ProgressBar((stream or sys.stderr) if show_progress else None)
-    final = local_path(entry)
+    final = local_path(entry, settings)
     cache = final.parent
     staging_root = cache / ".staging"
     staging = staging_root / entry.name

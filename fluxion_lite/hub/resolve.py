@@ -7,6 +7,7 @@ from pathlib import Path
 from fluxion_lite.errors import UnknownModelError
 from fluxion_lite.hub.catalog import catalog, get_model, is_present, local_path
 from fluxion_lite.hub.pull import pull
+from fluxion_lite.settings import Settings
 
 
 def _looks_like_path(name_or_path: str) -> bool:
@@ -26,11 +27,13 @@ def _existing_file(path: Path) -> Path:
     return path
 
 
-def resolve_model(name_or_path: str | os.PathLike[str], *, pull_missing: bool = True, progress: bool = True) -> Path:
+def resolve_model(name_or_path: str | os.PathLike[str], *, pull_missing: bool = True, progress: bool = True,
+                  settings: Settings | None = None) -> Path:
     """A catalog name or a .gguf path -> the path of a GGUF file on disk.
 
     A catalog model that is not in the cache yet is pulled (with a progress bar on stderr unless progress=False).
-    A path is returned as given if the file exists; whether it really is a GGUF is the loader's job.
+    A path is returned as given if the file exists; whether it really is a GGUF is the loader's job. settings:
+    whose cache_dir (None: Settings.load()).
     """
     text = os.fspath(name_or_path)
     if not text.strip():
@@ -40,8 +43,8 @@ def resolve_model(name_or_path: str | os.PathLike[str], *, pull_missing: bool = 
     if text not in catalog() and Path(text).is_file():  # a bare file name in the working directory
         return Path(text)
     model = get_model(text)
-    if is_present(model):
-        return local_path(model)
+    if is_present(model, settings):
+        return local_path(model, settings)
     if not pull_missing:
         raise UnknownModelError(f"model {model.name!r} is not downloaded yet; run `fluxion-lite pull {model.name}`")
-    return pull(model, show_progress=progress)
+    return pull(model, show_progress=progress, settings=settings)

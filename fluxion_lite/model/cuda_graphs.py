@@ -24,7 +24,6 @@ per step, and `after_replay()` instead of host(i).
 from __future__ import annotations
 
 import gc
-import os
 import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Callable, Hashable
@@ -32,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Hashable
 import torch
 
 from fluxion_lite.model.attention import AttentionBackend, CapturedDecode, SeqChunk
+from fluxion_lite.settings import Settings
 
 if TYPE_CHECKING:
     from fluxion_lite.model.transformer import Transformer
@@ -40,11 +40,12 @@ MAX_GRAPH_SETS = 8  # batch sizes kept captured at once (least recently used dro
 MAX_GRAPH_BATCH = 64  # larger decode batches are compute-bound enough to run eagerly
 
 
-def graphs_wanted(device: torch.device, requested: bool | None) -> bool:
-    """CUDA graphs are used on CUDA unless turned off (requested=False or FLUXION_CUDA_GRAPHS=0)."""
+def graphs_wanted(device: torch.device, requested: bool | None, settings: Settings | None = None) -> bool:
+    """CUDA graphs are used on CUDA unless turned off (requested=False, or with requested=None the setting
+    FLUXION_CUDA_GRAPHS=0: settings.cuda_graphs; None: Settings.load())."""
     if requested is not None:
         return requested and device.type == "cuda"
-    return device.type == "cuda" and os.environ.get("FLUXION_CUDA_GRAPHS", "1") != "0"
+    return device.type == "cuda" and (settings if settings is not None else Settings.load()).cuda_graphs
 
 
 class _Eager:

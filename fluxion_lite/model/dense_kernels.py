@@ -14,16 +14,16 @@ paths may differ by one ulp of the model dtype); silu(gate) * up likewise in fp3
             of the RoPE table (model.RotaryEmbedding): style "neox" pairs (i, i + R/2), "interleaved" (2i, 2i + 1)
   silu_mul  gate_up [T, 2F] (gate then up, unit last stride) -> out [T, F] contiguous
 
-Used on CUDA when device_kernels.enabled() (Triton present and its probe ran) unless FLUXION_DENSE_KERNELS=0.
+Used on CUDA when device_kernels.enabled() (Triton present and its probe ran) unless the setting
+FLUXION_DENSE_KERNELS=0.
 """
 from __future__ import annotations
-
-import os
 
 import torch
 
 from fluxion_lite.sparse.device import kernels as device_kernels
 from fluxion_lite.sparse.device.kernels import pow2, triton
+from fluxion_lite.settings import ExperimentalSettings, Settings
 
 if triton is not None:
     import triton.language as tl
@@ -70,26 +70,28 @@ if triton is not None:
                  mask=inside)
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether model.py should use these kernels on `device` (CUDA, Triton usable, FLUXION_DENSE_KERNELS != 0)."""
-    return (device.type == "cuda" and os.environ.get("FLUXION_DENSE_KERNELS", "1") != "0"
-            and device_kernels.enabled(device))
+def enabled(device: torch.device, settings: Settings | None = None) -> bool:
+    """Whether model.py should use these kernels on `device` (CUDA, Triton usable, the setting FLUXION_DENSE_KERNELS
+    on: settings.dense_kernels; None: Settings.load())."""
+    settings = settings if settings is not None else Settings.load()
+    return device.type == "cuda" and settings.dense_kernels and device_kernels.enabled(device, settings)
 
 
-def rope_enabled(device: torch.device, rope_dim: int) -> bool:
+def rope_enabled(device: torch.device, rope_dim: int, settings: Settings | None = None) -> bool:
     """Whether rope_ serves a model on `device` whose heads rotate `rope_dim` dims (a power of two: one tl.arange)."""
-    return enabled(device) and rope_dim == pow2(rope_dim)
+    return enabled(device, settings) and rope_dim == pow2(rope_dim)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [T, d] -> a new [T, d] tensor (see the module docstring)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, pdl: bool = ExperimentalSettings.pdl) -> torch.Tensor:
+    """x [T, d] -> a new [T, d] tensor (see the module docstring). pdl: the setting FLUXION_PDL
+    (device_kernels.pdl_enabled)."""
     T, d = x.shape
     assert x.stride(1) == 1 and weight.shape == (d,) and weight.is_contiguous()
     out = torch.empty((T, d), dtype=x.dtype, device=x.device)
     if T:
         block = pow2(d)
         _rms_norm_kernel[(T,)](x, weight, out, d, x.stride(0), eps, BLOCK=block, num_warps=8 if block >= 4096 else 4,
-                               **device_kernels.launch_args(device_kernels.pdl_enabled(x.device)))
+                               **device_kernels.launch_args(device_kernels.pdl_enabled(x.device, pdl)))
     return out
 
 

@@ -25,13 +25,14 @@ dense_kernels.rope_); gemv_add_ adds the residual in fp32 and rounds once (as ad
 gemv_silu_mul rounds gate and up to the weight dtype first (as the [1, 2F] matmul output would be) and then silu(gate) * up once, as
 dense_kernels.silu_mul. Only the summation order differs from cuBLAS. Layouts: x contiguous [1, K]; w [N, K] with
 unit last stride, any row stride; bias, res contiguous. Used by model.py when `enabled` (CUDA, Triton, the dense
-kernels on, FLUXION_GEMV != 0) for rows == 1; tests/test_gemv_kernels.py checks all three against float64.
+kernels on, the setting FLUXION_GEMV on) for rows == 1; tests/test_gemv_kernels.py checks all three against float64.
+The experimental settings (FLUXION_GEMV_FUSE, _L2_HINTS, _GEMV_CONFIG, _PDL) reach the kernels as arguments from
+model.py, which has them from its settings.
 """
 from __future__ import annotations
 
 import functools
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,7 @@ import torch
 
 from fluxion_lite.model import dense_kernels
 from fluxion_lite.sparse.device.kernels import launch_args, pdl_enabled, triton
-from fluxion_lite.errors import RequestError
+from fluxion_lite.settings import ExperimentalSettings, Settings
 
 if triton is not None:
     import triton.language as tl
@@ -148,24 +149,24 @@ if triton is not None:
         tl.store(out_ptr + rows, (gate / (1.0 + tl.exp(-gate)) * up).to(out_ptr.dtype.element_ty), mask=row_ok)
 
 
-def enabled(device: torch.device) -> bool:
-    """Whether model.py should run batch-1 weight products here (CUDA, Triton, dense kernels on, FLUXION_GEMV != 0)."""
-    return dense_kernels.enabled(device) and os.environ.get("FLUXION_GEMV", "1") != "0"
+def enabled(device: torch.device, settings: Settings | None = None) -> bool:
+    """Whether model.py should run batch-1 weight products here (CUDA, Triton, dense kernels on, the setting
+    FLUXION_GEMV on: settings.gemv; None: Settings.load())."""
+    settings = settings if settings is not None else Settings.load()
+    return dense_kernels.enabled(device, settings) and settings.gemv
 
 
 FUSE_MODES = ("none", "rope", "all")
 
 
-def fuse_mode() -> str:
+def fuse_mode(settings: Settings | None = None) -> str:
     """What model.py moves into these kernels besides the product (FLUXION_GEMV_FUSE): "rope" (default) RoPE after
     q/k/v and the early query; "all" also the RMS norm before q/k/v, gate/up and the vocabulary; "none" neither.
     Why not "all": on the 8B shape's large weights the norm's extra loads in the weight loop cost more than the norm
     kernel they replace (docs/history.md)."""
-    mode = os.environ.get("FLUXION_GEMV_FUSE", "rope")
-    mode = {"0": "none", "1": "all"}.get(mode, mode)
-    if mode not in FUSE_MODES:
-        raise RequestError(f"FLUXION_GEMV_FUSE={mode!r}: use none, rope or all (or 0 / 1)")
-    return mode
+    # the setting is settings.experimental.gemv_fuse (None: Settings.load()); a bad value is a SettingError (also a
+    # RequestError) naming the variable, raised when the settings are loaded
+    return (settings if settings is not None else Settings.load()).experimental.gemv_fuse
 
 
 EVICT_POLICIES = ("", "evict_first", "evict_last")
@@ -176,12 +177,13 @@ def _evict(policy: str) -> str:
     return policy
 
 
-def l2_hints_enabled() -> bool:
-    """Whether model.py passes L2 eviction policies with the batch-1 weight reads (FLUXION_L2_HINTS != 0): the
-    early query (device_graph.py) reads layer l's q rows during layer l - 1's MLP, and layer l's q/k/v product reads
-    them again ~100 us later. With the early query's loads marked evict_last and every other weight read (read once
-    per step) evict_first, those rows can still be in L2 (50 MB on the H200; the 8B shape's q rows are 33.6 MB)."""
-    return os.environ.get("FLUXION_L2_HINTS", "1") != "0"
+def l2_hints_enabled(settings: Settings | None = None) -> bool:
+    """Whether model.py passes L2 eviction policies with the batch-1 weight reads (the setting FLUXION_L2_HINTS:
+    settings.experimental.l2_hints; None: Settings.load()): the early query (device_graph.py) reads layer l's q rows
+    during layer l - 1's MLP, and layer l's q/k/v product reads them again ~100 us later. With the early query's
+    loads marked evict_last and every other weight read (read once per step) evict_first, those rows can still be in
+    L2 (50 MB on the H200; the 8B shape's q rows are 33.6 MB)."""
+    return (settings if settings is not None else Settings.load()).experimental.l2_hints
 
 
 TABLE = Path(__file__).with_name("gemv_configs.json")  # written by `bench/gemv.py --write-table` on the H200
@@ -195,14 +197,16 @@ def _table() -> dict[str, tuple[int, int, int]]:
     return {key: (int(c[0]), int(c[1]), int(c[2])) for key, c in json.loads(TABLE.read_text())["configs"].items()}
 
 
-def config(n: int, k: int, kind: str = "plain") -> tuple[int, int, int]:
+Tiles = tuple[int, int, int]  # (BLOCK_N, BLOCK_K, num_warps)
+
+
+def config(n: int, k: int, kind: str = "plain", forced: Tiles | None = ExperimentalSettings.gemv_config) -> Tiles:
     """(BLOCK_N, BLOCK_K, num_warps) for `kind` ("plain": gemv and gemv_add_, "silu": gemv_silu_mul with F = n) over
-    a weight of n rows (F rows each of gate and up for silu) and k columns: FLUXION_GEMV_CONFIG="bn,bk,warps" if set
-    (bench/gemv.py's sweep), else the tuned table's entry for the shape, else DEFAULT_CONFIG."""
-    forced = os.environ.get("FLUXION_GEMV_CONFIG")
-    if forced:
-        bn, bk, warps = (int(v) for v in forced.split(","))
-        return bn, bk, warps
+    a weight of n rows (F rows each of gate and up for silu) and k columns: `forced` if given (the setting
+    FLUXION_GEMV_CONFIG="bn,bk,warps", bench/gemv.py's sweep), else the tuned table's entry for the shape, else
+    DEFAULT_CONFIG."""
+    if forced is not None:
+        return forced
     return _table().get(f"{kind}:{n}x{k}", DEFAULT_CONFIG)
 
 
@@ -252,14 +256,16 @@ def _rope_args(rope: Rope | None, x: torch.Tensor, n: int) -> dict:
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, norm: Norm | None = None,
-         rope: Rope | None = None, out_dtype: torch.dtype | None = None, evict: str = "") -> torch.Tensor:
+         rope: Rope | None = None, out_dtype: torch.dtype | None = None, evict: str = "",
+         pdl: bool = ExperimentalSettings.pdl, tiles: Tiles | None = ExperimentalSettings.gemv_config) -> torch.Tensor:
     """h @ w [N, K]^T (+ bias [N]) -> a new [1, N] tensor, where h = x [1, K] or its RMS norm (`norm`); `rope`
     rotates the first rope.rows outputs. The result is rounded to x's dtype and stored as out_dtype (default x's:
     fp32 logits are the rounded values widened, as the unfused `.float()` gives). evict: the weight loads' L2
-    eviction policy (EVICT_POLICIES)."""
+    eviction policy (EVICT_POLICIES). pdl: the setting FLUXION_PDL (device_kernels.pdl_enabled); tiles: one tiling
+    in place of the table's (config's `forced`, the setting FLUXION_GEMV_CONFIG)."""
     n, k = _check(x, w, norm)
     out = torch.empty((1, n), dtype=out_dtype or x.dtype, device=x.device)
-    bn, bk, warps = config(n, k)
+    bn, bk, warps = config(n, k, forced=tiles)
     rot = 0 if rope is None else rope.rows
     if rope is not None:
         bn = max(bn, 2)  # a program owns whole pairs
@@ -267,32 +273,35 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, nor
     _gemv_kernel[(programs,)](x, w, bias if bias is not None else w, out, out, N=n, K=k, w_row=w.stride(0),
                               HAS_BIAS=bias is not None, HAS_RES=False, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                               EVICT=_evict(evict), **_norm_args(norm, x), **_rope_args(rope, x, n),
-                              **launch_args(pdl_enabled(x.device)))
+                              **launch_args(pdl_enabled(x.device, pdl)))
     return out
 
 
-def gemv_add_(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor, evict: str = "") -> torch.Tensor:
-    """res [1, N] += x [1, K] @ w [N, K]^T, in place; returns res. evict: as gemv's."""
+def gemv_add_(res: torch.Tensor, x: torch.Tensor, w: torch.Tensor, evict: str = "",
+              pdl: bool = ExperimentalSettings.pdl, tiles: Tiles | None = ExperimentalSettings.gemv_config
+              ) -> torch.Tensor:
+    """res [1, N] += x [1, K] @ w [N, K]^T, in place; returns res. evict, pdl, tiles: as gemv's."""
     n, k = _check(x, w)
     assert res.shape == (1, n) and res.is_contiguous() and res.dtype == x.dtype
-    bn, bk, warps = config(n, k)
+    bn, bk, warps = config(n, k, forced=tiles)
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, w, res, res, N=n, K=k, w_row=w.stride(0), HAS_BIAS=False,
                                        HAS_RES=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, EVICT=_evict(evict),
-                                       **launch_args(pdl_enabled(x.device)), **_norm_args(None, x),
+                                       **launch_args(pdl_enabled(x.device, pdl)), **_norm_args(None, x),
                                        **_rope_args(None, x, n))
     return res
 
 
 def gemv_silu_mul(x: torch.Tensor, w_gate_up: torch.Tensor, norm: Norm | None = None,
-                  evict: str = "") -> torch.Tensor:
+                  evict: str = "", pdl: bool = ExperimentalSettings.pdl,
+                  tiles: Tiles | None = ExperimentalSettings.gemv_config) -> torch.Tensor:
     """h [1, K] (x, or its RMS norm with `norm`), w_gate_up [2F, K] (gate rows, then up rows)
-    -> silu(h @ gate^T) * (h @ up^T) [1, F]. evict: as gemv's."""
+    -> silu(h @ gate^T) * (h @ up^T) [1, F]. evict, pdl, tiles: as gemv's."""
     two_f, k = _check(x, w_gate_up, norm)
     assert two_f % 2 == 0
     f = two_f // 2
     out = torch.empty((1, f), dtype=x.dtype, device=x.device)
-    bn, bk, warps = config(f, k, "silu")
+    bn, bk, warps = config(f, k, "silu", forced=tiles)
     _gemv_silu_mul_kernel[(triton.cdiv(f, bn),)](x, w_gate_up, out, F=f, K=k, w_row=w_gate_up.stride(0),
                                                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, EVICT=_evict(evict),
-                                                **_norm_args(norm, x), **launch_args(pdl_enabled(x.device)))
+                                                **_norm_args(norm, x), **launch_args(pdl_enabled(x.device, pdl)))
     return out

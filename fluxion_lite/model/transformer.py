@@ -25,6 +25,7 @@ from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.model.cuda_graphs import DecodeGraphs, graphs_wanted
 from fluxion_lite.model.gguf_loader import GGUFModel
 from fluxion_lite.model.quantized import DequantScratch, QuantLinear
+from fluxion_lite.settings import Settings
 
 MIN_ROPE_POSITIONS = 4096  # first table size; it doubles when a position beyond it arrives
 
@@ -117,7 +118,7 @@ class RotaryEmbedding:
     once per position range and stored in the model dtype, so a step only gathers its positions' rows.
     """
 
-    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, settings: Settings | None = None):
         half = cfg.rope_dim // 2
         exponents = torch.arange(half, dtype=torch.float64) * 2 / cfg.rope_dim
         self.inv_freq = 1.0 / (cfg.rope_theta**exponents)  # [R/2] float64, on the host
@@ -131,7 +132,7 @@ class RotaryEmbedding:
             swap = pair ^ 1
         self.swap_index = swap.to(device)  # [R] long, made once
         # one Triton kernel instead of three torch ones on CUDA (dense_kernels.py says why)
-        self.fused = dense_kernels.rope_enabled(device, self.rope_dim)
+        self.fused = dense_kernels.rope_enabled(device, self.rope_dim, settings)
 
     def ensure(self, n_positions: int) -> torch.Tensor:
         """The table covering positions 0..n_positions-1 (grown by doubling; positions past the end never index it)."""
@@ -170,10 +171,11 @@ class RotaryEmbedding:
 
 class Transformer:
     def __init__(self, gguf_model: GGUFModel, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 prepack: bool | None = None, cuda_graphs: bool | None = None):
+                 prepack: bool | None = None, cuda_graphs: bool | None = None, settings: Settings | None = None):
         """prepack: oneDNN-packed matmul weights (None: wherever prepack_supported says they pay, i.e. CPU bf16).
         cuda_graphs: run pure decode steps through piecewise CUDA graphs (decode_graphs.py; None: on CUDA unless
-        FLUXION_CUDA_GRAPHS=0)."""
+        the setting FLUXION_CUDA_GRAPHS=0). settings: the kernels' switches (None: Settings.load())."""
+        self.settings = settings = settings if settings is not None else Settings.load()
         self.cfg = cfg = gguf_model.config
         self.device, self.dtype = torch.device(device), dtype
         if self.device.type == "cuda" and self.device.index is None:
@@ -225,24 +227,27 @@ class Transformer:
             self.output_mm = _pack(self.output)
             if not cfg.tied_embeddings:
                 self.output = self.output_mm  # nothing else reads it: do not keep a plain copy as well
-        self.rope = RotaryEmbedding(cfg, self.device, dtype)
+        self.rope = RotaryEmbedding(cfg, self.device, dtype, settings)
         self.rope.ensure(min(cfg.context_length, MIN_ROPE_POSITIONS))
         # On CUDA torch's rms_norm is one fused kernel (fp32 inside); on the CPU it is a slower composite of the same
         # ops, so the CPU keeps ours.
         self._fused_norm = self.device.type == "cuda"
-        self._dense_kernels = dense_kernels.enabled(self.device)  # norm and silu * mul: one short kernel each at T = 1
-        self._gemv = gemv_kernels.enabled(self.device) and not self.prepacked  # one-row weight products (gemv_kernels.py)
+        self._dense_kernels = dense_kernels.enabled(self.device, settings)  # norm and silu * mul: one short kernel each
+        self._gemv = gemv_kernels.enabled(self.device, settings) and not self.prepacked  # one-row weight products
         # ... with RoPE after q/k/v (and with FLUXION_GEMV_FUSE=all the norm before) inside the same kernel, and with
         # L2 eviction policies on the weight reads: see gemv_kernels.fuse_mode and l2_hints_enabled
-        fuse = gemv_kernels.fuse_mode() if self._gemv else "none"
+        fuse = gemv_kernels.fuse_mode(settings) if self._gemv else "none"
         self._gemv_rope = fuse in ("rope", "all") and cfg.rope_dim == cfg.head_dim
         self._gemv_norm = fuse == "all"
-        self._l2_hints = self._gemv and gemv_kernels.l2_hints_enabled()
-        self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, cuda_graphs) else None
+        self._l2_hints = self._gemv and gemv_kernels.l2_hints_enabled(settings)
+        # the kernels' launch options (FLUXION_PDL, FLUXION_GEMV_CONFIG): the norm kernel takes pdl, gemv both
+        self._pdl = settings.experimental.pdl
+        self._gemv_opts = {"pdl": self._pdl, "tiles": settings.experimental.gemv_config}
+        self.graphs = DecodeGraphs(self) if graphs_wanted(self.device, cuda_graphs, settings) else None
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if self._dense_kernels:
-            return dense_kernels.rms_norm(x, weight, self.cfg.rms_eps)
+            return dense_kernels.rms_norm(x, weight, self.cfg.rms_eps, pdl=self._pdl)
         if self._fused_norm:
             return F.rms_norm(x, weight.shape, weight, self.cfg.rms_eps)
         return rms_norm(x, weight, self.cfg.rms_eps)
@@ -268,7 +273,7 @@ class Transformer:
         h, norm = self._row_norm(x, norm_weight)
         rope = (gemv_kernels.Rope(cos, sin, rot_rows, self.cfg.head_dim, self.rope.style == "neox")
                 if self._gemv_rope else None)
-        return gemv_kernels.gemv(h, w, bias, norm=norm, rope=rope, evict=self._evict(evict))
+        return gemv_kernels.gemv(h, w, bias, norm=norm, rope=rope, evict=self._evict(evict), **self._gemv_opts)
 
     def _inputs(
         self, tokens: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor | None
@@ -396,7 +401,7 @@ class Transformer:
         o = o.reshape(x.shape[0], -1)  # [T, Hq D]
         one_row = self._one_row(o) and x.is_contiguous()
         if one_row:
-            gemv_kernels.gemv_add_(x, o, lw.wo, evict=self._evict("evict_first"))  # x += o @ wo^T, one kernel
+            gemv_kernels.gemv_add_(x, o, lw.wo, evict=self._evict("evict_first"), **self._gemv_opts)  # x += o @ wo^T
         elif lw.wo_t is None and lw.wo_packed is None:  # quantized
             x += linear(o, lw.wo)
         elif lw.wo_packed is None:
@@ -407,8 +412,10 @@ class Transformer:
             after_attention(x)
         if one_row:  # gate, up and silu * mul in one kernel (with _gemv_norm the norm too), then the down product
             h, norm = self._row_norm(x, lw.ffn_norm)
-            act = gemv_kernels.gemv_silu_mul(h, lw.w_gate_up, norm=norm, evict=self._evict("evict_first"))  # [1, F]
-            gemv_kernels.gemv_add_(x, act, lw.w_down, evict=self._evict("evict_first"))  # x += act @ w_down^T
+            act = gemv_kernels.gemv_silu_mul(h, lw.w_gate_up, norm=norm, evict=self._evict("evict_first"),
+                                             **self._gemv_opts)  # [1, F]
+            gemv_kernels.gemv_add_(x, act, lw.w_down, evict=self._evict("evict_first"),
+                                   **self._gemv_opts)  # x += act @ w_down^T
             return x
         h = self._norm(x, lw.ffn_norm)
         gate_up = linear(h, lw.w_gate_up)  # [T, 2F]
@@ -432,6 +439,6 @@ class Transformer:
         if self._one_row(x):  # the vocabulary stored as fp32 by the kernel (the bf16-rounded values widened)
             h, norm = self._row_norm(x, self.output_norm)
             return gemv_kernels.gemv(h, self.output_mm, norm=norm, out_dtype=torch.float32,
-                                     evict=self._evict("evict_first"))  # [1, V]
+                                     evict=self._evict("evict_first"), **self._gemv_opts)  # [1, V]
         h = self._norm(x, self.output_norm)
         return linear(h, self.output_mm).float()  # [R, V]

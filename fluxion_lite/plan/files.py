@@ -11,11 +11,13 @@ from importlib.resources import files
 from pathlib import Path
 
 from fluxion_lite.hub.catalog import cache_dir
+from fluxion_lite.settings import Settings
 
 
-def user_dir() -> Path:
-    """Where calibrate writes: the model cache (FLUXION_CACHE_DIR, else ~/.cache/fluxion-lite/models)."""
-    return cache_dir()
+def user_dir(settings: Settings | None = None) -> Path:
+    """Where calibrate writes: the model cache (FLUXION_CACHE_DIR, else ~/.cache/fluxion-lite/models; settings:
+    whose cache_dir, None: Settings.load())."""
+    return cache_dir(settings)
 
 
 def shipped_dir() -> Path:
@@ -23,9 +25,9 @@ def shipped_dir() -> Path:
     return Path(str(files("fluxion_lite.models")))
 
 
-def find(model_name: str, suffix: str) -> Path | None:
+def find(model_name: str, suffix: str, settings: Settings | None = None) -> Path | None:
     """The first existing <model_name><suffix> in the user cache, then among the shipped files; None if neither."""
-    for folder in (user_dir(), shipped_dir()):
+    for folder in (user_dir(settings), shipped_dir()):
         path = folder / f"{model_name}{suffix}"
         if path.is_file():
             return path

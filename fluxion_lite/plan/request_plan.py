@@ -23,6 +23,7 @@ from fluxion_lite.plan import files as plan_files
 from fluxion_lite.plan.predictor import Predictor, config_costs, select_groups
 from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
 from fluxion_lite.sparse.step import group_rows
+from fluxion_lite.settings import Settings
 
 
 @dataclass
@@ -147,10 +148,11 @@ class RequestPlanner:
         return line
 
 
-def load_planner(model_name: str, cfg: ModelConfig, static: SparsePlan, wo: list[torch.Tensor]) -> RequestPlanner | None:
+def load_planner(model_name: str, cfg: ModelConfig, static: SparsePlan, wo: list[torch.Tensor],
+                 settings: Settings | None = None) -> RequestPlanner | None:
     """The model's planner (the user's predictor first, else the shipped one), or None when there is none (the
-    static plan is used alone)."""
-    path = plan_files.find(model_name, ".predictor.npz")
+    static plan is used alone). settings: whose cache_dir holds the user's files (None: Settings.load())."""
+    path = plan_files.find(model_name, ".predictor.npz", settings)
     if path is None:
         return None
     pred = Predictor.load(path)

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import numpy as np
 
-from fluxion_lite.errors import ModelFileError, SettingError
+from fluxion_lite.errors import ModelFileError
+from fluxion_lite.settings import Settings
 from fluxion_lite.plan.cost import plan_bytes_fraction
 from fluxion_lite.plan.space import GRANULARITIES
 
@@ -341,14 +341,13 @@ class SparsePlan:
         return sum(gp.streaming for gp in flat) / max(1, len(flat))
 
 
-def with_background_override(plan: SparsePlan) -> SparsePlan:
-    """The plan with FLUXION_BACKGROUND (off / retrieval / all; for A/B runs) in place of its own `background`, if
-    set. One place for the override: the backend executes it and engine.fluxion_selection chooses by it."""
-    background = os.environ.get("FLUXION_BACKGROUND")
+def with_background_override(plan: SparsePlan, settings: Settings | None = None) -> SparsePlan:
+    """The plan with the setting FLUXION_BACKGROUND (settings.background: off / retrieval / all; None: Settings.load())
+    in place of its own `background`, if set. One place for the override: the backend executes it and
+    engine.fluxion_selection chooses by it."""
+    background = (settings if settings is not None else Settings.load()).background
     if not background:
         return plan
-    if background not in BACKGROUNDS:
-        raise SettingError(f"FLUXION_BACKGROUND={background!r}: use one of {', '.join(BACKGROUNDS)}")
     return replace(plan, background=background)
 
 

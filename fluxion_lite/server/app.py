@@ -26,6 +26,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from fluxion_lite.errors import CapacityError, FluxionError, RequestError
+from fluxion_lite.settings import Settings
 
 from fluxion_lite.server.async_engine import AsyncEngine, EngineFailure, EngineNotReadyError, QueueFullError, RequestStream
 from fluxion_lite.server.metrics import Metrics
@@ -523,8 +524,11 @@ def _is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
-def build_engine_loader(args: Any) -> Callable[[], Any]:
+def build_engine_loader(args: Any, settings: Settings | None = None) -> Callable[[], Any]:
+    """The server's engine, made in the background: args' model options, and settings (None: args.settings, else
+    Settings.load() when the engine is built)."""
     model = getattr(args, "model", None) or "smollm2-135m"
+    settings = settings if settings is not None else getattr(args, "settings", None)
 
     def load() -> Any:
         from fluxion_lite.engine.engine import Engine
@@ -548,18 +552,23 @@ def build_engine_loader(args: Any) -> Callable[[], Any]:
         prefill_chunk = getattr(args, "prefill_chunk", None)
         if prefill_chunk:
             kwargs["prefill_chunk"] = prefill_chunk
-        return Engine(model, **kwargs)
+        return Engine(model, settings=settings, **kwargs)
 
     return load
 
 
 def serve(args: Any) -> int:
-    """`fluxion-lite serve`: uvicorn on host:port (127.0.0.1:8080 by default), model loaded in the background."""
+    """`fluxion-lite serve`: uvicorn on host:port (127.0.0.1:8080 by default), model loaded in the background.
+    Settings: args.settings (the CLI's), else the environment with --api-key over FLUXION_API_KEY."""
     import uvicorn
 
+    settings = getattr(args, "settings", None)
+    if settings is None:
+        api_key_flag = getattr(args, "api_key", None)
+        settings = Settings.load(flags={"api_key": api_key_flag} if api_key_flag else None)
     host = getattr(args, "host", None) or "127.0.0.1"
     port = int(getattr(args, "port", None) or 8080)
-    api_key = getattr(args, "api_key", None) or os.environ.get("FLUXION_API_KEY") or None
+    api_key = settings.api_key
     model = getattr(args, "model", None) or "smollm2-135m"
     max_batch = int(getattr(args, "max_batch", None) or 16)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -574,7 +583,7 @@ def serve(args: Any) -> int:
         device=getattr(args, "device", None) or "cpu", dtype=getattr(args, "dtype", None) or "auto",
         max_batch=max_batch,
     )
-    bridge = AsyncEngine(build_engine_loader(args), max_batch=max_batch,
+    bridge = AsyncEngine(build_engine_loader(args, settings), max_batch=max_batch,
                          max_queue=int(getattr(args, "max_queue", None) or 64))
     app = create_app(bridge, config)
     log.info("serving %s on http://%s:%d (loading the model in the background)", model_id, host, port)

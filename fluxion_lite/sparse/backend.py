@@ -18,7 +18,6 @@ window (>= 1 token) covers it on the device, and top-k never selects a block tou
 from __future__ import annotations
 
 import itertools
-import os
 import time
 from dataclasses import replace
 from typing import Literal
@@ -32,6 +31,7 @@ from fluxion_lite.model.attention import AttentionBackend, SeqChunk, causal_atte
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.sparse.device.summaries import DeviceSummaries
 from fluxion_lite.errors import SettingError
+from fluxion_lite.settings import Settings
 from fluxion_lite.hostkv.store import HostKVStore
 from fluxion_lite.sparse.hybrid import HybridExecutor, Timer
 from fluxion_lite.sparse.attend import biased_attention, lse_merge_parts
@@ -56,8 +56,9 @@ class SparseAttention(AttentionBackend):
     def __init__(self, cfg: ModelConfig, plan: SparsePlan, dtype: torch.dtype, device: torch.device, max_seqs: int,
                  placement: Placement = "auto", selection: Selection = "cpu", costs: Costs | None = None,
                  zero_copy: bool | None = None, topk_scoring: str | None = None,
-                 mixed_select: Literal["host", "device"] | None = None):
-        plan = with_background_override(plan)  # the unread-background term: the plan's, or FLUXION_BACKGROUND's
+                 mixed_select: Literal["host", "device"] | None = None, settings: Settings | None = None):
+        self.settings = settings if settings is not None else Settings.load()  # FLUXION_* knobs (settings.py)
+        plan = with_background_override(plan, self.settings)  # the plan's background term, or FLUXION_BACKGROUND's
         plan.validate(cfg.n_layers, cfg.n_kv_heads)
         if plan.window < 1:
             raise ValueError("the sparse backend needs window >= 1 (the newest token is attended on the device)")
@@ -67,7 +68,7 @@ class SparseAttention(AttentionBackend):
         self.r = cfg.n_heads // cfg.n_kv_heads
         self.store = HostKVStore(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype=torch.bfloat16, max_seqs=max_seqs,
                                  page_tokens=256, granularities=GRANULARITIES,
-                                 value_sums=plan.background != "off")
+                                 value_sums=plan.background != "off", hugepages=self.settings.hugepages)
         # what the eager and the captured forms of the decode step share (sparse/state.py)
         self.state = SparseState(cfg, plan, dtype, device)
         self.scratch = DenseKVCache(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, dtype, device)
@@ -91,7 +92,7 @@ class SparseAttention(AttentionBackend):
         # torch ops per layer. bench/mixed_step.py, 32K, batch 64, H200 (docs/hybrid.md): 206 -> 167 ms a mixed step
         # (CPU selection 160 ms). mixed_select="device" (the gpu-sparse baseline: every selected block over PCIe)
         # or FLUXION_MIXED_SELECT=device (for A/B) keeps the device path there.
-        mixed = mixed_select or os.environ.get("FLUXION_MIXED_SELECT", "host")
+        mixed = mixed_select or self.settings.experimental.mixed_select
         if mixed not in ("host", "device"):
             raise SettingError(f"mixed_select / FLUXION_MIXED_SELECT={mixed!r}: use host or device")
         self.mixed_host_select = self.summaries is not None and mixed == "host"
@@ -131,7 +132,7 @@ class SparseAttention(AttentionBackend):
         self.device_capture: DeviceGraphedDecode | None = None  # made at the first graphable device-selection step
         # block scoring of the native top-k (native.SCORINGS), for the eager and the graphed decode paths alike:
         # the argument, else FLUXION_TOPK, else the plan's (plan files can name it: policy variants)
-        env = os.environ.get("FLUXION_TOPK")
+        env = self.settings.topk
         try:
             self.topk_scoring = topk_scoring or env or plan.scoring
         except ValueError as e:
@@ -193,8 +194,8 @@ class SparseAttention(AttentionBackend):
         if requested is False:
             return False
         if self.device.type != "cuda":
-            return bool(requested) or os.environ.get("FLUXION_ZERO_COPY", "") == "1"
-        ok, why = zc.check(self.device)
+            return bool(requested) or self.settings.zero_copy is True
+        ok, why = zc.check(self.device, self.settings.zero_copy is not False)
         if not ok:
             zc.log_fallback(why)
         return ok

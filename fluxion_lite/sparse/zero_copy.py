@@ -25,7 +25,6 @@ On a CPU device the "alias" is the host memory itself and the same code runs wit
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -109,12 +108,13 @@ def _device_pointer_matches(ptr: int) -> str | None:
 _checked: dict[str, tuple[bool, str]] = {}
 
 
-def check(device: torch.device) -> tuple[bool, str]:
+def check(device: torch.device, enabled: bool = True) -> tuple[bool, str]:
     """(usable, why): can kernels on `device` read the store's pinned host memory through an alias? Cached per device.
-    FLUXION_ZERO_COPY=0 turns it off. On a CPU device it is always usable (the alias is the memory itself)."""
+    enabled=False (the setting FLUXION_ZERO_COPY=0, settings.zero_copy is False) turns it off. On a CPU device it is
+    always usable (the alias is the memory itself)."""
     if device.type != "cuda":
         return True, "CPU device: the alias is the host memory itself"
-    if os.environ.get("FLUXION_ZERO_COPY", "") == "0":
+    if not enabled:
         return False, "disabled by FLUXION_ZERO_COPY=0"
     key = str(device)
     if key not in _checked:

@@ -128,7 +128,6 @@ def test_block_scores(dk, r: int, d: int, nb: int, pins: bool, midrange: bool) -
 @pytest.mark.parametrize("entries", [1, 3])  # flat entries per program (FLUXION_BA_ENTRIES); 8 entries: a ragged tail
 def test_block_attention_and_combine(dk, monkeypatch: pytest.MonkeyPatch, r: int, d: int, g: int, dtype: torch.dtype,  # type: ignore[no-untyped-def]
                                      pin_cache: bool, entries: int) -> None:
-    monkeypatch.setattr(dk, "_BA_ENTRIES", entries)
     gen = torch.Generator().manual_seed(r + d + g)
     B, hkv, page_tokens, pages, slot_cap = 2, 3, 64, 4, 3
     span, tables, kv = paged_store(gen, slot_cap, hkv, d, page_tokens, pages, dtype)
@@ -170,7 +169,7 @@ def test_block_attention_and_combine(dk, monkeypatch: pytest.MonkeyPatch, r: int
                             span[row] = float("nan")
         cache = on(pin_slot, pin_kv)
     dk.block_attention(*on(q, ids, vals, flat_h, flat_j, k_row, slots, tables, span), page_tokens, g, scale,
-                       part_o, part_m, part_l, *cache)
+                       part_o, part_m, part_l, *cache, entries=entries)
     # two streaming partials per (row, group), the second empty for row 1 group 0 (m = -inf, l = 0, o = 0)
     s_o = torch.randn(B, hkv, 2, r, d, generator=gen)
     s_m = torch.randn(B, hkv, 2, r, generator=gen)
@@ -206,7 +205,6 @@ def test_block_attention_fetch_then_attend_equals_one_pass(dk, monkeypatch: pyte
     """With the reuse cache, stage 1 (fetch the kept misses into their entries) then stage 2 (attend, every block
     with an entry read from the cache) gives the one-pass kernel's partials and cache contents, bit for bit; the
     one pass itself against the float64 reference (hits read from the cache, whose host copies are poisoned)."""
-    monkeypatch.setattr(dk, "_BA_ENTRIES", entries)
     gen = torch.Generator().manual_seed(11 * r + d + g)
     B, hkv, page_tokens, pages, slot_cap, rc = 2, 3, 64, 4, 3, 6
     span, tables, kv = paged_store(gen, slot_cap, hkv, d, page_tokens, pages, dtype)
@@ -240,7 +238,7 @@ def test_block_attention_fetch_then_attend_equals_one_pass(dk, monkeypatch: pyte
         c = on(cache.clone())[0]
         for stage in stages:
             dk.block_attention(*on(q, ids, vals, flat_h, flat_j, k_row, slots, tables, span), page_tokens, g, scale,
-                               *parts, None, None, *on(entry, hit), c, stage=stage)
+                               *parts, None, None, *on(entry, hit), c, stage=stage, entries=entries)
         results.append([t.cpu() for t in parts + [c]])
     for one, two in zip(*results):
         assert torch.equal(one.nan_to_num(7.0), two.nan_to_num(7.0))

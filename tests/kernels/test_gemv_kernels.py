@@ -10,6 +10,7 @@ import torch
 
 from fluxion_lite.model import gemv_kernels
 from fluxion_lite.errors import RequestError
+from fluxion_lite.settings import Settings
 
 pytestmark = pytest.mark.skipif(gemv_kernels.triton is None, reason="Triton not installed")
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -137,9 +138,9 @@ def test_gemv_with_norm_bias_and_rope_matches_float64(dtype: torch.dtype, neox: 
     y = _rms_norm64(x, g, 1e-6) @ w.double().T + bias.double()
     want = _rope64(y, heads * d, d, neox, pos)
     cos, sin = _rope_rows(d, neox, pos, dtype)
-    monkeypatch.setenv("FLUXION_GEMV_CONFIG", f"{bn},64,4")
+    tiles = (bn, 64, 4)  # the tiling FLUXION_GEMV_CONFIG would force
     got = gemv_kernels.gemv(x.to(DEV), w.to(DEV), bias.to(DEV), norm=gemv_kernels.Norm(g.to(DEV), 1e-6),
-                            rope=gemv_kernels.Rope(cos.to(DEV), sin.to(DEV), heads * d, d, neox))
+                            rope=gemv_kernels.Rope(cos.to(DEV), sin.to(DEV), heads * d, d, neox), tiles=tiles)
     _close(got, want, dtype)
 
 
@@ -158,8 +159,9 @@ def test_forced_config_tiles_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     w, x = _weights(130, 1000, torch.float32, 5)
     default = gemv_kernels.gemv(x.to(DEV), w.to(DEV)).cpu()
     monkeypatch.setenv("FLUXION_GEMV_CONFIG", "16,128,2")
-    assert gemv_kernels.config(130, 1000) == (16, 128, 2)
-    forced = gemv_kernels.gemv(x.to(DEV), w.to(DEV)).cpu()
+    tiles = Settings.load().experimental.gemv_config  # the setting, as model.py passes it to the kernels
+    assert gemv_kernels.config(130, 1000, forced=tiles) == (16, 128, 2)
+    forced = gemv_kernels.gemv(x.to(DEV), w.to(DEV), tiles=tiles).cpu()
     torch.testing.assert_close(forced, default, rtol=1e-5, atol=1e-4)
 
 
@@ -269,7 +271,7 @@ def test_programmatic_dependent_launch_changes_no_value(monkeypatch: pytest.Monk
     from fluxion_lite.model import dense_kernels
     from fluxion_lite.sparse.device import kernels as device_kernels
 
-    if not device_kernels.pdl_enabled(torch.device("cuda")) and not device_kernels._pdl_supported(0):
+    if not device_kernels.pdl_enabled(torch.device("cuda"), True) and not device_kernels._pdl_supported(0):
         pytest.skip("no programmatic dependent launch on this GPU / Triton")
     gen = torch.Generator(device="cuda").manual_seed(5)
     d, f = 1024, 1536
@@ -280,15 +282,15 @@ def test_programmatic_dependent_launch_changes_no_value(monkeypatch: pytest.Monk
     x0 = torch.randn(1, d, device="cuda", generator=gen, dtype=torch.bfloat16)
 
     def chain(x: torch.Tensor) -> torch.Tensor:
-        h = dense_kernels.rms_norm(x, g, 1e-5)
-        qkv = gemv_kernels.gemv(h, w_qkv)
-        gemv_kernels.gemv_add_(x, qkv[:, :d], w_o)
-        act = gemv_kernels.gemv_silu_mul(dense_kernels.rms_norm(x, g, 1e-5), w_gu)
-        return gemv_kernels.gemv_add_(x, act, w_down)
+        h = dense_kernels.rms_norm(x, g, 1e-5, pdl=pdl)
+        qkv = gemv_kernels.gemv(h, w_qkv, pdl=pdl)
+        gemv_kernels.gemv_add_(x, qkv[:, :d], w_o, pdl=pdl)
+        act = gemv_kernels.gemv_silu_mul(dense_kernels.rms_norm(x, g, 1e-5, pdl=pdl), w_gu, pdl=pdl)
+        return gemv_kernels.gemv_add_(x, act, w_down, pdl=pdl)
 
-    monkeypatch.setenv("FLUXION_PDL", "0")
+    pdl = False  # FLUXION_PDL=0 (the setting, as model.py and the device step pass it to the kernels)
     want = chain(x0.clone())
-    monkeypatch.setenv("FLUXION_PDL", "1")
+    pdl = True  # FLUXION_PDL=1
     assert torch.equal(chain(x0.clone()), want)
     x = x0.clone()
     chain(x.clone())  # compiled before the capture

@@ -130,7 +130,7 @@ def test_pool_wake_and_spin_under_concurrent_calls() -> None:
 
 
 def test_settings_from_environment() -> None:
-    code = ("from fluxion_lite import native; print(native.get_simd(), native.get_threads())")
+    code = ("from fluxion_lite.hostkv import native; print(native.get_simd(), native.get_threads())")
     for simd in native.simd_supported():
         env = dict(os.environ, FLUXION_SIMD=simd, FLUXION_THREADS="3")
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

@@ -47,7 +47,6 @@ streaming part (the torch path: into the retrieval part), so combine / the epilo
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 import weakref
 from typing import TYPE_CHECKING, Callable
@@ -109,11 +108,11 @@ class DeviceGraphedDecode(CapturedDecode):
         # No host work between layers, so decode_graphs may capture the step as one graph (measured: one ~7.7 ms
         # cudaGraphLaunch per step on the H200 host). FLUXION_DEVICE_GRAPHS=layer keeps one graph per layer instead,
         # so launching layer i + 1 overlaps running layer i (host(i) does nothing); not measured yet.
-        self.whole_step = os.environ.get("FLUXION_DEVICE_GRAPHS", "step") != "layer"
-        self.fused = device_kernels.enabled(owner.device)  # a few Triton kernels per layer instead of ~100 torch ops
+        self.whole_step = owner.settings.experimental.device_graphs != "layer"
+        self.fused = device_kernels.enabled(owner.device, owner.settings)  # a few Triton kernels, not ~100 torch ops
         # the fused step's block choice: device_topk's select (default) or torch.topk (FLUXION_DEVICE_TOPK=torch:
         # the A/B in bench/results/tpot_llama3.1-8b_32k_topk_h200_*)
-        self.torch_topk = os.environ.get("FLUXION_DEVICE_TOPK", "select") == "torch"
+        self.torch_topk = owner.settings.experimental.device_topk == "torch"
         # Pinned blocks are chosen once, at the end of a prompt, and top-k takes them at every step: the pin cache
         # copies them to device memory once and reads them from there, so the PCIe bytes per step are the dynamic
         # share of the budget only (H200, 8B shape, 32K: 12.1 -> 9.2 ms at b1, 41.3 -> 20.4 ms at b8). It is KV on
@@ -128,12 +127,12 @@ class DeviceGraphedDecode(CapturedDecode):
         assert not self.background or (self.g == BACKGROUND_G and self.dsum.value_sums)
         self.pool = (DevicePinPool(self.g, owner.cfg.n_kv_heads, owner.cfg.head_dim, owner.store.page_tokens,
                                    owner.store.dtype, owner.device, PIN_CACHE_SHARE)
-                     if self.fused and os.environ.get("FLUXION_PIN_CACHE", "1") != "0" else None)
+                     if self.fused and owner.settings.pin_cache else None)
         # blocks read over PCIe kept in device memory for the next steps (reuse_cache.py; FLUXION_REUSE_CACHE=0: off;
         # FLUXION_PIN_CACHE=0 too: it promises no KV on the GPU beyond sink + window)
-        keep_kv = os.environ.get("FLUXION_PIN_CACHE", "1") != "0" and os.environ.get("FLUXION_REUSE_CACHE", "1") != "0"
+        keep_kv = owner.settings.pin_cache and owner.settings.reuse_cache
         self.reuse = (DeviceReuseCache(owner.cfg.n_layers, owner.cfg.n_kv_heads, self.g, owner.cfg.head_dim,
-                                       owner.store.dtype, owner.device)
+                                       owner.store.dtype, owner.device, owner.settings.experimental.reuse_share)
                       if self.fused and not self.torch_topk and keep_kv else None)
         self._reuse_now: DeviceReuseCache | None = None  # self.reuse when it holds the current step structure
         self.static: dict[tuple[object, ...], DeviceStep] = {}
@@ -149,7 +148,7 @@ class DeviceGraphedDecode(CapturedDecode):
         # next step's plan (~0.7 ms) and the store appends (~0.3 ms). With overlap, end() appends the previous
         # step's K/V and plans the likely next step (the same rows, one token on) while the device runs; the host
         # store then lags the device by one more token, which top-k never reads (the newest tokens are in the window).
-        self.overlap = os.environ.get("FLUXION_STEP_OVERLAP", "1") != "0"
+        self.overlap = owner.settings.step_overlap
         # (step structure, row set, the step's end event on CUDA) appended at the next end()
         self._queued: tuple[DeviceStep, int, torch.cuda.Event | None] | None = None
         self._last_end = 0.0  # perf_counter at the last deferred end() (0: the last end() synchronised)
@@ -162,7 +161,7 @@ class DeviceGraphedDecode(CapturedDecode):
         # FLUXION_STREAM_BRANCH=0 keeps one stream (for A/B).
         self._side = (torch.cuda.Stream(owner.device)
                       if self.fused and owner.device.type == "cuda"
-                      and os.environ.get("FLUXION_STREAM_BRANCH", "1") != "0" else None)
+                      and owner.settings.stream_branch else None)
         # Early block choice (on by default since RULER at batch 1 showed no loss: 4K and 32K, 156 samples each, 9
         # better and 9 worse over both, docs/history.md; FLUXION_EARLY_SELECT=0 for A/B): layer l's
         # blocks are chosen with a query predicted from the stream after layer l-1's attention (Transformer.
@@ -173,10 +172,9 @@ class DeviceGraphedDecode(CapturedDecode):
         # layer). The predicted query's choice held 97-99% of the real choice's attention mass on real models
         # (research/speculative_select.py, docs/history.md).
         self.early_on = (self.fused and not self.torch_topk
-                         and os.environ.get("FLUXION_EARLY_SELECT", "1") != "0")
+                         and owner.settings.early_select)
         # high priority: its kernels take SMs as the MLP's GEMM blocks retire, instead of queueing behind them
-        self._early_stream = (torch.cuda.Stream(owner.device, priority=int(os.environ.get("FLUXION_EARLY_PRIORITY",
-                                                                                          "-1")))
+        self._early_stream = (torch.cuda.Stream(owner.device, priority=owner.settings.experimental.early_priority)
                               if self.early_on and owner.device.type == "cuda" else None)
         self._early_layers: set[int] = set()  # layers whose blocks early() chose in the current pass
         # per layer: the pass's stream snapshot and predicted query, kept so that no buffer a side stream reads is
@@ -448,7 +446,8 @@ class DeviceGraphedDecode(CapturedDecode):
                 o_bg, lse_bg = self._background(layer, qg, ds, selected)
                 merge_into_partial(ds.stream_o[:, :, -1], ds.stream_m[:, :, -1], ds.stream_l[:, :, -1], o_bg, lse_bg)
             device_kernels.combine(ds.part_o, ds.part_m, ds.part_l, ds.starts[layer], ds.caps[layer], ds.stream_o,
-                                   ds.stream_m, ds.stream_l, ds.out[layer], flat[0] if flat is not None else 0)
+                                   ds.stream_m, ds.stream_l, ds.out[layer], flat[0] if flat is not None else 0,
+                                   pdl=a.settings.experimental.pdl)
             return
         qg, ds.out_s[layer], ds.lse_s[layer] = stream_layer(a, layer, ds.slots, ds.ring, ds.bias, q, k, v)
         ds.stage[layer, :, 0] = k  # [B, Hkv, D] each, for the host store
@@ -515,12 +514,14 @@ class DeviceGraphedDecode(CapturedDecode):
         assert span is not None
         pin = self.pool is not None and self.pool.kv is not None
         cache = self._reuse_now
+        ab = self.a.settings.experimental  # block_attention's A/B knobs (FLUXION_BA_*)
         device_kernels.block_attention(qg, ids, vals, flat_h, flat_j, ds.k_row[layer], ds.slots, ds.tables[layer],
                                        span.view(self.a.store.dtype), self.a.store.page_tokens, self.g,
                                        self.a.scale, ds.part_o, ds.part_m, ds.part_l,
                                        ds.pin_slot[layer] if pin else None, self.pool.kv if pin else None,
                                        *((reuse.entry, reuse.hit, cache.kv(layer))
-                                         if reuse is not None and cache is not None else ()), stage=stage)
+                                         if reuse is not None and cache is not None else ()), stage=stage,
+                                       warps=ab.ba_warps, entries=ab.ba_entries, always_dot=ab.ba_dot)
 
     def early(self, layer: int, x: torch.Tensor, query: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Called inside layer - 1's post_attention (decode_graphs) with the stream x [B, d] after its attention:

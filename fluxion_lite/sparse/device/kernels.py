@@ -27,19 +27,21 @@ device_topk.select_top chooses the blocks between block_scores and block_attenti
   tables      [slots, pages] int64: the span row of each page's first chunk
   flat list   entry i = rank flat_j[i] of group flat_h[i]; a group's entries are contiguous (starts/caps)
 
-Used on CUDA when Triton imports (FLUXION_TRITON=0 turns it off; =1 forces it on any device, which with
-TRITON_INTERPRET=1 runs the kernels on the CPU: that is how the tests check them against the torch path).
+Used on CUDA when Triton imports (the setting FLUXION_TRITON=0 turns it off; =1 forces it on any device, which with
+TRITON_INTERPRET=1 runs the kernels on the CPU: that is how the tests check them against the torch path). The A/B
+knobs of block_attention and combine (FLUXION_BA_*, FLUXION_PDL) are arguments, which the device step passes from
+its settings (fluxion_lite.settings.ExperimentalSettings; the defaults here are the settings' defaults).
 """
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
 
 from fluxion_lite.sparse.device.summaries import PINNED_SCORE
 from fluxion_lite.hostkv.store import CHUNK_TOKENS
+from fluxion_lite.settings import ExperimentalSettings, Settings
 
 try:  # Triton ships with CUDA builds of torch; the CPU wheel has none (then device_graph keeps its torch path)
     import triton
@@ -51,23 +53,20 @@ except ImportError:  # pragma: no cover - depends on the install
 _probed: dict[str, bool] = {}
 COMBINE_COLUMNS = 32  # combine: output columns per program
 COMBINE_TILE_MAX = 256  # combine: the most retrieval entries a program merges per round
-_BA_WARPS = int(os.environ.get("FLUXION_BA_WARPS", "4"))  # block_attention's warps per program (A/B knob)
-# flat entries per block_attention program, one after another (unrolled): fewer programs for the wide layers, whose
-# ~2000 one-block programs wait on chains of dependent loads (A/B knob)
-_BA_ENTRIES = int(os.environ.get("FLUXION_BA_ENTRIES", "1"))
 # block_attention multiplies in registers (broadcast and sum) up to this many query heads per group (padded to a
-# power of two), with tl.dot above; FLUXION_BA_DOT=1 takes tl.dot always, padded to 16 rows (A/B knob)
-BROADCAST_MAX_R = 0 if os.environ.get("FLUXION_BA_DOT", "0") == "1" else 8
+# power of two), with tl.dot above; always_dot (FLUXION_BA_DOT=1) takes tl.dot always, padded to 16 rows (A/B knob)
+BROADCAST_MAX_R = 8
 
 
-def enabled(device: torch.device) -> bool:
+def enabled(device: torch.device, settings: Settings | None = None) -> bool:
     """Whether device_graph should use these kernels on `device`: on CUDA once a probe kernel compiled and ran there
-    (a Triton that imports but cannot build for this GPU or driver leaves the torch path in place, with a warning)."""
-    flag = os.environ.get("FLUXION_TRITON", "")
-    if triton is None or flag == "0":
+    (a Triton that imports but cannot build for this GPU or driver leaves the torch path in place, with a warning);
+    the setting FLUXION_TRITON (settings.triton; None: Settings.load()) turns them off (0) or on anywhere (1)."""
+    flag = (settings if settings is not None else Settings.load()).triton
+    if triton is None or flag is False:
         return False
-    if flag == "1" or device.type != "cuda":
-        return flag == "1"
+    if flag is True or device.type != "cuda":
+        return flag is True
     key = str(device)
     if key not in _probed:
         try:
@@ -82,14 +81,14 @@ def enabled(device: torch.device) -> bool:
     return _probed[key]
 
 
-def pdl_enabled(device: torch.device) -> bool:
+def pdl_enabled(device: torch.device, requested: bool = ExperimentalSettings.pdl) -> bool:
     """Whether gemv_kernels' one-row kernels and dense_kernels' RMS norm launch as programmatic dependent launches
-    (FLUXION_PDL=1; sm_90 and a Triton with gdc_wait): a kernel's programs may then be scheduled while the previous
-    kernel on the stream finishes, request their first weight tile, and wait (griddepcontrol.wait) before reading
-    what that kernel wrote; combine and the norm let the next kernel be scheduled from their start. Off by default
-    until measured (docs/hybrid.md)."""
+    (requested: the setting FLUXION_PDL=1, which those kernels take as their `pdl` argument; sm_90 and a Triton with
+    gdc_wait): a kernel's programs may then be scheduled while the previous kernel on the stream finishes, request
+    their first weight tile, and wait (griddepcontrol.wait) before reading what that kernel wrote; combine and the
+    norm let the next kernel be scheduled from their start. Off by default until measured (docs/hybrid.md)."""
     return _pdl_supported(device.index if device.index is not None else torch.cuda.current_device()) \
-        if device.type == "cuda" and os.environ.get("FLUXION_PDL", "0") == "1" else False
+        if requested and device.type == "cuda" else False
 
 
 @functools.cache
@@ -456,7 +455,9 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
                     part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor,
                     pin_slot: torch.Tensor | None = None, pin_kv: torch.Tensor | None = None,
                     reuse_entry: torch.Tensor | None = None, reuse_hit: torch.Tensor | None = None,
-                    reuse_kv: torch.Tensor | None = None, stage: int = 0) -> None:
+                    reuse_kv: torch.Tensor | None = None, stage: int = 0,
+                    warps: int = ExperimentalSettings.ba_warps, entries: int = ExperimentalSettings.ba_entries,
+                    always_dot: bool = ExperimentalSettings.ba_dot) -> None:
     """Partial attention of each (row, flat entry): q [B, Hkv, r, D]; ids, vals [B, Hkv, width] (top-k of the
     scores); flat_h, flat_j [N] int64; k_row [B, Hkv] int64 (entries with rank >= k are masked); tables [slots,
     pages]; span [chunks, CHUNK_TOKENS * D] in the store dtype. Writes part_o [B, >= N, r, D], part_m, part_l
@@ -469,7 +470,10 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
     with an entry is read over PCIe and written there for the next steps.
     stage (reuse cache only) splits that in two, so the PCIe reads can run ahead of the query (device_graph.py's
     early choice): 1 fetches the kept misses into their entries and attends nothing (q and the partials are not
-    touched); 2 then attends, reading every block with an entry from the cache."""
+    touched); 2 then attends, reading every block with an entry from the cache.
+    A/B knobs (the settings FLUXION_BA_WARPS / _ENTRIES / _DOT): warps per program; flat entries per program, one
+    after another (unrolled: fewer programs for the wide layers, whose ~2000 one-block programs wait on chains of
+    dependent loads); always_dot: tl.dot for any query-head count (else up to BROADCAST_MAX_R heads in registers)."""
     B, hkv, r, d = q.shape
     n, width = flat_h.shape[0], ids.shape[2]
     assert ids.is_contiguous() and vals.is_contiguous() and k_row.is_contiguous() and tables.stride(1) == 1
@@ -487,8 +491,8 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
         assert reuse_kv.is_contiguous() and reuse_kv.shape[:2] == (B, hkv) and reuse_kv.shape[3:] == (2, g, d)
         assert reuse_kv.dtype == span.dtype
     assert stage == 0 or (stage in (1, 2) and has_reuse), "stages 1 and 2 work on the reuse cache"
-    dot = pow2(r) > BROADCAST_MAX_R  # FLUXION_BA_DOT=1: tl.dot for any r (A/B)
-    entries = max(1, _BA_ENTRIES)
+    dot = always_dot or pow2(r) > BROADCAST_MAX_R  # always_dot (FLUXION_BA_DOT=1): tl.dot for any r (A/B)
+    entries = max(1, entries)
     _block_attention_kernel[(triton.cdiv(n, entries), B)](  # the partials' row stride is their capacity, not n
         q, ids, vals, flat_h, flat_j, k_row, slots, tables, span, pin_slot if has_cache else k_row,
         pin_kv if has_cache else span, reuse_entry if has_reuse else k_row, reuse_hit if has_reuse else k_row,
@@ -496,15 +500,17 @@ def block_attention(q: torch.Tensor, ids: torch.Tensor, vals: torch.Tensor, flat
         tables.shape[1], page_tokens, cph, nbs, reuse_kv.shape[2] if has_reuse else 0, scale, q.stride(0),
         q.stride(1), q.stride(2), tables.stride(0), n, D=d, G=g, R_PAD=pow2(r, 16) if dot else pow2(r),
         CHUNK=CHUNK_TOKENS, HAS_CACHE=has_cache, HAS_REUSE=has_reuse, STAGE=stage, DOT=dot, ENTRIES=entries,
-        num_warps=_BA_WARPS)
+        num_warps=warps)
 
 
 def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, starts: torch.Tensor,
             caps: torch.Tensor, stream_o: torch.Tensor, stream_m: torch.Tensor, stream_l: torch.Tensor,
-            out: torch.Tensor, max_entries: int = COMBINE_TILE_MAX) -> torch.Tensor:
+            out: torch.Tensor, max_entries: int = COMBINE_TILE_MAX, pdl: bool = ExperimentalSettings.pdl
+            ) -> torch.Tensor:
     """LSE merge of the streaming partials (stream_attention's [B, Hkv, S, r(, D)]) with each group's retrieval
     partials (its entries are starts[h] .. starts[h] + caps[h] - 1 of the flat list) -> out [B, Hkv, r, D].
-    max_entries: the most entries a group has (any larger caps still merge, in more rounds).
+    max_entries: the most entries a group has (any larger caps still merge, in more rounds). pdl: the setting
+    FLUXION_PDL (pdl_enabled).
 
     One program per (row, group, head) and COMBINE_COLUMNS output columns, taking up to COMBINE_TILE_MAX entries per
     round: at batch 1 the 8B shape has 32 (row, group, head)s, and one program each, walking a wide layer's ~250
@@ -515,5 +521,5 @@ def combine(part_o: torch.Tensor, part_m: torch.Tensor, part_l: torch.Tensor, st
     tile = min(COMBINE_TILE_MAX, pow2(max(max_entries, 1), 16))
     _combine_kernel[(B * hkv * r, d // dc)](part_o, part_m, part_l, starts, caps, stream_o, stream_m, stream_l, out,
                                             part_m.shape[1], hkv, r, splits, D=d, DC=dc, TILE=tile,
-                                            S_PAD=pow2(splits, 2), LAUNCH_NEXT=pdl_enabled(out.device))
+                                            S_PAD=pow2(splits, 2), LAUNCH_NEXT=pdl_enabled(out.device, pdl))
     return out

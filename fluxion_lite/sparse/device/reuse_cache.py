@@ -27,37 +27,29 @@ from __future__ import annotations
 
 import logging
 import math
-import os
 from collections import deque
 
 import torch
 
 from fluxion_lite.sparse.device.kernels import pow2
 from fluxion_lite.sparse.device.topk import ReuseViews
+from fluxion_lite.settings import ExperimentalSettings, Settings
 
 log = logging.getLogger(__name__)
 
-REUSE_SHARE = 0.5  # entries per (layer, row, group), as a share of the layer's widest top-k (pins: 0.75 of it)
+# entries per (layer, row, group), as a share of the layer's widest top-k (pins: 0.75 of it); the setting's default
+REUSE_SHARE = ExperimentalSettings.reuse_share
 FREE_MEMORY_SHARE = 0.25  # the cache may take at most this share of the free device memory, else it stays off
 
 
-def reuse_share() -> float:
-    """Entries per (layer, row, group) as a share of the layer's widest top-k: FLUXION_REUSE_SHARE (for A/B
-    runs) or REUSE_SHARE."""
-    text = os.environ.get("FLUXION_REUSE_SHARE", "")
-    if not text:
-        return REUSE_SHARE
-    try:
-        share = float(text)
-    except ValueError:
-        share = -1.0
-    if not 0.0 < share <= 16.0:
-        raise ValueError(f"FLUXION_REUSE_SHARE must be a number in (0, 16], got {text!r}")
-    return share
+def reuse_share(settings: Settings | None = None) -> float:
+    """Entries per (layer, row, group) as a share of the layer's widest top-k: the setting FLUXION_REUSE_SHARE (for
+    A/B runs; settings.experimental.reuse_share, default REUSE_SHARE; None: Settings.load())."""
+    return (settings if settings is not None else Settings.load()).experimental.reuse_share
 
 
-def _entries(width: int) -> int:
-    return max(1, math.ceil(reuse_share() * width))
+def _entries(width: int, share: float | None = None) -> int:
+    return max(1, math.ceil((reuse_share() if share is None else share) * width))
 
 
 def _layout_bytes(layout: dict[object, tuple[tuple[int, ...], torch.dtype, int | None]]) -> int:
@@ -67,8 +59,11 @@ def _layout_bytes(layout: dict[object, tuple[tuple[int, ...], torch.dtype, int |
 class DeviceReuseCache:
     """One reuse cache per device-graphed backend, shaped for the current step structure."""
 
-    def __init__(self, n_layers: int, hkv: int, g: int, d: int, dtype: torch.dtype, device: torch.device):
+    def __init__(self, n_layers: int, hkv: int, g: int, d: int, dtype: torch.dtype, device: torch.device,
+                 share: float | None = None):
+        """share: entries as a share of each layer's widest top-k (None: reuse_share(), the setting)."""
         self.n_layers, self.hkv, self.g, self.d, self.dtype, self.device = n_layers, hkv, g, d, dtype, device
+        self.share = reuse_share() if share is None else share
         self.shape: tuple[int, int, tuple[int, ...]] = (0, 0, ())  # (batch, blocks, each layer's top-k width)
         self.serial = 0  # bumped on every reallocation: part of the decode graphs' key
         self.enabled = True
@@ -113,7 +108,7 @@ class DeviceReuseCache:
         """Every tensor of a structure: name -> (size, dtype, initial value or None for uninitialised)."""
         batch, n_blocks, widths = shape
         L, B, H = self.n_layers, batch, self.hkv
-        entries = [_entries(w) for w in widths]
+        entries = [_entries(w, self.share) for w in widths]
         layout: dict[object, tuple[tuple[int, ...], torch.dtype, int | None]] = {
             "held": ((L, B, H, n_blocks), torch.int32, -1),
             "cursor": ((L, B, H), torch.int32, 0),
