@@ -1,4 +1,5 @@
-"""A small version of bench/parity.py: our fp32 forward vs llama.cpp on the same GGUF (smollm2-135m)."""
+"""A small version of bench/parity.py: our forward vs llama.cpp on the same GGUF (smollm2-135m), with dequantised fp32
+weights and, teacher-forced, with the file's blocks as the CPU default keeps them."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,12 +16,15 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def pair() -> tuple[Engine, object]:
-    engine = Engine("smollm2-135m", prefix_cache_entries=0)
+    engine = Engine("smollm2-135m", prefix_cache_entries=0, dtype="float32")
     return engine, load_peer(engine.model_path, n_ctx=640)
 
 
-def test_teacher_forced_top1_matches_llamacpp_where_it_is_confident(pair: tuple[Engine, object]) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "auto"])
+def test_teacher_forced_top1_matches_llamacpp_where_it_is_confident(pair: tuple[Engine, object], dtype: str) -> None:
     engine, peer = pair
+    if dtype != "float32":  # the CPU default: the file's 4-bit blocks, 8-bit activations (model/quantized.py)
+        engine = Engine("smollm2-135m", prefix_cache_entries=0, dtype=dtype)
     assert engine.tokenizer is not None
     tokens = engine.tokenizer.encode(essay_text()[:6000])[:512]
     ref = peer_logits(peer, tokens)
