@@ -50,6 +50,17 @@ extern const fx_qkernels fx_qkernels_avx512vnni;  /* the same kernels with AVX51
 
 /* ---- shared helpers (static inline: each path's file compiles them for its own instruction set) ---- */
 
+/* Software prefetch of the weight stream, this many bytes ahead of the block being read.  A thread reads its rows
+ * front to back, so the bytes ahead are its next rows (or, at the end of an item, another thread's: harmless). */
+#ifndef FXQ_PF_DIST
+#define FXQ_PF_DIST 8192
+#endif
+
+/* Prefetch the cache lines of [p + FXQ_PF_DIST, p + FXQ_PF_DIST + n) (n: the bytes of one step of the loop). */
+static inline __attribute__((always_inline)) void fxq_prefetch(const uint8_t *p, int n) {
+    for (int o = 0; o < n; o += 64) __builtin_prefetch(p + FXQ_PF_DIST + o, 0, 2);
+}
+
 static inline uint16_t fxq_u16(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, 2);
@@ -70,6 +81,15 @@ static inline void fxq_k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8])
         sc[j + 4] = (uint8_t)((s[j + 8] & 15) | ((s[j] >> 6) << 4));
         mn[j + 4] = (uint8_t)((s[j + 8] >> 4) | ((s[j + 4] >> 6) << 4));
     }
+}
+
+/* The same scales and mins as two 64-bit words, byte j = sc[j] (mn[j]), computed on three 32-bit loads (SWAR): bits
+ * 6-7 of scales[j] (j < 8) move to bits 4-5 of the same byte by a right shift of 2, masked per byte. */
+static inline void fxq_k4_scales64(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a = fxq_u32(s), b = fxq_u32(s + 4), c = fxq_u32(s + 8);
+    uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u), mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+    *sc = (uint64_t)(a & 0x3F3F3F3Fu) | (uint64_t)sc_hi << 32;
+    *mn = (uint64_t)(b & 0x3F3F3F3Fu) | (uint64_t)mn_hi << 32;
 }
 
 /* One row of any type as fp32.  Each value is computed exactly as fluxion.h writes it, with fp32 operations whose
