@@ -314,7 +314,8 @@ int fx_read_blocks_probe(const fx_kv_view *kv, const int32_t *tasks, int64_t n_t
  *   FX_SIMD_PORTABLE: C.
  *   Threads: output rows are split in chunks over the library pool; each chunk reads each of its weight rows once
  *   for 16 rows of x at a time (m <= 16: once in all), prefetching its weight stream 8 KB ahead (into L2).  The
- *   activations are quantized on the calling thread.  No call allocates memory.
+ *   activations are quantized first (m >= 4: on the pool, by rows; else on the calling thread).  No call allocates
+ *   memory.
  * ---------------------------------------------------------------------------------------------------------------
  */
 enum {
