@@ -8,8 +8,9 @@ the 896-column tensors of this model as Q5_0/Q8_0 for that reason).  Every call 
 the copies together over --cold-mib (default 1 GiB, past the last-level cache), so the numbers are memory reads; the
 same for torch's fp32 weights (F.linear, with torch's threads set to --threads and to 1: on a loaded machine torch's
 OpenMP barrier can wait whole time slices for a descheduled thread; "vs best" compares with the faster of the two).
-Each round times one pass of each (torch's passes cut to about --torch-pass-s seconds, going on where the last one
-stopped), so that all see the same load on a shared machine; the medians over --rounds are reported.  The native calls go through cffi directly (about 0.5 us each, included); the Python wrapper's own cost per
+The types go one at a time; each round times a pass of torch (--threads), one of torch (1 thread) and one of the type
+(torch's passes cut to about --torch-pass-s seconds, going on where the last one stopped), so that the type and
+its torch times see the same load on a shared machine; the medians over --rounds are reported.  The native calls go through cffi directly (about 0.5 us each, included); the Python wrapper's own cost per
 call (QuantWeight.matmul) is reported once.  The weights are random bytes with valid fp16 scales (the values do not
 change the speed).
 
@@ -26,6 +27,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -134,41 +136,36 @@ class Rotating:
         return (time.perf_counter() - t0) / n
 
 
-def bench_shape(sname: str, args: argparse.Namespace, rng: np.random.Generator) -> tuple[dict, list[dict]]:
-    """torch (--threads, then 1 thread) and every type of the shape, in one pass each per round."""
+def bench_shape(sname: str, args: argparse.Namespace, rng: np.random.Generator) -> Iterator[dict]:
+    """Every type of the shape, one at a time (one type's copies in memory), each round timing a pass of torch with
+    --threads, one with 1 thread, then one of the type: the type's row carries the torch times of its own rounds."""
     n_out, k = SHAPES[sname]
     base = TorchBaseline(n_out, k, args.m, args)
-    names = [n for n in args.types.split(",") if k % quant.block_size(n) == 0]
-    cases = {n: NativeCase(n, n_out, k, args.m, args, rng) for n in names}
-    runs = {n: Rotating(c.call, c.copies) for n, c in cases.items()}
     tr = Rotating(base.call, base.copies)
-    # torch's passes: all its copies, or about --torch-pass-s seconds of calls when that is fewer
-    est = tr.run(min(base.copies, 20))
+    est = tr.run(min(base.copies, 20))  # torch's passes: all its copies, or about --torch-pass-s seconds of calls
     n_torch = max(10, min(base.copies, int(args.torch_pass_s / est)))
-    for n, r in runs.items():
-        r.run(cases[n].copies)  # warm-up
-    times: dict[str, list[float]] = {"torch": [], "torch1": [], **{n: [] for n in names}}
-    for _ in range(args.rounds):
-        times["torch"].append(tr.run(n_torch))
-        torch.set_num_threads(1)
-        times["torch1"].append(tr.run(n_torch))
-        torch.set_num_threads(args.threads)
-        for n, r in runs.items():
-            times[n].append(r.run(cases[n].copies))
-    med = {key: statistics.median(v) for key, v in times.items()}
-    tbest = min(med["torch"], med["torch1"])
-    torch_row = {"shape": sname, "n_out": n_out, "k": k, "m": args.m, "type": "torch-fp32",
-                 "ms": med["torch"] * 1e3, "ms_1thread": med["torch1"] * 1e3, "weight_bytes": base.nbytes,
-                 "copies": base.copies, "calls_per_pass": n_torch, "GBps": base.nbytes / med["torch"] / 1e9,
-                 "GBps_1thread": base.nbytes / med["torch1"] / 1e9}
     rows = []
-    for n in names:
-        c, sec = cases[n], med[n]
-        rows.append({"shape": sname, "n_out": n_out, "k": k, "m": args.m, "type": n, "ms": sec * 1e3,
-                     "GBps": c.nbytes / sec / 1e9, "weight_bytes": c.nbytes, "copies": c.copies,
+    for name in [n for n in args.types.split(",") if k % quant.block_size(n) == 0]:
+        case = NativeCase(name, n_out, k, args.m, args, rng)
+        run = Rotating(case.call, case.copies)
+        run.run(case.copies)  # warm-up
+        times: dict[str, list[float]] = {"torch": [], "torch1": [], "native": []}
+        for _ in range(args.rounds):
+            times["torch"].append(tr.run(n_torch))
+            torch.set_num_threads(1)
+            times["torch1"].append(tr.run(n_torch))
+            torch.set_num_threads(args.threads)
+            times["native"].append(run.run(case.copies))
+        med = {key: statistics.median(v) for key, v in times.items()}
+        sec, tbest = med["native"], min(med["torch"], med["torch1"])
+        rows.append({"shape": sname, "n_out": n_out, "k": k, "m": args.m, "type": name, "ms": sec * 1e3,
+                     "GBps": case.nbytes / sec / 1e9, "weight_bytes": case.nbytes, "copies": case.copies,
+                     "torch_fp32_ms": med["torch"] * 1e3, "torch_fp32_1thread_ms": med["torch1"] * 1e3,
+                     "torch_fp32_bytes": base.nbytes, "torch_calls_per_pass": n_torch,
                      "speedup_vs_torch_fp32": med["torch"] / sec, "speedup_vs_best_torch_fp32": tbest / sec,
-                     "rel_err_vs_dequantized_fp32": c.rel_err()})
-    return torch_row, rows
+                     "rel_err_vs_dequantized_fp32": case.rel_err()})
+        yield rows[-1]
+        del case, run
 
 
 def wrapper_overhead_us(rounds: int) -> dict:
@@ -223,22 +220,20 @@ def main() -> None:
     rows = []
     for sname in args.shapes.split(","):
         n_out, k = SHAPES[sname]
-        trow, trows = bench_shape(sname, args, rng)
-        rows += [trow, *trows]
-        print(f"\n{sname} {n_out}x{k}: torch fp32 {trow['ms']:.3f} ms ({trow['GBps']:.1f} GB/s) with {args.threads} "
-              f"threads, {trow['ms_1thread']:.3f} ms ({trow['GBps_1thread']:.1f} GB/s) with 1", flush=True)
-        print(f"  {'type':<6}{'MB':>8}{'ms/call':>10}{'GB/s':>7}{'of read':>9}{'vs torch':>10}{'vs best':>9}"
-              f"{'rel err':>9}")
-        done = {r["type"] for r in trows}
+        print(f"\n{sname} {n_out}x{k} (torch fp32: {n_out * k * 4 / 1e6:.1f} MB)", flush=True)
+        print(f"  {'type':<6}{'MB':>8}{'ms/call':>10}{'GB/s':>7}{'of read':>9}{'torch ms':>10}{'torch1 ms':>10}"
+              f"{'vs torch':>9}{'vs best':>9}{'rel err':>9}")
         for name in args.types.split(","):
-            if name not in done:
+            if k % quant.block_size(name):
                 print(f"  {name:<6}  n/a: k={k} is not a multiple of {quant.block_size(name)}")
-        for r in trows:
+        for r in bench_shape(sname, args, rng):
             r["of_read_bandwidth"] = r["GBps"] / read_gbps
+            rows.append(r)
             err = r["rel_err_vs_dequantized_fp32"]
             print(f"  {r['type']:<6}{r['weight_bytes'] / 1e6:>8.2f}{r['ms']:>10.3f}{r['GBps']:>7.1f}"
-                  f"{r['of_read_bandwidth']:>9.0%}{r['speedup_vs_torch_fp32']:>9.2f}x"
-                  f"{r['speedup_vs_best_torch_fp32']:>8.2f}x{'-' if err is None else f'{err:.1e}':>9}", flush=True)
+                  f"{r['of_read_bandwidth']:>9.0%}{r['torch_fp32_ms']:>10.3f}{r['torch_fp32_1thread_ms']:>10.3f}"
+                  f"{r['speedup_vs_torch_fp32']:>8.1f}x{r['speedup_vs_best_torch_fp32']:>8.2f}x"
+                  f"{'-' if err is None else f'{err:.1e}':>9}", flush=True)
 
     host = platform.node() or "host"
     out = Path(args.out) if args.out else RESULTS / f"qmatmul-{host}.json"

@@ -2,7 +2,7 @@
  * fx_quant_avx2.c and the AVX-512 files (fx_quant_avx512.h): included after the file's target pragma, with
  * FXQ_YMM_VNNI 1 for vpdpbusd on ymm (AVX512-VNNI + VL), 0 for vpmaddubsw + vpmaddwd.  256-bit, not 512-bit, on the
  * AVX-512 paths too: a 32-block fills a 256-bit vector exactly, and a first version with two blocks per 512-bit
- * vector (per-block scales) was no faster than AVX2 on the Sapphire Rapids Xeon measured; this one is 1.4-1.9x
+ * vector (per-block scales) was no faster than AVX2 on the Sapphire Rapids Xeon measured; this one is 1.2-1.9x
  * faster than it per core at m = 1 (bench/qmatmul.py).
  *
  * Blocks go 8 at a time: their 8 fp16 scales are converted and multiplied by the 8 activation scales in one vector

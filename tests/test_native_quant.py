@@ -165,6 +165,11 @@ def test_qmatmul_many_equals_separate_calls(variant) -> None:
     assert all(a is b for a, b in zip(got, outs))
     for qw, y in zip(qws, got):
         np.testing.assert_array_equal(y.numpy(), qw.matmul(x).numpy())
+    group = quant.QuantGroup(qws)  # the prepared form: the same results, call after call, x 1-D too
+    for xx in (x, x[1]):
+        for qw, y in zip(qws, group.matmul(xx)):
+            np.testing.assert_array_equal(y.numpy(), qw.matmul(xx).numpy())
+    assert quant.QuantGroup([]).matmul(x) == []
 
 
 @pytest.mark.parametrize("variant", VARIANTS, ids=_vid, indirect=True)
@@ -234,6 +239,7 @@ def test_python_shapes_and_kinds() -> None:
 
 def test_workspace_sizes() -> None:
     lib = quant.lib
+    assert lib.fx_version() >= 8  # 8: the quantized-weight products
     for tid in ALL_TYPES:
         block = ref.TYPES[tid][1]
         k = 256 * 3
