@@ -68,7 +68,7 @@ def make_builder(sanitize: bool = False, absolute_paths: bool = False) -> FFI:
         sources=[os.path.join(base, s) for s in SOURCES],
         include_dirs=[base],
         depends=[os.path.join(base, h) for h in ("fluxion.h", "fx_internal.h", "fx_layout.h", "fx_simd_avx512.h",
-                                                 "fx_quant.h", "fx_quant_avx512.h")],
+                                                 "fx_quant.h", "fx_quant_avx512.h", "fx_quant_ymm.h")],
         extra_compile_args=args,
         extra_link_args=link,
     )

@@ -293,22 +293,29 @@ int fx_read_blocks_probe(const fx_kv_view *kv, const int32_t *tasks, int64_t n_t
  *     over every 16 elements.  With amax = max |x| over the block: dx = amax / 127 (fp32), qx = the fp32 product
  *     x * (127 / amax) rounded half to even (|qx| <= 127); amax = 0: dx = 0, qx = 0.  A block holding a NaN or an
  *     infinity gets dx = NaN (the outputs of that x row are NaN).  So x = dx * qx to within dx / 2 per element.
- *   The products are integer dot products (exact, int32) of the weights' integer parts with qx, scaled in fp32;
- *   per block, with d, m, dmin, sc, mn, scales the weight block's fields and dx, qx the activation block's:
- *     Q4_0/Q5_0/Q8_0  (d dx) * sum(qw qx)              qw = n - 8, n + 16 h - 16, qs: the signed integer part
- *     Q4_1/Q5_1       (d dx) * sum(qw qx) + m * (dx * sum(qx))       qw = n, n + 16 h
- *     Q4_K/Q5_K       dx * (d * sum_j sc[j] sum(qw qx) - dmin * sum_j mn[j] sum(qx))   (sums over sub-block j)
- *     Q6_K            (d dx) * sum_j scales[j] sum((q - 32) qx)                        (sums over 16 elements)
- *   and y[i][r] is the fp32 sum of its row's block terms: W @ (the quantized x) up to fp32 rounding.  The
- *   summation order differs between SIMD paths (they agree to rounding, not bit for bit).  F32/F16/BF16 weights:
- *   fp32 dot products with x as given (no quantization, no workspace).
- *   SIMD: the library's path (fx_set_simd).  FX_SIMD_AVX2: vpmaddubsw + vpmaddwd; FX_SIMD_AVX512 and
- *   FX_SIMD_AVX512_BF16: 512-bit, with AVX512-VNNI (vpdpbusd, vpdpwssd) where the CPU has it, else AVX-512BW
- *   (vpmaddubsw + vpmaddwd) -- the same integer sums, so the two give the same results bit for bit;
+ *   The products are integer dot products (exact, int32) of the weights' integer parts with qx, scaled and summed in
+ *   fp32.  Per block, with d, m, dmin, sc, mn, scales the weight block's fields, dx, qx the activation block's, and
+ *   n' = n (Q4_0, Q4_1, Q4_K), n + 16 h (Q5_0, Q5_1, Q5_K) the unsigned integer part:
+ *     Q8_0            (d dx) * sum(qs qx)
+ *     Q4_0 / Q5_0     (d dx) * sum(n' qx) - (o d) * (dx sum(qx)),  o = 8 / 16   (= (d dx) sum((n' - o) qx); the
+ *                     portable path sums n' - o in the integer dot product instead)
+ *     Q4_1 / Q5_1     (d dx) * sum(n' qx) + m * (dx sum(qx))
+ *     Q4_K / Q5_K     (d dx) * sum_j sc[j] sum(n' qx) - (dmin dx) * sum_j mn[j] sum(qx)   (sums over sub-block j)
+ *     Q6_K            (d dx) * sum_g scales[g] (sum(q qx) - 32 sum(qx))                  (integer; sums over 16)
+ *   with dx sum(qx) an fp32 product per block; y[i][r] is the fp32 sum of its row's block terms: W @ (the quantized
+ *   x) up to the fp32 rounding of these terms.  The summation order differs between SIMD paths (they agree to
+ *   rounding, not bit for bit).  F32/F16/BF16 weights: fp32 dot products with x as given (no quantization, no
+ *   workspace).
+ *   SIMD: the library's path (fx_set_simd).  FX_SIMD_AVX2: 256-bit, vpmaddubsw + vpmaddwd.  FX_SIMD_AVX512 and
+ *   FX_SIMD_AVX512_BF16: the 32-block types on 256-bit vectors (a block fills one; measured faster than two blocks
+ *   per 512-bit vector, on a Sapphire Rapids Xeon), the K and float types on 512-bit;
+ *   integer dot products by AVX512-VNNI (vpdpbusd, vpdpwssd) where the CPU has it, else AVX-512BW (vpmaddubsw +
+ *   vpmaddwd) -- the same int32 sums, so the two give the same results bit for bit (fx_set_vnni).
  *   FX_SIMD_PORTABLE: C.
  *   Threads: output rows are split in chunks over the library pool; each chunk reads each of its weight rows once
- *   for 16 rows of x at a time (m <= 16: once in all).  The activations are quantized on the calling thread.
- *   No call allocates memory.
+ *   for 16 rows of x at a time (m <= 16: once in all), prefetching its weight stream 8 KB ahead (into L2).  The
+ *   activations are quantized first (m >= 4: on the pool, by rows; else on the calling thread).  No call allocates
+ *   memory.
  * ---------------------------------------------------------------------------------------------------------------
  */
 enum {

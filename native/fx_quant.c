@@ -190,8 +190,8 @@ static act_bufs carve(void *work, unsigned fmts, int64_t m, int64_t k) {
     return B;
 }
 
-static void quantize_rows(const float *x, int64_t m, int64_t k, unsigned fmts, const act_bufs *B) {
-    for (int64_t i = 0; i < m; i++) {
+static void quantize_rows(const float *x, int64_t i0, int64_t i1, int64_t k, unsigned fmts, const act_bufs *B) {
+    for (int64_t i = i0; i < i1; i++) {
         const float *xr = x + i * k;
         if (fmts & (1u << FMT_Q32)) {
             int64_t nb = k / 32;
@@ -215,6 +215,35 @@ static void quantize_rows(const float *x, int64_t m, int64_t k, unsigned fmts, c
             }
         }
     }
+}
+
+/* x's rows quantized on the pool, one row per item (from m = FXQ_POOL_QUANT_M; fewer rows on the caller) */
+#define FXQ_POOL_QUANT_M 4
+
+typedef struct {
+    const float *x;
+    int64_t m, k;
+    unsigned fmts;
+    const act_bufs *B;
+    _Atomic int64_t next;
+} quant_job;
+
+static void quant_worker(void *ctx, int tid, int nthreads) {
+    (void)tid;
+    (void)nthreads;
+    quant_job *J = ctx;
+    for (int64_t i; (i = atomic_fetch_add_explicit(&J->next, 1, memory_order_relaxed)) < J->m;)
+        quantize_rows(J->x, i, i + 1, J->k, J->fmts, J->B);
+}
+
+static void quantize_all(const float *x, int64_t m, int64_t k, unsigned fmts, const act_bufs *B) {
+    if (!fmts) return;
+    if (m < FXQ_POOL_QUANT_M || fx_pool_threads() == 1) {
+        quantize_rows(x, 0, m, k, fmts, B);
+        return;
+    }
+    quant_job J = {x, m, k, fmts, B, 0};
+    fx_pool_run(quant_worker, &J);
 }
 
 /* ----------------------------------------------------------------------------------------------- products -- */
@@ -307,7 +336,7 @@ static int qmm(int32_t n, const int32_t *wtypes, const void *const *ws, const in
     J.k = k;
     J.x = x;
     J.B = carve(work, fmts, m, k);
-    quantize_rows(x, m, k, fmts, &J.B);
+    quantize_all(x, m, k, fmts, &J.B);
     /* Rows per item: about 8 items per thread for balance, a multiple of 16 (whole cache lines of y for m = 1),
      * and at most what keeps an item's weight rows within ~512 KB (L2) for the x tiles after the first. */
     int64_t threads = fx_pool_threads();

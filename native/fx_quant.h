@@ -7,6 +7,9 @@
 #include <stdint.h>
 #include <string.h>
 #include "fx_internal.h"
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 #define FXQ_NTYPES 31   /* type ids 0 .. 30 index the kernel tables */
 #define FXQ_TILE_M 16   /* rows of x handled per pass over a weight row */
@@ -50,6 +53,17 @@ extern const fx_qkernels fx_qkernels_avx512vnni;  /* the same kernels with AVX51
 
 /* ---- shared helpers (static inline: each path's file compiles them for its own instruction set) ---- */
 
+/* Software prefetch of the weight stream, this many bytes ahead of the block being read.  A thread reads its rows
+ * front to back, so the bytes ahead are its next rows (or, at the end of an item, another thread's: harmless). */
+#ifndef FXQ_PF_DIST
+#define FXQ_PF_DIST 8192
+#endif
+
+/* Prefetch the cache lines of [p + FXQ_PF_DIST, p + FXQ_PF_DIST + n) (n: the bytes of one step of the loop). */
+static inline __attribute__((always_inline)) void fxq_prefetch(const uint8_t *p, int n) {
+    for (int o = 0; o < n; o += 64) __builtin_prefetch(p + FXQ_PF_DIST + o, 0, 2);
+}
+
 static inline uint16_t fxq_u16(const uint8_t *p) {
     uint16_t v;
     memcpy(&v, p, 2);
@@ -72,15 +86,58 @@ static inline void fxq_k4_scales(const uint8_t *s, uint8_t sc[8], uint8_t mn[8])
     }
 }
 
+/* The same scales and mins as two 64-bit words, byte j = sc[j] (mn[j]), computed on three 32-bit loads (SWAR): bits
+ * 6-7 of scales[j] (j < 8) move to bits 4-5 of the same byte by a right shift of 2, masked per byte. */
+static inline void fxq_k4_scales64(const uint8_t *s, uint64_t *sc, uint64_t *mn) {
+    uint32_t a = fxq_u32(s), b = fxq_u32(s + 4), c = fxq_u32(s + 8);
+    uint32_t sc_hi = (c & 0x0F0F0F0Fu) | ((a >> 2) & 0x30303030u), mn_hi = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
+    *sc = (uint64_t)(a & 0x3F3F3F3Fu) | (uint64_t)sc_hi << 32;
+    *mn = (uint64_t)(b & 0x3F3F3F3Fu) | (uint64_t)mn_hi << 32;
+}
+
+/* fp16 -> fp32, exact (inline, so loops over it vectorise; fx_f16_to_f32's semantics) */
+static inline float fxq_h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, em = h & 0x7fffu;
+    union { uint32_t u; float f; } c;
+    if (em >= 0x7c00u) {                /* inf / nan */
+        c.u = sign | 0x7f800000u | ((em & 0x3ffu) << 13);
+    } else if (em >= 0x0400u) {         /* normal: exponent rebiased by 112 */
+        c.u = sign | ((em << 13) + 0x38000000u);
+    } else {                            /* zero and subnormal: em * 2^-24 */
+        c.f = (float)em * 5.9604644775390625e-8f;
+        c.u |= sign;
+    }
+    return c.f;
+}
+
+/* Q6_K: q(e) - 32 for the 256 elements of a block (fluxion.h's formula, loops in the layout's order) */
+static inline void fxq_q6k_ints(const uint8_t *p, int8_t q[256]) {
+    for (int h = 0; h < 2; h++) {
+        const uint8_t *ql = p + 64 * h, *qh = p + 128 + 32 * h;
+        int8_t *o = q + 128 * h;
+        for (int l = 0; l < 32; l++) {
+            o[l] = (int8_t)(((ql[l] & 15) | ((qh[l] & 3) << 4)) - 32);
+            o[l + 32] = (int8_t)(((ql[l + 32] & 15) | (((qh[l] >> 2) & 3) << 4)) - 32);
+            o[l + 64] = (int8_t)(((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32);
+            o[l + 96] = (int8_t)(((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32);
+        }
+    }
+}
+
 /* One row of any type as fp32.  Each value is computed exactly as fluxion.h writes it, with fp32 operations whose
  * products are all exact, so whatever the compiler does with them (vectorising, contracting a product and a sum into
  * an FMA) the result is the same: the exact value rounded once. */
 static inline void fxq_dequant_row_generic(int32_t t, const uint8_t *w, int64_t k, float *out) {
     switch (t) {
         case FX_QT_F32: memcpy(out, w, (size_t)k * 4); return;
-        case FX_QT_F16:
-            for (int64_t e = 0; e < k; e++) out[e] = fx_f16_to_f32(fxq_u16(w + 2 * e));
+        case FX_QT_F16: {
+            int64_t e = 0;
+#if defined(__F16C__)
+            for (; e + 8 <= k; e += 8) _mm256_storeu_ps(out + e, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(w + 2 * e))));
+#endif
+            for (; e < k; e++) out[e] = fxq_h2f(fxq_u16(w + 2 * e));
             return;
+        }
         case FX_QT_BF16:
             for (int64_t e = 0; e < k; e++) out[e] = fx_bf16_to_f32(fxq_u16(w + 2 * e));
             return;
@@ -91,7 +148,7 @@ static inline void fxq_dequant_row_generic(int32_t t, const uint8_t *w, int64_t 
         switch (t) {
             case FX_QT_Q4_0: {
                 const uint8_t *p = w + b * FXQ_BYTES_Q4_0, *qs = p + 2;
-                float d = fx_f16_to_f32(fxq_u16(p)), *o = out + 32 * b;
+                float d = fxq_h2f(fxq_u16(p)), *o = out + 32 * b;
                 for (int e = 0; e < 16; e++) {
                     o[e] = d * (float)((qs[e] & 15) - 8);
                     o[e + 16] = d * (float)((qs[e] >> 4) - 8);
@@ -100,7 +157,7 @@ static inline void fxq_dequant_row_generic(int32_t t, const uint8_t *w, int64_t 
             }
             case FX_QT_Q4_1: {
                 const uint8_t *p = w + b * FXQ_BYTES_Q4_1, *qs = p + 4;
-                float d = fx_f16_to_f32(fxq_u16(p)), m = fx_f16_to_f32(fxq_u16(p + 2)), *o = out + 32 * b;
+                float d = fxq_h2f(fxq_u16(p)), m = fxq_h2f(fxq_u16(p + 2)), *o = out + 32 * b;
                 for (int e = 0; e < 16; e++) {
                     o[e] = d * (float)(qs[e] & 15) + m;
                     o[e + 16] = d * (float)(qs[e] >> 4) + m;
@@ -109,7 +166,7 @@ static inline void fxq_dequant_row_generic(int32_t t, const uint8_t *w, int64_t 
             }
             case FX_QT_Q5_0: {
                 const uint8_t *p = w + b * FXQ_BYTES_Q5_0, *qs = p + 6;
-                float d = fx_f16_to_f32(fxq_u16(p)), *o = out + 32 * b;
+                float d = fxq_h2f(fxq_u16(p)), *o = out + 32 * b;
                 uint32_t qh = fxq_u32(p + 2);
                 for (int e = 0; e < 16; e++) {
                     o[e] = d * (float)((int)((qs[e] & 15) | ((qh >> e) & 1) << 4) - 16);
@@ -119,7 +176,7 @@ static inline void fxq_dequant_row_generic(int32_t t, const uint8_t *w, int64_t 
             }
             case FX_QT_Q5_1: {
                 const uint8_t *p = w + b * FXQ_BYTES_Q5_1, *qs = p + 8;
-                float d = fx_f16_to_f32(fxq_u16(p)), m = fx_f16_to_f32(fxq_u16(p + 2)), *o = out + 32 * b;
+                float d = fxq_h2f(fxq_u16(p)), m = fxq_h2f(fxq_u16(p + 2)), *o = out + 32 * b;
                 uint32_t qh = fxq_u32(p + 4);
                 for (int e = 0; e < 16; e++) {
                     o[e] = d * (float)((qs[e] & 15) | ((qh >> e) & 1) << 4) + m;
@@ -129,7 +186,7 @@ static inline void fxq_dequant_row_generic(int32_t t, const uint8_t *w, int64_t 
             }
             case FX_QT_Q8_0: {
                 const uint8_t *p = w + b * FXQ_BYTES_Q8_0;
-                float d = fx_f16_to_f32(fxq_u16(p)), *o = out + 32 * b;
+                float d = fxq_h2f(fxq_u16(p)), *o = out + 32 * b;
                 for (int e = 0; e < 32; e++) o[e] = d * (float)(int8_t)p[2 + e];
                 break;
             }
@@ -138,7 +195,7 @@ static inline void fxq_dequant_row_generic(int32_t t, const uint8_t *w, int64_t 
                 int five = t == FX_QT_Q5_K;
                 const uint8_t *p = w + b * (five ? FXQ_BYTES_Q5_K : FXQ_BYTES_Q4_K);
                 const uint8_t *qh = p + 16, *qs = p + (five ? 48 : 16);
-                float d = fx_f16_to_f32(fxq_u16(p)), dmin = fx_f16_to_f32(fxq_u16(p + 2)), *o = out + 256 * b;
+                float d = fxq_h2f(fxq_u16(p)), dmin = fxq_h2f(fxq_u16(p + 2)), *o = out + 256 * b;
                 uint8_t sc[8], mn[8];
                 fxq_k4_scales(p + 4, sc, mn);
                 for (int j = 0; j < 8; j++) {
@@ -154,14 +211,14 @@ static inline void fxq_dequant_row_generic(int32_t t, const uint8_t *w, int64_t 
                 break;
             }
             case FX_QT_Q6_K: {
-                const uint8_t *p = w + b * FXQ_BYTES_Q6_K, *ql = p, *qh = p + 128;
+                const uint8_t *p = w + b * FXQ_BYTES_Q6_K;
                 const int8_t *scales = (const int8_t *)(p + 192);
-                float d = fx_f16_to_f32(fxq_u16(p + 208)), *o = out + 256 * b;
-                for (int e = 0; e < 256; e++) {
-                    int h = e / 128, t2 = e % 128;
-                    int q = ((ql[64 * h + t2 % 64] >> (4 * (t2 / 64))) & 15) |
-                            ((qh[32 * h + t2 % 32] >> (2 * (t2 / 32))) & 3) << 4;
-                    o[e] = (d * (float)scales[e / 16]) * (float)(q - 32);
+                float d = fxq_h2f(fxq_u16(p + 208)), *o = out + 256 * b;
+                int8_t q[256];
+                fxq_q6k_ints(p, q);
+                for (int g = 0; g < 16; g++) {
+                    float dg = d * (float)scales[g];
+                    for (int e = 0; e < 16; e++) o[16 * g + e] = dg * (float)q[16 * g + e];
                 }
                 break;
             }

@@ -3,11 +3,10 @@
  * Compiled with the same flags as every other file; the target pragma enables AVX2/FMA/F16C for this file only and
  * fx_quant.c calls in here only when the CPU has them.
  *
- * Weights whose integer part is signed (Q4_0, Q5_0, Q8_0) go in as |qw| with the sign moved onto x (vpsignb), so
- * the sums are exactly sum(qw qx); no pair of products saturates int16 (|qw| <= 128, |qx| <= 127: at most 32512).
- * Weights with a min (Q4_1, Q5_1, K types) go in as their unsigned part n and the min term is added in fp32 from
- * the activations' block sums.  Per weight row, x rows are taken 4, 2 or 1 at a time, each block decoded once per
- * group (the weight row stays in L1 between groups). */
+ * 32-block types: fx_quant_ymm.h.  K types: their unsigned part n (Q6_K: q, its -32 applied to the activations'
+ * 16-element sums) times the sub-block scales inside vpmaddwd, the min term in fp32 from the activations' sums.
+ * Per weight row, x rows are taken 4, 2 or 1 at a time, each block decoded once per group (the weight row stays
+ * in L1 between groups).  The weight stream is prefetched FXQ_PF_DIST bytes ahead. */
 #if defined(__clang__)
 #pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
@@ -21,77 +20,12 @@
 
 FX_INLINE float f16s(const uint8_t *p) { return _cvtsh_ss(fxq_u16(p)); }
 
-/* 8 int32 lanes, lane l = sum of the products of bytes 4l .. 4l + 3 (u unsigned, s signed) */
-FX_INLINE __m256i dot_u8s8(__m256i u, __m256i s) {
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
-}
+#define FXQ_INLINE_Y FX_INLINE
+#define FXQ_YMM_VNNI 0
+#define FXQ_YMM_MT 4
+#include "fx_quant_ymm.h"
 
-FX_INLINE float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-
-/* The 32 nibbles of 16 bytes in element order: low nibbles (elements 0..15), then high nibbles (16..31). */
-FX_INLINE __m256i nibbles16(const uint8_t *qs) {
-    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)qs));
-    return _mm256_and_si256(_mm256_srlv_epi64(v, _mm256_set_epi64x(4, 4, 0, 0)), _mm256_set1_epi8(15));
-}
-
-/* Byte e = 16 if bit e of the little-endian uint32 at qh is set, else 0 (Q5_0 / Q5_1's fifth bits). */
-FX_INLINE __m256i fifth_bits(const uint8_t *qh) {
-    __m256i v = _mm256_set1_epi32((int)fxq_u32(qh));
-    v = _mm256_shuffle_epi8(v, _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit), _mm256_set1_epi8(16));
-}
-
-/* ---- 32-block types ---- */
-
-FX_INLINE void q32_tile(int t, int bytes, const uint8_t *row, const fxq_act *a, int i0, const int MT, float *y,
-                        int64_t ldy) {
-    const int64_t k = a->k, nb = k / 32;
-    const int signed_w = t == FX_QT_Q4_0 || t == FX_QT_Q5_0 || t == FX_QT_Q8_0;
-    const int has_min = t == FX_QT_Q4_1 || t == FX_QT_Q5_1;
-    const int8_t *xq = a->q32 + i0 * k;
-    const float *xd = a->d32 + i0 * nb, *xs = a->s32 + i0 * nb;
-    __m256 acc[4];
-    float corr[4];
-    for (int i = 0; i < MT; i++) {
-        acc[i] = _mm256_setzero_ps();
-        corr[i] = 0.0f;
-    }
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = row + b * bytes;
-        __m256i u, sg = _mm256_setzero_si256();
-        float mm = 0.0f;
-        switch (t) {
-            case FX_QT_Q4_0: sg = _mm256_sub_epi8(nibbles16(p + 2), _mm256_set1_epi8(8)); break;
-            case FX_QT_Q5_0:
-                sg = _mm256_sub_epi8(_mm256_or_si256(nibbles16(p + 6), fifth_bits(p + 2)), _mm256_set1_epi8(16));
-                break;
-            case FX_QT_Q8_0: sg = _mm256_loadu_si256((const __m256i *)(p + 2)); break;
-            default: break;
-        }
-        if (signed_w) {
-            u = _mm256_sign_epi8(sg, sg); /* |qw| (-128 stays 0x80, which is 128 unsigned) */
-        } else {
-            mm = f16s(p + 2);
-            u = t == FX_QT_Q4_1 ? nibbles16(p + 4) : _mm256_or_si256(nibbles16(p + 8), fifth_bits(p + 4));
-        }
-        const __m256 dv = _mm256_set1_ps(f16s(p));
-#pragma GCC unroll 4
-        for (int i = 0; i < MT; i++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * k + 32 * b));
-            __m256i dot = signed_w ? dot_u8s8(u, _mm256_sign_epi8(xv, sg)) : dot_u8s8(u, xv);
-            __m256 scale = _mm256_mul_ps(dv, _mm256_broadcast_ss(xd + i * nb + b));
-            acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), scale, acc[i]);
-            if (has_min) corr[i] += mm * xs[i * nb + b];
-        }
-    }
-    for (int i = 0; i < MT; i++) y[i * ldy] = hsum8(acc[i]) + corr[i];
-}
+#define hsum8 hsum8_y
 
 /* ---- K types: per 256-block, eight 32-element chunks; the per-chunk (Q4_K/Q5_K) or per-16 (Q6_K) scales multiply
  * the int16 pair sums inside vpmaddwd, so a block's whole integer sum stays in int32 (at most ~3.4e7). ---- */
@@ -106,10 +40,11 @@ FX_INLINE void k45_tile(int five, const uint8_t *row, const fxq_act *a, int i0, 
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + b * bytes, *qs = p + (five ? 48 : 16);
+        fxq_prefetch(p, bytes);
         const float d = f16s(p), dmin = f16s(p + 2);
-        uint8_t sc[8], mn[8];
-        fxq_k4_scales(p + 4, sc, mn);
-        __m128i m8 = _mm_loadl_epi64((const __m128i *)mn);
+        uint64_t sc, mn;
+        fxq_k4_scales64(p + 4, &sc, &mn);
+        __m128i m8 = _mm_cvtsi64_si128((long long)mn);
         const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)); /* mn[j] at int16 lanes 2j, 2j + 1 */
         __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(p + 16)) : _mm256_setzero_si256();
         __m256i iacc[4];
@@ -122,7 +57,7 @@ FX_INLINE void k45_tile(int five, const uint8_t *row, const fxq_act *a, int i0, 
                 __m256i hb = j <= 4 ? _mm256_slli_epi16(qh, 4 - j) : _mm256_srli_epi16(qh, j - 4);
                 n = _mm256_or_si256(n, _mm256_and_si256(hb, _mm256_set1_epi8(16)));
             }
-            const __m256i scv = _mm256_set1_epi16(sc[j]);
+            const __m256i scv = _mm256_set1_epi16((short)((sc >> (8 * j)) & 0xFF));
 #pragma GCC unroll 4
             for (int i = 0; i < MT; i++) {
                 __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + i * k + 256 * b + 32 * j));
@@ -153,6 +88,7 @@ FX_INLINE void q6k_tile(const uint8_t *row, const fxq_act *a, int i0, const int 
     for (int i = 0; i < MT; i++) acc[i] = _mm256_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + b * FXQ_BYTES_Q6_K;
+        fxq_prefetch(p, FXQ_BYTES_Q6_K);
         const float d = f16s(p + 208);
         __m128i s8 = _mm_loadu_si128((const __m128i *)(p + 192));
         const __m256i sc16 = _mm256_cvtepi8_epi16(s8); /* the 16 scales as int16 */
@@ -218,6 +154,7 @@ FX_INLINE void float_tile(int t, const uint8_t *row, const fxq_act *a, int i0, c
     for (int i = 0; i < MT; i++) acc0[i] = acc1[i] = _mm256_setzero_ps();
     int64_t e = 0;
     for (; e + 16 <= k; e += 16) {
+        fxq_prefetch(row + e * es, 16 * es);
         __m256 w0 = load8w(t, row + e * es), w1 = load8w(t, row + (e + 8) * es);
 #pragma GCC unroll 4
         for (int i = 0; i < MT; i++) {
@@ -251,11 +188,11 @@ FX_INLINE void float_tile(int t, const uint8_t *row, const fxq_act *a, int i0, c
         TILES(CALL)                                                                                              \
     }
 
-#define C_Q4_0(MT) q32_tile(FX_QT_Q4_0, FXQ_BYTES_Q4_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
-#define C_Q4_1(MT) q32_tile(FX_QT_Q4_1, FXQ_BYTES_Q4_1, row, a, i0, MT, y + i0 * ldy + r, ldy)
-#define C_Q5_0(MT) q32_tile(FX_QT_Q5_0, FXQ_BYTES_Q5_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
-#define C_Q5_1(MT) q32_tile(FX_QT_Q5_1, FXQ_BYTES_Q5_1, row, a, i0, MT, y + i0 * ldy + r, ldy)
-#define C_Q8_0(MT) q32_tile(FX_QT_Q8_0, FXQ_BYTES_Q8_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
+#define C_Q4_0(MT) q32_tile_y(FX_QT_Q4_0, FXQ_BYTES_Q4_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
+#define C_Q4_1(MT) q32_tile_y(FX_QT_Q4_1, FXQ_BYTES_Q4_1, row, a, i0, MT, y + i0 * ldy + r, ldy)
+#define C_Q5_0(MT) q32_tile_y(FX_QT_Q5_0, FXQ_BYTES_Q5_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
+#define C_Q5_1(MT) q32_tile_y(FX_QT_Q5_1, FXQ_BYTES_Q5_1, row, a, i0, MT, y + i0 * ldy + r, ldy)
+#define C_Q8_0(MT) q32_tile_y(FX_QT_Q8_0, FXQ_BYTES_Q8_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
 #define C_Q4_K(MT) k45_tile(0, row, a, i0, MT, y + i0 * ldy + r, ldy)
 #define C_Q5_K(MT) k45_tile(1, row, a, i0, MT, y + i0 * ldy + r, ldy)
 #define C_Q6_K(MT) q6k_tile(row, a, i0, MT, y + i0 * ldy + r, ldy)

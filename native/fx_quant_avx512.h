@@ -3,9 +3,7 @@
  * own target pragma, to define the table FXQ_TABLE.  The two give the same int32 lanes (no int16 pair saturates:
  * |weight byte| <= 128, |qx| <= 127), so the same results bit for bit.
  *
- * 32-block types: two blocks per 512-bit vector (an odd last block alone, the upper half zero).  Signed integer
- * parts (Q4_0, Q5_0, Q8_0) go in as |qw| with x negated where qw < 0 (a masked subtract), so the sums are exactly
- * sum(qw qx); Q4_1/Q5_1 go in as n and add m * (dx sum(qx)) in fp32.  K types: 64 elements per vector, the
+ * 32-block types: fx_quant_ymm.h on 256-bit vectors (VNNI on ymm).  K types: 64 elements per 512-bit vector, the
  * sub-block scales applied to the int16 pair sums (vpmaddwd / vpdpwssd), a 256-block's integer sum in int32.
  * Per weight row, x rows are taken 8, 4, 2 or 1 at a time, each block decoded once per group. */
 #ifndef FXQ_TABLE
@@ -37,104 +35,12 @@ FX_INLINE __m512i madd_acc(__m512i acc, __m512i p, __m512i sc) {
 #endif
 }
 
-/* ---- 32-block types ---- */
+/* ---- 32-block types: fx_quant_ymm.h, with VNNI on ymm ---- */
 
-/* [16 bytes at a, twice; 16 bytes at b, twice] as 128-bit lanes; b NULL: the upper half zero */
-FX_INLINE __m512i pair16(const uint8_t *a, const uint8_t *b) {
-    __m512i v = _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)a)));
-    return _mm512_inserti64x4(v, b ? _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)b))
-                                   : _mm256_setzero_si256(), 1);
-}
-
-/* The nibbles of two blocks' qs in element order: block a's 32 elements (low nibbles, then high), then block b's. */
-FX_INLINE __m512i nibbles_pair(const uint8_t *qa, const uint8_t *qb) {
-    return _mm512_and_si512(_mm512_srlv_epi64(pair16(qa, qb), _mm512_set_epi64(4, 4, 0, 0, 4, 4, 0, 0)),
-                            _mm512_set1_epi8(15));
-}
-
-/* Byte e = 16 where bit e of block a's uint32 qh is set (e < 32), then block b's (NULL: none). */
-FX_INLINE __m512i fifth_bits_pair(const uint8_t *qha, const uint8_t *qhb) {
-    uint64_t bits = fxq_u32(qha) | (uint64_t)(qhb ? fxq_u32(qhb) : 0) << 32;
-    return _mm512_maskz_mov_epi8((__mmask64)bits, _mm512_set1_epi8(16));
-}
-
-FX_INLINE __m512 pair_ps(float a, float b) { /* [a x 8, b x 8] */
-    return _mm512_insertf32x8(_mm512_set1_ps(a), _mm256_set1_ps(b), 1);
-}
-
-/* [p[0] x 8, p[1] x 8] (single: [p[0] x 8, 0 x 8], p[1] not read) */
-FX_INLINE __m512 expand2(const float *p, int single) {
-    __m128 v = single ? _mm_load_ss(p) : _mm_castpd_ps(_mm_load_sd((const double *)p));
-    return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0),
-                                 _mm512_castps128_ps512(v));
-}
-
-FX_INLINE __m128 load2(const float *p, int single) {
-    return single ? _mm_load_ss(p) : _mm_castpd_ps(_mm_load_sd((const double *)p));
-}
-
-/* Blocks b (and b + 1 unless single) of one weight row against MT rows of x. */
-FX_INLINE void q32_pair(int t, int bytes, const uint8_t *row, int64_t b, int single, const int8_t *xq,
-                        const float *xd, const float *xs, int64_t k, int64_t nb, const int MT, __m512 *acc,
-                        __m128 *corr) {
-    const int signed_w = t == FX_QT_Q4_0 || t == FX_QT_Q5_0 || t == FX_QT_Q8_0;
-    const uint8_t *pa = row + b * bytes, *pb = single ? NULL : pa + bytes;
-    __m512i u;
-    __mmask64 neg = 0;
-    __m128 mv = _mm_setzero_ps();
-    if (signed_w) {
-        __m512i sg;
-        if (t == FX_QT_Q8_0) {
-            __m512i lo = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(pa + 2)));
-            sg = _mm512_inserti64x4(lo, pb ? _mm256_loadu_si256((const __m256i *)(pb + 2)) : _mm256_setzero_si256(),
-                                    1);
-        } else if (t == FX_QT_Q4_0) {
-            sg = _mm512_sub_epi8(nibbles_pair(pa + 2, pb ? pb + 2 : pa + 2), _mm512_set1_epi8(8));
-        } else {
-            sg = _mm512_or_si512(nibbles_pair(pa + 6, pb ? pb + 6 : pa + 6), fifth_bits_pair(pa + 2, pb ? pb + 2 : 0));
-            sg = _mm512_sub_epi8(sg, _mm512_set1_epi8(16));
-        }
-        if (single) sg = _mm512_maskz_mov_epi8((__mmask64)0xFFFFFFFFu, sg);
-        u = _mm512_abs_epi8(sg); /* -128 -> 0x80: 128 unsigned */
-        neg = _mm512_movepi8_mask(sg);
-    } else {
-        int five = t == FX_QT_Q5_1;
-        u = nibbles_pair(pa + (five ? 8 : 4), pb ? pb + (five ? 8 : 4) : pa);
-        if (five) u = _mm512_or_si512(u, fifth_bits_pair(pa + 4, pb ? pb + 4 : 0));
-        if (single) u = _mm512_maskz_mov_epi8((__mmask64)0xFFFFFFFFu, u);
-        mv = _mm_set_ps(0.0f, 0.0f, pb ? f16s(pb + 2) : 0.0f, f16s(pa + 2));
-    }
-    const __m512 dw = pair_ps(f16s(pa), pb ? f16s(pb) : 0.0f);
-#pragma GCC unroll 8
-    for (int i = 0; i < MT; i++) {
-        const int8_t *xp = xq + i * k + 32 * b;
-        __m512i xv = single ? _mm512_maskz_loadu_epi8((__mmask64)0xFFFFFFFFu, xp) : _mm512_loadu_si512(xp);
-        if (signed_w) xv = _mm512_mask_sub_epi8(xv, neg, _mm512_setzero_si512(), xv);
-        __m512 scale = _mm512_mul_ps(dw, expand2(xd + i * nb + b, single));
-        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_u8s8(u, xv)), scale, acc[i]);
-        if (!signed_w) corr[i] = _mm_fmadd_ps(mv, load2(xs + i * nb + b, single), corr[i]);
-    }
-}
-
-FX_INLINE void q32_tile(int t, int bytes, const uint8_t *row, const fxq_act *a, int i0, const int MT, float *y,
-                        int64_t ldy) {
-    const int64_t k = a->k, nb = k / 32;
-    const int8_t *xq = a->q32 + i0 * k;
-    const float *xd = a->d32 + i0 * nb, *xs = a->s32 + i0 * nb;
-    __m512 acc[8];
-    __m128 corr[8];
-    for (int i = 0; i < MT; i++) {
-        acc[i] = _mm512_setzero_ps();
-        corr[i] = _mm_setzero_ps();
-    }
-    int64_t b = 0;
-    for (; b + 2 <= nb; b += 2) q32_pair(t, bytes, row, b, 0, xq, xd, xs, k, nb, MT, acc, corr);
-    if (b < nb) q32_pair(t, bytes, row, b, 1, xq, xd, xs, k, nb, MT, acc, corr);
-    for (int i = 0; i < MT; i++) {
-        __m128 c = _mm_add_ss(corr[i], _mm_movehdup_ps(corr[i]));
-        y[i * ldy] = _mm512_reduce_add_ps(acc[i]) + _mm_cvtss_f32(c);
-    }
-}
+#define FXQ_INLINE_Y FX_INLINE
+#define FXQ_YMM_VNNI FXQ_VNNI
+#define FXQ_YMM_MT 8
+#include "fx_quant_ymm.h"
 
 /* ---- K types ---- */
 
@@ -148,11 +54,12 @@ FX_INLINE void k45_tile(int five, const uint8_t *row, const fxq_act *a, int i0, 
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + b * bytes, *qs = p + (five ? 48 : 16);
+        fxq_prefetch(p, bytes);
         const float d = f16s(p), dmin = f16s(p + 2);
-        uint8_t sc[8], mn[8];
-        fxq_k4_scales(p + 4, sc, mn);
-        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)sc)));
-        __m128i m8 = _mm_loadl_epi64((const __m128i *)mn);
+        uint64_t sc, mn;
+        fxq_k4_scales64(p + 4, &sc, &mn);
+        const __m512i sc16 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
+        __m128i m8 = _mm_cvtsi64_si128((long long)mn);
         const __m256i mins = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m8, m8)); /* mn[j] at int16 lanes 2j, 2j + 1 */
         const __m512i qh = five ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p + 16)))
                                 : _mm512_setzero_si512();
@@ -201,6 +108,7 @@ FX_INLINE void q6k_tile(const uint8_t *row, const fxq_act *a, int i0, const int 
     for (int i = 0; i < MT; i++) acc[i] = _mm512_setzero_ps();
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t *p = row + b * FXQ_BYTES_Q6_K;
+        fxq_prefetch(p, FXQ_BYTES_Q6_K);
         const float d = f16s(p + 208);
         const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 192)));
         __m512i iacc[8];
@@ -256,6 +164,7 @@ FX_INLINE void float_tile(int t, const uint8_t *row, const fxq_act *a, int i0, c
     for (int i = 0; i < MT; i++) acc0[i] = acc1[i] = _mm512_setzero_ps();
     int64_t e = 0;
     for (; e + 32 <= k; e += 32) {
+        fxq_prefetch(row + e * es, 32 * es);
         __m512 w0 = load16w(t, row + e * es, 0xFFFF), w1 = load16w(t, row + (e + 16) * es, 0xFFFF);
 #pragma GCC unroll 8
         for (int i = 0; i < MT; i++) {
@@ -295,11 +204,11 @@ FX_INLINE void float_tile(int t, const uint8_t *row, const fxq_act *a, int i0, c
         TILES(CALL)                                                                                              \
     }
 
-#define C_Q4_0(MT) q32_tile(FX_QT_Q4_0, FXQ_BYTES_Q4_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
-#define C_Q4_1(MT) q32_tile(FX_QT_Q4_1, FXQ_BYTES_Q4_1, row, a, i0, MT, y + i0 * ldy + r, ldy)
-#define C_Q5_0(MT) q32_tile(FX_QT_Q5_0, FXQ_BYTES_Q5_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
-#define C_Q5_1(MT) q32_tile(FX_QT_Q5_1, FXQ_BYTES_Q5_1, row, a, i0, MT, y + i0 * ldy + r, ldy)
-#define C_Q8_0(MT) q32_tile(FX_QT_Q8_0, FXQ_BYTES_Q8_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
+#define C_Q4_0(MT) q32_tile_y(FX_QT_Q4_0, FXQ_BYTES_Q4_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
+#define C_Q4_1(MT) q32_tile_y(FX_QT_Q4_1, FXQ_BYTES_Q4_1, row, a, i0, MT, y + i0 * ldy + r, ldy)
+#define C_Q5_0(MT) q32_tile_y(FX_QT_Q5_0, FXQ_BYTES_Q5_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
+#define C_Q5_1(MT) q32_tile_y(FX_QT_Q5_1, FXQ_BYTES_Q5_1, row, a, i0, MT, y + i0 * ldy + r, ldy)
+#define C_Q8_0(MT) q32_tile_y(FX_QT_Q8_0, FXQ_BYTES_Q8_0, row, a, i0, MT, y + i0 * ldy + r, ldy)
 #define C_Q4_K(MT) k45_tile(0, row, a, i0, MT, y + i0 * ldy + r, ldy)
 #define C_Q5_K(MT) k45_tile(1, row, a, i0, MT, y + i0 * ldy + r, ldy)
 #define C_Q6_K(MT) q6k_tile(row, a, i0, MT, y + i0 * ldy + r, ldy)

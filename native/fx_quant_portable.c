@@ -8,7 +8,7 @@
 
 /* The integer parts of one 32-block: wq = the signed part (Q4_0, Q5_0, Q8_0) or n (Q4_1, Q5_1); d, m its fields. */
 FXQ_INLINE void decode32(int t, const uint8_t *p, int8_t wq[32], float *d, float *m) {
-    *d = fx_f16_to_f32(fxq_u16(p));
+    *d = fxq_h2f(fxq_u16(p));
     *m = 0.0f;
     switch (t) {
         case FX_QT_Q4_0:
@@ -18,7 +18,7 @@ FXQ_INLINE void decode32(int t, const uint8_t *p, int8_t wq[32], float *d, float
             }
             break;
         case FX_QT_Q4_1:
-            *m = fx_f16_to_f32(fxq_u16(p + 2));
+            *m = fxq_h2f(fxq_u16(p + 2));
             for (int e = 0; e < 16; e++) {
                 wq[e] = (int8_t)(p[4 + e] & 15);
                 wq[e + 16] = (int8_t)(p[4 + e] >> 4);
@@ -33,7 +33,7 @@ FXQ_INLINE void decode32(int t, const uint8_t *p, int8_t wq[32], float *d, float
             break;
         }
         case FX_QT_Q5_1: {
-            *m = fx_f16_to_f32(fxq_u16(p + 2));
+            *m = fxq_h2f(fxq_u16(p + 2));
             uint32_t qh = fxq_u32(p + 4);
             for (int e = 0; e < 16; e++) {
                 wq[e] = (int8_t)((p[8 + e] & 15) | ((qh >> e) & 1) << 4);
@@ -85,19 +85,14 @@ FXQ_INLINE void rows_k(int t, const uint8_t *w, int64_t rb, int64_t n_rows, cons
             uint8_t sc8[8], mn[8];
             float d, dmin = 0.0f;
             if (t == FX_QT_Q6_K) {
-                d = fx_f16_to_f32(fxq_u16(p + 208));
-                for (int e = 0; e < 256; e++) {
-                    int h = e / 128, t2 = e % 128;
-                    int q = ((p[64 * h + t2 % 64] >> (4 * (t2 / 64))) & 15) |
-                            ((p[128 + 32 * h + t2 % 32] >> (2 * (t2 / 32))) & 3) << 4;
-                    wq[e] = (int8_t)(q - 32);
-                }
+                d = fxq_h2f(fxq_u16(p + 208));
+                fxq_q6k_ints(p, wq);
                 for (int g = 0; g < 16; g++) sc[g] = (int8_t)p[192 + g];
             } else {
                 int five = t == FX_QT_Q5_K;
                 const uint8_t *qh = p + 16, *qs = p + (five ? 48 : 16);
-                d = fx_f16_to_f32(fxq_u16(p));
-                dmin = fx_f16_to_f32(fxq_u16(p + 2));
+                d = fxq_h2f(fxq_u16(p));
+                dmin = fxq_h2f(fxq_u16(p + 2));
                 fxq_k4_scales(p + 4, sc8, mn);
                 for (int j = 0; j < 8; j++) {
                     sc[j] = sc8[j];
@@ -149,7 +144,7 @@ FXQ_INLINE void rows_float(int t, const uint8_t *w, int64_t rb, int64_t n_rows, 
             for (int e = 0; e < n; e++) {
                 const uint8_t *p = row + (e0 + e) * (t == FX_QT_F32 ? 4 : 2);
                 if (t == FX_QT_F32) memcpy(&wf[e], p, 4);
-                else if (t == FX_QT_F16) wf[e] = fx_f16_to_f32(fxq_u16(p));
+                else if (t == FX_QT_F16) wf[e] = fxq_h2f(fxq_u16(p));
                 else wf[e] = fx_bf16_to_f32(fxq_u16(p));
             }
             for (int i = 0; i < m; i++) {

@@ -10,6 +10,7 @@ type ids (TYPE_NAMES), given as the id, the name ("Q4_K") or a gguf.GGMLQuantiza
     ys = qmatmul_many(wtypes, ws, n_outs, k, x)     # several weights on one x (q/k/v, gate/up): one native call
     rows = dequantize(wtype, w, k, row0, n_rows)    # fp32 [n_rows, k]
     qw = QuantWeight(wtype, w, n_out, k); qw.matmul(x)   # the checks done once (the decode loop's form)
+    group = QuantGroup([wq, wk, wv]); q, k, v = group.matmul(x)   # likewise for qmatmul_many
 
 x (and y) are torch tensors or numpy arrays (y follows x).  The activations are quantized to 8 bits per block inside
 (fluxion.h), into a workspace kept per Python thread and grown as needed, never allocated per call.  The calls run on
@@ -213,40 +214,57 @@ def qmatmul(wtype: Any, w: Any, n_out: int, k: int, x: Any, out: Any | None = No
     return QuantWeight(wtype, w, n_out, k).matmul(x, out)
 
 
+class QuantGroup:
+    """Weights of one k that share their input (q/k/v; gate/up), at most MAX_MANY, with the C argument arrays made
+    once: matmul(x) is [x @ W^T for W in weights] in one native call (one pool dispatch, x quantized once)."""
+
+    __slots__ = ("weights", "k", "_types", "_ptrs", "_n_outs")
+
+    def __init__(self, weights: Sequence[QuantWeight]) -> None:
+        weights = list(weights)
+        if len(weights) > MAX_MANY:
+            raise ValueError(f"at most {MAX_MANY} weights per call, got {len(weights)}")
+        for j, qw in enumerate(weights):
+            if not isinstance(qw, QuantWeight):
+                raise ValueError(f"weights[{j}] must be a QuantWeight, got {type(qw).__name__}")
+            if qw.k != weights[0].k:
+                raise ValueError(f"weights[{j}] has k={qw.k}, weights[0] k={weights[0].k}: one x needs one k")
+        self.weights = weights
+        self.k = weights[0].k if weights else 0
+        self._types = ffi.new("int32_t[]", [qw.wtype for qw in weights] or [0])
+        self._ptrs = ffi.new("void *[]", [qw.ptr for qw in weights] or [ffi.NULL])
+        self._n_outs = ffi.new("int64_t[]", [qw.n_out for qw in weights] or [0])
+
+    def matmul(self, x: Any, outs: Sequence[Any] | None = None) -> list[Any]:
+        """[x @ W^T for W in weights]: x fp32 [m, k] or [k]; outs: optional destinations, one per weight."""
+        n = len(self.weights)
+        if outs is not None and len(outs) != n:
+            raise ValueError(f"outs: {len(outs)} destinations for {n} weights")
+        if n == 0:
+            return []
+        xp, m, flat = _x_ptr(x, self.k)
+        ys, yps = [], []
+        for j, qw in enumerate(self.weights):
+            y, yp = _out(x, None if outs is None else outs[j], m, qw.n_out, flat, f"outs[{j}]")
+            ys.append(y)
+            yps.append(yp)
+        y_ptrs = ffi.new("float *[]", yps)
+        work = _work
+        args = (n, self._types, self._ptrs, self._n_outs, self.k, xp, m, y_ptrs)
+        rc = lib.fx_qmatmul_many(*args, work.ptr, work.nbytes)
+        if rc == _E_OUTPUT:
+            work.grow(int(lib.fx_qmatmul_workspace(lib.FX_QT_ANY, m, self.k)))
+            rc = lib.fx_qmatmul_many(*args, work.ptr, work.nbytes)
+        if rc:
+            _raise(rc, f"qmatmul_many({[qw.name for qw in self.weights]}, k={self.k}, m={m})")
+        return ys
+
+
 def matmul_many(weights: Sequence[QuantWeight], x: Any, outs: Sequence[Any] | None = None) -> list[Any]:
     """[x @ W^T for W in weights] in one native call (one pool dispatch, x quantized once): weights of one k, at most
-    MAX_MANY of them; outs: optional destinations, one per weight."""
-    n = len(weights)
-    if n > MAX_MANY:
-        raise ValueError(f"at most {MAX_MANY} weights per call, got {n}")
-    if outs is not None and len(outs) != n:
-        raise ValueError(f"outs: {len(outs)} destinations for {n} weights")
-    if n == 0:
-        return []
-    k = weights[0].k
-    for j, qw in enumerate(weights):
-        if not isinstance(qw, QuantWeight):
-            raise ValueError(f"weights[{j}] must be a QuantWeight, got {type(qw).__name__}")
-        if qw.k != k:
-            raise ValueError(f"weights[{j}] has k={qw.k}, weights[0] k={k}: one x needs one k")
-    xp, m, flat = _x_ptr(x, k)
-    ys, yps = [], []
-    for j, qw in enumerate(weights):
-        y, yp = _out(x, None if outs is None else outs[j], m, qw.n_out, flat, f"outs[{j}]")
-        ys.append(y)
-        yps.append(yp)
-    types = ffi.new("int32_t[]", [qw.wtype for qw in weights])
-    ptrs = ffi.new("void *[]", [qw.ptr for qw in weights])
-    n_outs = ffi.new("int64_t[]", [qw.n_out for qw in weights])
-    y_ptrs = ffi.new("float *[]", yps)
-    work = _work
-    rc = lib.fx_qmatmul_many(n, types, ptrs, n_outs, k, xp, m, y_ptrs, work.ptr, work.nbytes)
-    if rc == _E_OUTPUT:
-        work.grow(int(lib.fx_qmatmul_workspace(lib.FX_QT_ANY, m, k)))
-        rc = lib.fx_qmatmul_many(n, types, ptrs, n_outs, k, xp, m, y_ptrs, work.ptr, work.nbytes)
-    if rc:
-        _raise(rc, f"qmatmul_many({[qw.name for qw in weights]}, k={k}, m={m})")
-    return ys
+    MAX_MANY of them; outs: optional destinations, one per weight.  (QuantGroup(weights).matmul, the group made once
+    when called repeatedly.)"""
+    return QuantGroup(weights).matmul(x, outs)
 
 
 def qmatmul_many(wtypes: Sequence[Any], ws: Sequence[Any], n_outs: Sequence[int], k: int, x: Any,
@@ -286,5 +304,5 @@ def dequantize(wtype: Any, w: Any, k: int, row0: int = 0, n_rows: int | None = N
     return _dequantize(QuantWeight(wtype, w, n_out, k), row0, n_rows, out)
 
 
-__all__ = ["TYPE_NAMES", "TYPE_IDS", "MAX_MANY", "QuantWeight", "type_id", "block_size", "block_bytes", "row_bytes",
+__all__ = ["TYPE_NAMES", "TYPE_IDS", "MAX_MANY", "QuantWeight", "QuantGroup", "type_id", "block_size", "block_bytes", "row_bytes",
            "set_vnni", "qmatmul", "qmatmul_many", "matmul_many", "dequantize"]

@@ -98,7 +98,7 @@ def _bits(b: np.ndarray, n: int) -> np.ndarray:
 def dequantize(tid: int, w: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     """W's bytes [n_out, row_bytes] -> (values, magnitudes), float64 [n_out, k].  values: fluxion.h's formulas in
     float64 (exact for the fields random_blocks draws).  magnitudes: the sum of the absolute values of the formula's
-    parts (|d n| + |m| for the types with a min), what the kernels' fp32 arithmetic rounds."""
+    parts (|d n| + |m| with a min, |d n| + |8 d| for Q4_0), what the kernels' fp32 arithmetic rounds."""
     name, block, nbytes = TYPES[tid]
     n_out = w.shape[0]
     blk = np.ascontiguousarray(w).reshape(-1, nbytes)
@@ -125,10 +125,10 @@ def dequantize(tid: int, w: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]
         if name in ("Q4_1", "Q5_1"):
             m = _f16(blk[:, 2:4])[:, None]
             v, mag = d * q + m, np.abs(d * q) + np.abs(m)
-        else:
-            q = q - {"Q4_0": 8, "Q5_0": 16, "Q8_0": 0}[name]
-            v = d * q
-            mag = np.abs(v)
+        else:  # Q4_0 / Q5_0: d n and the offset d * 8 (16) are separate fp32 terms in the kernels
+            o = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 0}[name]
+            v = d * (q - o)
+            mag = np.abs(d * q) + np.abs(d * o)
         return v.reshape(n_out, k), mag.reshape(n_out, k)
     if name in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blk[:, 0:2])[:, None], _f16(blk[:, 2:4])[:, None]
