@@ -41,6 +41,7 @@ class QuantLinear:
         if not parts or len({p.k for p in parts}) != 1:
             raise ValueError("QuantLinear needs one or more weights of one input width")
         self.parts = list(parts)
+        self.group = quant.QuantGroup(self.parts) if len(self.parts) > 1 else None  # C arguments made once
         self.k = parts[0].k
         self.n_out = sum(p.n_out for p in parts)
         self.scratch = scratch
@@ -57,13 +58,13 @@ class QuantLinear:
         x = x.float().contiguous()  # [T, k]
         if x.shape[0] > PREFILL_ROWS:
             y = torch.nn.functional.linear(x, self.dense(self.scratch.take(self.n_out * self.k)))  # [T, n_out]
-        elif len(self.parts) == 1:
+        elif self.group is None:
             y = self.parts[0].matmul(x)  # [T, n_out]
         elif x.shape[0] == 1:  # one row: the parts write straight into one output row, no concatenation
             y = torch.empty(1, self.n_out)
-            quant.matmul_many(self.parts, x, self._row_views(y))
+            self.group.matmul(x, self._row_views(y))
         else:
-            y = torch.cat(quant.matmul_many(self.parts, x), dim=1)  # [T, n_out]
+            y = torch.cat(self.group.matmul(x), dim=1)  # [T, n_out]
         if bias is not None:
             y += bias
         return y
