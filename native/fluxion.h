@@ -140,7 +140,7 @@ int fx_summaries_update(const fx_kv_view *kv, const int32_t *slots, const int64_
  *                      whatever the other heads do.  Scores are <= 0, the best block of some head scores 0.
  *   FX_SCORE_MIDRANGE  score(b) = sum_j q_j . (min_b + max_b) / 2: the query against the block's midrange key, an
  *                      estimate rather than a bound (from the same summaries; on models whose bound is loose it
- *                      ranks the blocks the heads attend to higher, docs/design-notes.md).  Computed as the group
+ *                      ranks the blocks the heads attend to higher, docs/history.md).  Computed as the group
  *                      bound with both sign parts of the query set to half the summed query heads.
  * workspace: >= fx_topk_scoring_workspace_floats(n_tasks, largest n_blocks among the tasks, r, scoring) floats
  * (r = n_q_heads / n_kv_heads); per-head scoring keeps every head's bounds there, r floats per block.
@@ -219,7 +219,7 @@ int fx_select_attend_pinned(const fx_kv_view *kv, const float *q, int64_t q_rows
  * g-block.  For 128-token block B and query head j of the group:
  *   m_j(B)  = log of the sum over B's background 16-token blocks b of  n_b exp(scale q_j . (min_b + max_b) / 2)
  *             (n_b: b's valid tokens; min_b, max_b: its g = 16 summary) -- each block's midrange key stands for its
- *             tokens' scores, an estimate of their softmax mass (docs/design-notes.md)
+ *             tokens' scores, an estimate of their softmax mass (docs/history.md)
  *   vbar(B) = VS[B] / B's valid tokens: the mean value of ALL of B's tokens, read ones included
  *   out[i][j][:] = sum_B exp(m_j(B) - lse[i][j]) vbar(B),   lse[i][j] = log sum_B exp(m_j(B))
  * so merging (out, lse) with the read part's attention by log-sum-exp adds one term per block to its softmax.  No

@@ -49,7 +49,7 @@ def background_output(qg: torch.Tensor, keys: torch.Tensor, values: torch.Tensor
     """Read tokens exactly plus one estimated term per summary block for its unread tokens.
 
     mass: "mean" (|U| exp(s q.kbar)), "oracle" (the unread tokens' true mass: what a mass estimate aims at; not
-    the best on RULER's cwe, docs/design-notes.md), "minmax" or "midrange" (from the per-16-token key minimum and maximum the top-k's
+    the best on RULER's cwe, docs/history.md), "minmax" or "midrange" (from the per-16-token key minimum and maximum the top-k's
     summaries already hold: see minmax_logits). value: "unread" (the unread tokens' mean value: needs the read
     tokens' values subtracted from the block's sum) or "block" (the whole block's mean value, read tokens included:
     what a per-block running sum alone gives). qg: [M, r, D]; keys/values: [N, D]; allowed/causal: [M, N] bool.

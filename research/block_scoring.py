@@ -1,7 +1,7 @@
 """Which per-step block scoring picks the blocks that matter? Teacher-forced fidelity of simulated top-k policies
 that differ only in how they rank blocks.
 
-At 32K every sparse plan tried loses the same RULER samples whatever its budget (docs/design-notes.md), while the
+At 32K every sparse plan tried loses the same RULER samples whatever its budget (docs/history.md), while the
 pins, chosen once at prefill end from *exact* attention, are worth 12 points there: the per-step ranking (the Quest
 bound over each block's key extremes) is the weak part. This compares, at the same blocks read per step:
 

@@ -1,7 +1,7 @@
 """While a RULER answer is copied out of its needle: which groups read the token being copied, under full attention
 and under a plan's simulated selection.
 
-The 1.5b's lost multikey_3 answers start with the asked UUID and turn into another part-way (design-notes, "Pins by
+The 1.5b's lost multikey_3 answers start with the asked UUID and turn into another part-way (docs/history.md, "Pins by
 consensus"). This replays the reference answer (a `full` run's output ids) teacher-forced after the prompt in one
 dense fp32 forward, and at every answer step j (the query at prompt_len - 1 + j, which produced output token j)
 looks at each (layer, KV group):

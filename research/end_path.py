@@ -1,7 +1,7 @@
 """Where a sparse run's own answer ends: would full attention end there too, and where did it leave full's path?
 
 research/margin_flips.py follows full's answer and asks where the sparse model would leave it. Sparse answers that end
-sooner than full's (cwe, multivalue: design-notes, "Sparse answers lean toward ending") end on the sparse model's
+sooner than full's (cwe, multivalue: docs/history.md, "Sparse answers lean toward ending") end on the sparse model's
 own path, which full's answer never visits. This takes the answers of an engine run of the sparse mode
 (bench/ruler_split.py answer output, FILE:MODE), keeps those that end by themselves (an end-of-generation token
 before the token limit), and teacher-forces full attention and the sparse mode along each (the same loop as

@@ -2,7 +2,7 @@
 
 Pins (pinned.py) are chosen at a sequence's first decode step from the attention mass of the prompt's last queries.
 On cwe, pinning all of each budget instead of three quarters gains 6.5 points but costs the multi-needle tasks ~30
-(docs/design-notes.md, "The 4K gap is one task, cwe"). A per-request switch would need a signal that sets cwe apart.
+(docs/history.md, "The 4K gap is one task, cwe"). A per-request switch would need a signal that sets cwe apart.
 This prints, per sample, the mean over retrieval groups of:
   top      share of the eligible blocks' mass in the blocks the plan pins (pin_fraction of the budget)
   top_all  the same for the whole budget

@@ -142,7 +142,7 @@ class Engine:
         self.dtype, self.device = compute_dtype, torch.device(device)
         self.max_batch = max_batch
         # Opt-in: on RULER at 4K the shipped predictor's plans read half the KV of the static plan but lost most
-        # retrieval tasks (docs/design-notes.md); the calibrated static plan stays the default until that is fixed.
+        # retrieval tasks (docs/history.md); the calibrated static plan stays the default until that is fixed.
         self.use_predictor = predictor
         self.attn: AttentionBackend = self._make_backend(attention)
         self.attention_mode = attention

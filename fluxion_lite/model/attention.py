@@ -111,7 +111,7 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: i
     The CPU path is torch's CPU flash kernel, never matmul + softmax in the input dtype: in bf16 that rounds every
     score to 8 bits of mantissa before the softmax (a score of 20 moves by up to 1/16, its weight by up to 6%), which
     measured 10x the bf16 rounding floor on the output (2e-2 vs 1.7e-3 relative) and miscopied UUIDs in
-    long-context retrieval that the GPU, whose fused kernels keep scores in fp32, copied right (docs/design-notes.md,
+    long-context retrieval that the GPU, whose fused kernels keep scores in fp32, copied right (docs/history.md,
     "The CPU path's bf16 scores"). See cpu_causal_attention for how it is cut.
     """
     n = q.shape[0]
@@ -194,7 +194,7 @@ def gqa_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     so one decode query per KV head gives it Hkv thread blocks (2-8) on a 132-SM GPU, and a P @ V matmul has the same
     problem (tiny M and N, the whole L as its reduction). Cutting L into chunks that become the batch dimension of one
     flash call gives S x Hkv blocks; the chunks' partial outputs merge by their log-sum-exp. The CPU keeps SDPA (its
-    flash kernel is the fastest CPU path measured, see docs/decode_path.md).
+    flash kernel is the fastest CPU path measured, see docs/model.md).
     """
     if q.is_cuda and _split_decode_ok:
         try:

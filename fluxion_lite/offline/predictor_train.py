@@ -82,7 +82,7 @@ def _card(name: str, pred: Predictor, ds: Dataset, tr: np.ndarray, te: np.ndarra
         "",
         f"Written by `fluxion-lite calibrate {name} --train` (fluxion_lite/offline/predictor_train.py). Weights: "
         f"`{name}.predictor.npz` (float32, no pickles). Used per request by `--attention fluxion "
-        f"--predictor` (opt-in: on RULER it lost retrieval accuracy, see docs/design-notes.md); the default is the "
+        f"--predictor` (opt-in: on RULER it lost retrieval accuracy, see docs/history.md); the default is the "
         f"static `{name}.plan.json`.",
         "",
         "## Model",
