@@ -33,7 +33,7 @@ DECODE = ["sync", "async"]
 def engine(request: pytest.FixtureRequest) -> Any:
     from fluxion_lite.engine.engine import Engine
 
-    e = Engine(MODEL, max_batch=4, prefill_chunk=128)
+    e = Engine(MODEL, max_batch=4, prefill_chunk=128, dtype="float32")  # the fp32 model's answers
     e.async_decode = request.param == "async"
     return e
 
@@ -343,7 +343,7 @@ def live_engine(request: pytest.FixtureRequest) -> Any:
     `engine` for the whole module, and an Engine must only ever be stepped by one thread."""
     from fluxion_lite.engine.engine import Engine
 
-    e = Engine(MODEL, max_batch=4, prefill_chunk=128)
+    e = Engine(MODEL, max_batch=4, prefill_chunk=128, dtype="float32")  # the fp32 model's answers
     e.async_decode = request.param == "async"
     return e
 

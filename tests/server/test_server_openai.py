@@ -28,9 +28,11 @@ def _free_port() -> int:
 def server() -> Iterator[tuple[str, list[int]]]:
     """Base URL and the /health statuses seen while it started."""
     port = _free_port()
+    # --dtype float32: the answers these tests read ("Paris", ...) are the fp32 model's; with the file's 4-bit blocks
+    # (the CPU default) smollm2-135m answers as llama.cpp does on the same file (tests/engine/test_quantized_model.py)
     proc = subprocess.Popen(
         [sys.executable, "-m", "fluxion_lite.cli", "serve", "--model", MODEL, "--port", str(port), "--max-batch", "4",
-         "--api-key", API_KEY, "--log-level", "warning"],
+         "--api-key", API_KEY, "--log-level", "warning", "--dtype", "float32"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     base = f"http://127.0.0.1:{port}"

@@ -17,7 +17,7 @@ from fluxion_lite.settings import (ARGUMENT, DEFAULT, ENV, FLAG, KNOBS, Experime
                                    parse_assignments, reference_markdown)
 from subprocess_env import repo_env
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]  # tests/unit/ -> the repository
 PACKAGE = REPO / "fluxion_lite"
 EXPERIMENTAL = {"FLUXION_BA_DOT", "FLUXION_BA_WARPS", "FLUXION_BA_ENTRIES", "FLUXION_EARLY_PRIORITY", "FLUXION_PDL",
                 "FLUXION_L2_HINTS", "FLUXION_GEMV_FUSE", "FLUXION_GEMV_CONFIG", "FLUXION_REUSE_SHARE",
