@@ -25,7 +25,7 @@ NATIVE_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(NATIVE_DIR)
 SOURCES = ["fluxion.c", "fx_background.c", "fx_pool.c", "fx_simd_portable.c", "fx_simd_avx2.c", "fx_simd_avx512.c",
            "fx_simd_avx512bf16.c", "fx_quant.c", "fx_quant_portable.c", "fx_quant_avx2.c", "fx_quant_avx512.c",
-           "fx_quant_avx512vnni.c"]
+           "fx_quant_avx512vnni.c", "fx_layer.c"]
 
 HEADER = os.path.join(NATIVE_DIR, "fluxion.h")
 _CONSTANT = re.compile(r"#define\s+FX_\w+\s+\d+\s*$")
@@ -68,7 +68,8 @@ def make_builder(sanitize: bool = False, absolute_paths: bool = False) -> FFI:
         sources=[os.path.join(base, s) for s in SOURCES],
         include_dirs=[base],
         depends=[os.path.join(base, h) for h in ("fluxion.h", "fx_internal.h", "fx_layout.h", "fx_simd_avx512.h",
-                                                 "fx_quant.h", "fx_quant_avx512.h", "fx_quant_ymm.h")],
+                                                 "fx_quant.h", "fx_quant_avx512.h", "fx_quant_ymm.h",
+                                                 "fx_attn32_ymm.h")],
         extra_compile_args=args,
         extra_link_args=link,
     )

@@ -358,6 +358,78 @@ int fx_qmatmul_many(int32_t n, const int32_t *wtypes, const void *const *ws, con
  * pool.  FX_OK, FX_E_QTYPE, FX_E_QSHAPE (k, row0 < 0, n_rows < 0, NULL w / out when n_rows > 0). */
 int fx_dequantize(int32_t wtype, const void *w, int64_t row0, int64_t n_rows, int64_t k, float *out);
 
+/* ---------------------------------------------------------------------------------------------------------------
+ * DECODER LAYER (fx_layer_qkv, fx_layer_out_mlp)
+ *
+ *   The work of a llama / qwen2 decoder layer around its attention, for the few rows of a decode step, with the
+ *   weights in QUANTIZED WEIGHTS' formats: two calls per layer where the torch forward makes about twenty
+ *   operations (each a dispatcher call of several microseconds, which at 4-8 bit weights is as much as the products).
+ *   x [m][d], o [m][Hq D] and qkv [m][(Hq + 2 Hkv) D] are row-major fp32; D = head_dim, F = ffn.
+ *
+ *   fx_layer_qkv:  h = rms_norm(x) * attn_norm;  qkv = h @ [Wq; Wk; Wv]^T (+ qkv_bias);  then RoPE on the q and k
+ *                  heads of each row (the v heads are left as they are).
+ *   fx_layer_out_mlp:  x += o @ Wo^T;  h = rms_norm(x) * ffn_norm;  x += (silu(h @ Wgate^T) * (h @ Wup^T)) @ Wdown^T,
+ *                  silu(g) = g / (1 + exp(-g)), x updated in place.
+ *   rms_norm(x) = x / sqrt(mean(x^2) + eps) per row (the sum of squares in double).  Each product quantizes its
+ *   input as QUANTIZED WEIGHTS says (fx_qmatmul_many: one pool dispatch for q/k/v, one for gate/up); the norms,
+ *   bias, RoPE, silu and residual adds run on the calling thread (O(d + F) per row).
+ *   RoPE: rope points at row 0's table row: cos [rope_dim] then sin_signed [rope_dim], row i at rope + i *
+ *   rope_stride; for i < rope_dim of each head, x'[i] = x[i] cos[i] + x[pair(i)] sin_signed[i] with pair(i) = i ^ 1
+ *   (rope_neox = 0: interleaved pairs) or (i + rope_dim / 2) % rope_dim (rope_neox = 1: half-split pairs); the
+ *   elements from rope_dim on are left as they are (the sign of each pair's first member lives in sin_signed).
+ *   Errors, all before any memory is written: FX_E_QSHAPE (a size not positive, rope_dim odd or above head_dim or
+ *   above FX_LAYER_MAX_HEAD_DIM, n_heads not a multiple of n_kv_heads, a weight's n_out not its role's size, a NULL
+ *   pointer the call needs, m < 0 or above FX_LAYER_MAX_ROWS), FX_E_QTYPE, FX_E_OUTPUT (workspace smaller than
+ *   fx_layer_workspace(L, m)).  m = 0: nothing to do.  No call allocates memory.
+ * ---------------------------------------------------------------------------------------------------------------
+ */
+#define FX_LAYER_MAX_ROWS 64       /* rows per call (decode batches; prefill chunks take the GEMM path) */
+#define FX_LAYER_MAX_HEAD_DIM 1024
+
+typedef struct fx_qweight {
+    int32_t wtype;    /* FX_QT_* */
+    const void *w;    /* n_out rows of the product's input width, QUANTIZED WEIGHTS' layout */
+    int64_t n_out;
+} fx_qweight;
+
+typedef struct fx_qlayer {
+    int32_t d, n_heads, n_kv_heads, head_dim, rope_dim, rope_neox, ffn;
+    float eps;
+    const float *attn_norm;   /* [d] */
+    const float *ffn_norm;    /* [d] */
+    const float *qkv_bias;    /* [(Hq + 2 Hkv) D], or NULL */
+    fx_qweight q, k, v;       /* n_out Hq D, Hkv D, Hkv D; input width d */
+    fx_qweight o;             /* n_out d; input width Hq D */
+    fx_qweight gate, up;      /* n_out F; input width d */
+    fx_qweight down;          /* n_out d; input width F */
+} fx_qlayer;
+
+/* Bytes of workspace the two calls need for m rows (any alignment); negative: -FX_E_QSHAPE / -FX_E_QTYPE. */
+int64_t fx_layer_workspace(const fx_qlayer *L, int64_t m);
+int fx_layer_qkv(const fx_qlayer *L, const float *x, int64_t m, const float *rope, int64_t rope_stride, float *qkv,
+                 void *work, int64_t work_bytes);
+int fx_layer_out_mlp(const fx_qlayer *L, float *x, const float *o, int64_t m, void *work, int64_t work_bytes);
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * DENSE DECODE ATTENTION (fx_decode_attention)
+ *
+ *   One query token over all len keys of one sequence, fp32 K and V (the dense CPU KV cache): for query head j,
+ *   KV head h = j / (n_heads / n_kv_heads), out[j] = softmax_t(scale * q[j] . K_h[t]) @ V_h, with K_h[t] at
+ *   k + h * head_stride + t * head_dim (V likewise).  q, out: [n_heads][head_dim].  The keys are split in chunks of
+ *   FX_DECODE_CHUNK per KV head, the items spread over the pool, each an online softmax whose partial results are
+ *   merged by log-sum-exp (the sparse attention's arithmetic; fx_kernels' qk32 / pv32 per SIMD path).
+ *   work: fx_decode_attention_workspace(...) floats.  Errors before any write: FX_E_GROUP (n_heads not a multiple of
+ *   n_kv_heads or a group above FX_MAX_GROUP), FX_E_QSHAPE (a size not positive, head_stride < len * head_dim, a
+ *   NULL pointer), FX_E_OUTPUT (workspace too small).
+ * ---------------------------------------------------------------------------------------------------------------
+ */
+#define FX_DECODE_CHUNK 256
+
+int64_t fx_decode_attention_workspace(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int64_t len);
+int fx_decode_attention(const float *q, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, const float *k,
+                        const float *v, int64_t head_stride, int64_t len, float scale, float *out, float *work,
+                        int64_t work_floats);
+
 /* The AVX-512 paths' integer dot products: on (the default), AVX512-VNNI where the CPU has it; off, AVX-512BW.
  * Returns 1 when VNNI is used from now on (on, and the CPU has AVX512-VNNI), else 0. */
 int fx_set_vnni(int on);

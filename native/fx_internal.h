@@ -51,6 +51,11 @@ typedef struct fx_kernels {
     /* qb[i] = q[i] as bf16 for i < n (n a multiple of 16); returns 1 when every q[i] is a bf16 value and not a
      * denormal (which qk_bf16's instruction would read as 0), else 0: qb is then incomplete, run qk. */
     int (*q_to_bf16)(const float *q, int n, uint16_t *qb);
+    /* qk and pv for fp32 K / V (the dense CPU KV cache, fx_decode_attention): s[j*ld + t] = scale * dot(q[j*D ..],
+     * K[t*D ..]) for j < r, t < len; acc[j*D + e] += sum_t p[j*ld + t] * V[t*D + e].  No prefetch hints: the rows
+     * are contiguous and the hardware prefetcher follows them. */
+    void (*qk32)(const float *q, int r, const float *k, int len, int d, float scale, float *s, int ld);
+    void (*pv32)(const float *p, int r, int ld, const float *v, int len, int d, float *acc);
 } fx_kernels;
 
 extern const fx_kernels fx_kernels_portable;

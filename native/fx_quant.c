@@ -250,7 +250,7 @@ static void quantize_all(const float *x, int64_t m, int64_t k, unsigned fmts, co
 
 typedef struct {
     const uint8_t *w;
-    int64_t n_out, row_bytes, items;
+    int64_t n_out, row_bytes, items, ldy;
     float *y;
     fxq_rows_fn fn;
 } qmm_weight;
@@ -299,13 +299,14 @@ static void qmm_worker(void *ctx, int tid, int nthreads) {
         for (int64_t i0 = 0; i0 < J->m; i0 += FXQ_TILE_M) {
             int mt = (int)(J->m - i0 < FXQ_TILE_M ? J->m - i0 : FXQ_TILE_M);
             fxq_act a = act_tile(J, i0);
-            W->fn(W->w + r0 * W->row_bytes, W->row_bytes, r1 - r0, &a, mt, W->y + i0 * W->n_out + r0, W->n_out);
+            W->fn(W->w + r0 * W->row_bytes, W->row_bytes, r1 - r0, &a, mt, W->y + i0 * W->ldy + r0, W->ldy);
         }
     }
 }
 
-static int qmm(int32_t n, const int32_t *wtypes, const void *const *ws, const int64_t *n_outs, int64_t k,
-               const float *x, int64_t m, float *const *ys, void *work, int64_t work_bytes) {
+int fxq_matmul_ld(int32_t n, const int32_t *wtypes, const void *const *ws, const int64_t *n_outs,
+                  const int64_t *ldys, int64_t k, const float *x, int64_t m, float *const *ys, void *work,
+                  int64_t work_bytes) {
     if (n < 0 || n > FX_QMM_MAX_MANY || m < 0 || m > FXQ_MAX_ROWS) return FX_E_QSHAPE;
     if (n > 0 && (!wtypes || !ws || !n_outs || !ys)) return FX_E_QSHAPE;
     /* every check first: a bad type wins over a bad shape of the same weight, any error over the workspace */
@@ -318,6 +319,7 @@ static int qmm(int32_t n, const int32_t *wtypes, const void *const *ws, const in
         if (n_outs[j] < 0 || n_outs[j] > FXQ_MAX_ROWS) return FX_E_QSHAPE;
         if (n_outs[j] > 0 && !ws[j]) return FX_E_QSHAPE;
         if (m > 0 && n_outs[j] > 0 && !ys[j]) return FX_E_QSHAPE;
+        if (ldys && ldys[j] < n_outs[j]) return FX_E_QSHAPE;
         if (ti.fmt != FMT_FLOAT) fmts |= 1u << ti.fmt;
         total_rows += n_outs[j];
         if (rb > max_row_bytes) max_row_bytes = rb;
@@ -350,8 +352,8 @@ static int qmm(int32_t n, const int32_t *wtypes, const void *const *ws, const in
     J.rows_per_item = rpi;
     for (int j = 0; j < n; j++) {
         int64_t rb = row_bytes_of(wtypes[j], k, &ti);
-        J.W[j] = (qmm_weight){(const uint8_t *)ws[j], n_outs[j], rb, (n_outs[j] + rpi - 1) / rpi, ys[j],
-                              K->rows[wtypes[j]]};
+        J.W[j] = (qmm_weight){(const uint8_t *)ws[j], n_outs[j], rb, (n_outs[j] + rpi - 1) / rpi,
+                              ldys ? ldys[j] : n_outs[j], ys[j], K->rows[wtypes[j]]};
         J.total_items += J.W[j].items;
     }
     atomic_store(&J.next, 0);
@@ -361,12 +363,12 @@ static int qmm(int32_t n, const int32_t *wtypes, const void *const *ws, const in
 
 int fx_qmatmul(int32_t wtype, const void *w, int64_t n_out, int64_t k, const float *x, int64_t m, float *y, void *work,
                int64_t work_bytes) {
-    return qmm(1, &wtype, &w, &n_out, k, x, m, &y, work, work_bytes);
+    return fxq_matmul_ld(1, &wtype, &w, &n_out, NULL, k, x, m, &y, work, work_bytes);
 }
 
 int fx_qmatmul_many(int32_t n, const int32_t *wtypes, const void *const *ws, const int64_t *n_outs, int64_t k,
                     const float *x, int64_t m, float *const *ys, void *work, int64_t work_bytes) {
-    return qmm(n, wtypes, ws, n_outs, k, x, m, ys, work, work_bytes);
+    return fxq_matmul_ld(n, wtypes, ws, n_outs, NULL, k, x, m, ys, work, work_bytes);
 }
 
 /* ---------------------------------------------------------------------------------------------- dequantize -- */

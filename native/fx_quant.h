@@ -46,6 +46,12 @@ typedef struct fx_qkernels {
     void (*dequant_row)(int32_t wtype, const uint8_t *row, int64_t k, float *out);
 } fx_qkernels;
 
+/* fx_qmatmul_many with a row stride per output: ys[j] row i at ys[j] + i * ldys[j] (ldys[j] >= n_outs[j]; ldys NULL:
+ * n_outs), so several products can fill one interleaved output (fx_layer_qkv's q/k/v rows).  Same checks. */
+int fxq_matmul_ld(int32_t n, const int32_t *wtypes, const void *const *ws, const int64_t *n_outs,
+                  const int64_t *ldys, int64_t k, const float *x, int64_t m, float *const *ys, void *work,
+                  int64_t work_bytes);
+
 extern const fx_qkernels fx_qkernels_portable;
 extern const fx_qkernels fx_qkernels_avx2;
 extern const fx_qkernels fx_qkernels_avx512;      /* AVX-512BW integer dot products */

@@ -498,9 +498,12 @@ static void gap_max_avx2(const float *x, int64_t ld, const float *m, int r, int 
     }
 }
 
+#include "fx_attn32_ymm.h"
+
 const fx_kernels fx_kernels_avx2 = {
     "avx2", qk_avx2, pv_avx2, exp_neg_avx2, row_max_avx2, exp_sum_avx2, stage_copy_avx2, fence_avx2, bound_avx2,
     minmax_avx2, bound_heads_avx2, gap_max_avx2, NULL, NULL, /* no bf16 dot products */
+    a32_qk, a32_pv,
 };
 
 #if defined(__clang__)

@@ -495,9 +495,11 @@ static void gap_max_avx512(const float *x, int64_t ld, const float *m, int r, in
     }
 }
 
+#include "fx_attn32_ymm.h"
+
 const fx_kernels fx_kernels_avx512 = {
     "avx512", qk_avx512, pv_avx512, exp_neg_avx512, row_max_avx512, exp_sum_avx512, stage_copy_avx512,
-    fence_avx512, bound_avx512, minmax_avx512, bound_heads_avx512, gap_max_avx512, NULL, NULL,
+    fence_avx512, bound_avx512, minmax_avx512, bound_heads_avx512, gap_max_avx512, NULL, NULL, a32_qk, a32_pv,
 };
 
 /* The same kernels plus q.k by bf16 dot products (fx_simd_avx512bf16.c, compiled for AVX512-BF16): fluxion.c
@@ -505,7 +507,7 @@ const fx_kernels fx_kernels_avx512 = {
 const fx_kernels fx_kernels_avx512_bf16 = {
     "avx512bf16", qk_avx512, pv_avx512, exp_neg_avx512, row_max_avx512, exp_sum_avx512, stage_copy_avx512,
     fence_avx512, bound_avx512, minmax_avx512, bound_heads_avx512, gap_max_avx512, fx_qk_bf16_avx512bf16,
-    fx_q_to_bf16_avx512bf16,
+    fx_q_to_bf16_avx512bf16, a32_qk, a32_pv,
 };
 
 #if defined(__clang__)

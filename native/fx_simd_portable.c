@@ -168,8 +168,28 @@ static void gap_max_portable(const float *x, int64_t ld, const float *m, int r, 
         }
 }
 
+static void qk32_portable(const float *q, int r, const float *k, int len, int d, float scale, float *s, int ld) {
+    for (int t = 0; t < len; t++)
+        for (int j = 0; j < r; j++) {
+            const float *qj = q + (int64_t)j * d, *kt = k + (int64_t)t * d;
+            float acc = 0.0f;
+            for (int e = 0; e < d; e++) acc += qj[e] * kt[e];
+            s[(int64_t)j * ld + t] = acc * scale;
+        }
+}
+
+static void pv32_portable(const float *p, int r, int ld, const float *v, int len, int d, float *acc) {
+    for (int t = 0; t < len; t++)
+        for (int j = 0; j < r; j++) {
+            float pt = p[(int64_t)j * ld + t], *aj = acc + (int64_t)j * d;
+            const float *vt = v + (int64_t)t * d;
+            for (int e = 0; e < d; e++) aj[e] += pt * vt[e];
+        }
+}
+
 const fx_kernels fx_kernels_portable = {
     "portable", qk_portable, pv_portable, exp_neg_portable, row_max_portable, exp_sum_portable,
     stage_copy_portable, fence_portable, bound_portable, minmax_portable, bound_heads_portable, gap_max_portable,
     NULL, NULL, /* no bf16 dot products */
+    qk32_portable, pv32_portable,
 };

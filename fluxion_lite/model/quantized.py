@@ -8,6 +8,9 @@ and runs integer dot products (native/fluxion.h, "QUANTIZED WEIGHTS").
 QuantLinear is one or several matrices that share an input (q/k/v; gate/up): one native call computes them all, the
 input quantized once. Prefill rows are many: above PREFILL_ROWS the weight is dequantized into a scratch buffer shared
 by every layer and multiplied by torch's fp32 GEMM, which is faster there than row-blocked integer products.
+Up to PREFILL_ROWS rows (decode steps), a layer's work before and after its attention is one native call each
+(native_layer: norm, q/k/v, bias and RoPE; output product, residual, norm, gate/up, silu, down, residual), since
+~20 torch operations per layer cost as much dispatch time as the products themselves.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ from collections.abc import Sequence
 import torch
 
 from fluxion_lite.hostkv import quant
+from fluxion_lite.hostkv.layer import LayerSpec, NativeLayer
+from fluxion_lite.model.config import ModelConfig
 
 # Rows above which a product dequantizes the weight and uses the fp32 GEMM (prefill chunks) instead of the
 # quantized kernel, which reads each weight row once per 16 rows of x.
@@ -93,3 +98,13 @@ class QuantLinear:
         for i, r in enumerate(ids.tolist()):
             p.dequantize(row0=r, n_rows=1, out=out[i : i + 1])
         return out
+
+
+def native_layer(cfg: ModelConfig, attn_norm: torch.Tensor, ffn_norm: torch.Tensor, qkv_bias: torch.Tensor | None,
+                 wqkv: QuantLinear, wo: QuantLinear, w_gate_up: QuantLinear, w_down: QuantLinear) -> NativeLayer:
+    """The layer's two native calls (hostkv/layer.py) over the same weights as its QuantLinears."""
+    q, k, v = wqkv.parts
+    gate, up = w_gate_up.parts
+    spec = LayerSpec(d=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                     rope_dim=cfg.rope_dim, rope_neox=cfg.rope_style == "neox", ffn=gate.n_out, eps=cfg.rms_eps)
+    return NativeLayer(spec, attn_norm, ffn_norm, qkv_bias, q, k, v, wo.parts[0], gate, up, w_down.parts[0])

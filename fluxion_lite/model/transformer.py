@@ -24,7 +24,8 @@ from fluxion_lite.model.attention import AttentionBackend, SeqChunk
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.model.cuda_graphs import DecodeGraphs, graphs_wanted
 from fluxion_lite.model.gguf_loader import GGUFModel
-from fluxion_lite.model.quantized import DequantScratch, QuantLinear
+from fluxion_lite.hostkv.layer import NativeLayer
+from fluxion_lite.model.quantized import PREFILL_ROWS, DequantScratch, QuantLinear, native_layer
 from fluxion_lite.settings import Settings
 
 MIN_ROPE_POSITIONS = 4096  # first table size; it doubles when a position beyond it arrives
@@ -45,6 +46,8 @@ class LayerWeights:
     # With oneDNN prepacking (CPU, bf16: see Transformer), wqkv / w_gate_up / w_down hold opaque packed tensors
     # (they are read by this module only) and wo_packed is a packed twin of wo, which stays plain for other readers.
     wo_packed: torch.Tensor | None = None
+    # quantized weights: the layer's work before and after attention as two native calls (decode rows)
+    native: NativeLayer | None = None
 
     def __post_init__(self) -> None:
         # transposed views made once, so a step does not call .t() twice per layer (no copy: same storage); None for
@@ -218,6 +221,12 @@ class Transformer:
                     w_down=w(p + "ffn_down.weight"),
                 )
             )
+        if self.quantized:
+            for lw in self.layers:
+                assert isinstance(lw.wqkv, QuantLinear) and isinstance(lw.wo, QuantLinear)
+                assert isinstance(lw.w_gate_up, QuantLinear) and isinstance(lw.w_down, QuantLinear)
+                lw.native = native_layer(cfg, lw.attn_norm, lw.ffn_norm, lw.bqkv, lw.wqkv, lw.wo, lw.w_gate_up,
+                                         lw.w_down)
         self.prepacked = not self.quantized and (prepack_supported(self.device, dtype) if prepack is None else prepack)
         # the vocabulary matmul's weight: packed separately when tied, since the embedding lookup needs the plain one
         self.output_mm = self.output
@@ -363,7 +372,10 @@ class Transformer:
         hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         n_tok = x.shape[0]
         rotated = False
-        if self._one_row(x):  # the q rows may still be in L2 from the early query: read last here
+        if lw.native is not None and n_tok <= PREFILL_ROWS and self._rope_rows(cos, sin):
+            qkv = lw.native.qkv(x, cos)  # [T, (Hq + 2 Hkv) D], normed, biased and rotated in one native call
+            rotated = True
+        elif self._one_row(x):  # the q rows may still be in L2 from the early query: read last here
             qkv = self._row_product(x, lw.attn_norm, lw.wqkv, lw.bqkv, cos, sin, (hq + hkv) * d, "evict_first")
             rotated = self._gemv_rope  # [1, (Hq + 2 Hkv) D]
         else:
@@ -374,6 +386,13 @@ class Transformer:
             self.rope.apply_(qk, cos, sin)
         q, k = qk.split((hq, hkv), dim=1)  # [T, Hq, D], [T, Hkv, D]
         return q, k, v.view(n_tok, hkv, d)
+
+    def _rope_rows(self, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+        """Whether cos, sin [T, 1, R] are the halves of contiguous table rows [T, 2, R] (embed_tokens' gather), the
+        layout the native layer reads (each row: cos then sin)."""
+        r = self.cfg.rope_dim
+        return (cos.stride(0) == 2 * r and cos.stride(-1) == 1 and sin.data_ptr() == cos.data_ptr() + 4 * r
+                and cos.dtype == torch.float32)
 
     def query_ahead(self, lw: LayerWeights, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """A layer's query from a residual stream x [T, d] other than its own input: norm, the q rows of the qkv
@@ -399,6 +418,9 @@ class Transformer:
         updated in place, except with oneDNN-packed weights on the CPU). after_attention(x) is called between the
         two, with the stream after the attention's residual add (read it before the MLP's add changes it)."""
         o = o.reshape(x.shape[0], -1)  # [T, Hq D]
+        if lw.native is not None and after_attention is None and x.shape[0] <= PREFILL_ROWS and x.is_contiguous():
+            lw.native.out_mlp(x, o.contiguous())  # output product, MLP and both residual adds in one native call
+            return x
         one_row = self._one_row(o) and x.is_contiguous()
         if one_row:
             gemv_kernels.gemv_add_(x, o, lw.wo, evict=self._evict("evict_first"), **self._gemv_opts)  # x += o @ wo^T

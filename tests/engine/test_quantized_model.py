@@ -67,9 +67,16 @@ def test_quantized_logits_follow_the_dequantised_model(engines: tuple[Engine, En
 
 def test_prefill_rows_and_decode_rows_agree(engines: tuple[Engine, Engine]) -> None:
     """A prefill of more than PREFILL_ROWS rows runs fp32 GEMMs over the dequantised weights; decode rows run the
-    quantized kernels: both compute the same model, up to the activation rounding."""
+    native layer (quantized kernels, fused norms and RoPE): both compute the same model, up to the activation
+    rounding."""
     quantized, _ = engines
-    ids = list(range(1000, 1000 + PREFILL_ROWS + 8))
+    tok = quantized.tokenizer
+    assert tok is not None
+    # text, not arbitrary ids: on a run of unrelated tokens the logits are flat and near-ties flip either way
+    ids = tok.encode("Once upon a time there was a small village by the sea. Every morning the fishermen went out "
+                     "in their boats, and every evening they came back with the day's catch, which the whole village "
+                     "shared at a long table under the old oak tree.", add_special=False)[: PREFILL_ROWS + 8]
+    assert len(ids) == PREFILL_ROWS + 8
     prefill = forward_logits(quantized.model, ids, one_by_one=False)
     steps = forward_logits(quantized.model, ids, one_by_one=True)
     assert (prefill.argmax(-1) == steps.argmax(-1)).float().mean().item() >= 0.9
@@ -96,3 +103,29 @@ def test_quant_linear_dense_and_rows_match_the_products() -> None:
     embed = QuantLinear([loaded.tensors["token_embd.weight"]], scratch)
     ids = torch.tensor([0, 5, 49151, 5])
     torch.testing.assert_close(embed.rows(ids), embed.dense()[ids])
+
+
+def test_native_layer_and_the_torch_layer_agree(engines: tuple[Engine, Engine]) -> None:
+    """Decode rows run each layer as two native calls (model/quantized.py: native_layer); the same layer through the
+    torch operations and QuantLinear products gives the same q/k/v and residual stream to fp32 rounding (both
+    quantize the same activations)."""
+    model = engines[0].model
+    cfg = model.cfg
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(3, cfg.d_model, generator=g)
+    o = torch.randn(3, cfg.n_heads, cfg.head_dim, generator=g)
+    positions = torch.tensor([5, 17, 300])
+    cs = model.rope.ensure(400)[positions][:, :, None, :]  # [T, 2, 1, R]: embed_tokens' layout
+    lw = model.layers[2]
+    assert lw.native is not None
+    fused_qkv = model.pre_attention(lw, x, cs[:, 0], cs[:, 1])
+    fused_x = model.post_attention(lw, x.clone(), o)
+    native, lw.native = lw.native, None
+    try:
+        plain_qkv = model.pre_attention(lw, x, cs[:, 0], cs[:, 1])
+        plain_x = model.post_attention(lw, x.clone(), o)
+    finally:
+        lw.native = native
+    for a, b in zip(fused_qkv, plain_qkv):
+        assert ((a - b).norm() / b.norm()).item() < 1e-5
+    assert ((fused_x - plain_x).norm() / (plain_x - x).norm()).item() < 1e-5

@@ -1,0 +1,148 @@
+"""A decoder layer's work around its attention in two native calls, and the dense decode attention over an fp32 KV
+cache (native/fluxion.h, "DECODER LAYER" and "DENSE DECODE ATTENTION", states the arithmetic).
+
+    layer = NativeLayer(LayerSpec(...), q=..., k=..., v=..., o=..., gate=..., up=..., down=...)  # QuantWeights
+    qkv = layer.qkv(x, rope_rows)      # x fp32 [m, d] -> [m, (Hq + 2 Hkv) D]: norm, q/k/v products, bias, RoPE
+    layer.out_mlp(x, o)                # x += o @ Wo^T, then x += MLP(norm(x)), in place
+    out = decode_attention(q, k, v, n_tokens, scale)   # q [Hq, D]; k, v [Hkv, cap, D] -> [Hq, D]
+
+A decode step with quantized weights spends as much time in torch's per-operation dispatch as in its products when
+each layer is ~20 tensor operations; these calls replace them (model/quantized.py builds a NativeLayer per layer).
+"""
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from fluxion_lite.hostkv.native import ffi, lib
+from fluxion_lite.hostkv.quant import QuantWeight
+
+MAX_ROWS = int(lib.FX_LAYER_MAX_ROWS)
+_E_OUTPUT = int(lib.FX_E_OUTPUT)
+_FLOAT_PTR = ffi.typeof("float *")
+_BYTES = ffi.typeof("uint8_t[]")
+_ERRORS = {int(lib.FX_E_QTYPE): "unknown weight type", int(lib.FX_E_QSHAPE): "bad shapes or arguments",
+           int(lib.FX_E_OUTPUT): "workspace too small", int(lib.FX_E_GROUP): "query heads not a multiple of KV heads"}
+
+
+def _raise(rc: int, what: str) -> None:
+    raise ValueError(f"{what}: {_ERRORS.get(rc, f'native error {rc}')}")
+
+
+def _fptr(t: torch.Tensor) -> Any:
+    return ffi.cast(_FLOAT_PTR, t.data_ptr())
+
+
+class _Bytes(threading.local):
+    """A per-Python-thread workspace (concurrent steps must not share one), grown when a call reports it short."""
+
+    def __init__(self) -> None:
+        self.nbytes, self.ptr, self.buf = 0, ffi.NULL, None
+
+    def take(self, nbytes: int) -> Any:
+        if self.nbytes < nbytes:
+            self.buf = np.empty(max(nbytes, self.nbytes * 3 // 2), np.uint8)
+            self.nbytes = self.buf.nbytes
+            self.ptr = ffi.from_buffer(_BYTES, self.buf)
+        return self.ptr
+
+
+_layer_work = _Bytes()
+_attn_work = _Bytes()
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    d: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_dim: int
+    rope_neox: bool
+    ffn: int
+    eps: float
+
+
+class NativeLayer:
+    """One decoder layer's C description (fx_qlayer), made once; keeps every array it points at alive."""
+
+    def __init__(self, spec: LayerSpec, attn_norm: torch.Tensor, ffn_norm: torch.Tensor, qkv_bias: torch.Tensor | None,
+                 q: QuantWeight, k: QuantWeight, v: QuantWeight, o: QuantWeight, gate: QuantWeight, up: QuantWeight,
+                 down: QuantWeight) -> None:
+        self.spec = spec
+        self._keep = [t.float().contiguous() for t in (attn_norm, ffn_norm)]
+        if qkv_bias is not None:
+            self._keep.append(qkv_bias.float().contiguous())
+        self._weights = (q, k, v, o, gate, up, down)
+        c = ffi.new("fx_qlayer *")
+        c.d, c.n_heads, c.n_kv_heads, c.head_dim = spec.d, spec.n_heads, spec.n_kv_heads, spec.head_dim
+        c.rope_dim, c.rope_neox, c.ffn, c.eps = spec.rope_dim, int(spec.rope_neox), spec.ffn, spec.eps
+        c.attn_norm, c.ffn_norm = _fptr(self._keep[0]), _fptr(self._keep[1])
+        c.qkv_bias = _fptr(self._keep[2]) if qkv_bias is not None else ffi.NULL
+        for name, w in zip(("q", "k", "v", "o", "gate", "up", "down"), self._weights):
+            field = getattr(c, name)
+            field.wtype, field.w, field.n_out = w.wtype, w.ptr, w.n_out
+        self.c = c
+        self.width = (spec.n_heads + 2 * spec.n_kv_heads) * spec.head_dim
+        need = int(lib.fx_layer_workspace(c, 1))
+        if need < 0:
+            _raise(-need, f"decoder layer {spec}")
+        self._need = {1: need}
+
+    def _work(self, m: int) -> tuple[Any, int]:
+        need = self._need.get(m)
+        if need is None:
+            need = self._need[m] = int(lib.fx_layer_workspace(self.c, m))
+            if need < 0:
+                _raise(-need, f"decoder layer workspace for {m} rows")
+        return _layer_work.take(need), _layer_work.nbytes
+
+    def qkv(self, x: torch.Tensor, rope_rows: torch.Tensor) -> torch.Tensor:
+        """x fp32 [m, d] (contiguous, m <= MAX_ROWS); rope_rows: each row's RoPE table row, [m, 2, ..., rope_dim]
+        (cos then sin_signed, contiguous per row) -> qkv fp32 [m, (Hq + 2 Hkv) D]."""
+        m = x.shape[0]
+        out = torch.empty(m, self.width)
+        ptr, nbytes = self._work(m)
+        rc = lib.fx_layer_qkv(self.c, _fptr(x), m, _fptr(rope_rows), rope_rows.stride(0), _fptr(out), ptr, nbytes)
+        if rc:
+            _raise(rc, f"layer q/k/v for x {tuple(x.shape)}")
+        return out
+
+    def out_mlp(self, x: torch.Tensor, o: torch.Tensor) -> None:
+        """x fp32 [m, d] += o [m, Hq D] @ Wo^T, then x += MLP(rms_norm(x)); both contiguous."""
+        ptr, nbytes = self._work(x.shape[0])
+        rc = lib.fx_layer_out_mlp(self.c, _fptr(x), _fptr(o), x.shape[0], ptr, nbytes)
+        if rc:
+            _raise(rc, f"layer output and MLP for x {tuple(x.shape)}")
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_tokens: int, scale: float,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """One query token over the first n_tokens keys: q fp32 [Hq, D] (contiguous); k, v fp32 [Hkv, cap, D] (each head
+    contiguous, cap >= n_tokens, the same head stride) -> out fp32 [Hq, D]."""
+    hq, d = q.shape
+    hkv = k.shape[0]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or t.stride(-1) != 1 or t.shape[-1] != d:
+            raise ValueError(f"decode attention: {name} must be CPU float32 with a contiguous last dim of {d}")
+    if k.shape != v.shape or k.stride() != v.stride() or k.stride(1) != d or k.shape[1] < n_tokens or not q.is_contiguous():
+        raise ValueError(f"decode attention: k {tuple(k.shape)} / v {tuple(v.shape)} must be [Hkv, cap >= {n_tokens}, "
+                         f"{d}] with one layout, q {tuple(q.shape)} contiguous")
+    if out is None:
+        out = torch.empty(hq, d)
+    need = int(lib.fx_decode_attention_workspace(hq, hkv, d, n_tokens))
+    if need < 0:
+        _raise(-need, f"decode attention over {n_tokens} tokens, {hq} / {hkv} heads of {d}")
+    work = _attn_work.take(4 * need)
+    rc = lib.fx_decode_attention(_fptr(q), hq, hkv, d, _fptr(k), _fptr(v), k.stride(0), n_tokens, scale, _fptr(out),
+                                 ffi.cast(_FLOAT_PTR, work), _attn_work.nbytes // 4)
+    if rc:
+        _raise(rc, f"decode attention over {n_tokens} tokens")
+    return out
+
+
+__all__ = ["LayerSpec", "NativeLayer", "MAX_ROWS", "decode_attention"]

@@ -1,0 +1,255 @@
+"""The decoder layer's native calls and the dense decode attention (native/fluxion.h, "DECODER LAYER" and "DENSE
+DECODE ATTENTION") against float64 references written from the header's formulas; every SIMD path this CPU
+supports, 1 and N threads, odd shapes; then the errors.
+
+Tolerances, and why:
+  * decode attention: fp32 dot products, softmax and weighted sums over at most a few thousand keys, against float64:
+    |out - ref| <= 2e-5 max|V| (the errors seen are ~1e-7 to 5e-7).
+  * the layer with F32 weights (no activation quantization): fp32 products of a few thousand terms against float64,
+    relative to the size of what is computed: <= 1e-5.
+  * the layer with quantized weights: against the float64 layer over the same dequantized weights and the
+    unquantized activations, the 8-bit activation step dominates (~0.5% per product, QUANTIZED WEIGHTS): relative
+    error <= 3e-2; and against the same computation made of fx_qmatmul calls (QuantGroup, tested on its own) with
+    numpy norms: <= 1e-4 (both quantize the same activations; an element whose fp32 norm rounds differently can
+    move one 8-bit step).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import native_quant_reference as ref
+from fluxion_lite.hostkv import native, quant
+from fluxion_lite.hostkv.layer import MAX_ROWS, LayerSpec, NativeLayer, decode_attention
+from fluxion_lite.hostkv.native import ffi, lib
+
+N_THREADS = max(2, native.physical_cores())
+PATHS = native.simd_supported()
+
+
+@pytest.fixture(params=[(p, t) for p in PATHS for t in (1, N_THREADS)], ids=lambda v: f"{v[0]}-t{v[1]}")
+def path(request):
+    simd, threads = request.param
+    native.set_simd(simd)
+    native.set_threads(threads)
+    yield simd
+    native.set_simd("auto")
+    native.set_threads(native.physical_cores())
+
+
+# ------------------------------------------------------------------------------------------ decode attention --
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int, scale: float) -> torch.Tensor:
+    hq, hkv = q.shape[0], k.shape[0]
+    r = hq // hkv
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for j in range(hq):
+        kh, vh = k[j // r, :n].double(), v[j // r, :n].double()
+        p = torch.softmax(kh @ q[j].double() * scale, 0)
+        out[j] = p @ vh
+    return out
+
+
+ATTN_SHAPES = [  # (Hq, Hkv, D, n tokens, capacity)
+    (14, 2, 64, 512, 600), (9, 3, 64, 1, 8), (8, 8, 128, 1000, 1000), (16, 1, 64, 300, 301), (6, 2, 72, 17, 40),
+    (4, 4, 36, 257, 300), (12, 2, 128, 2049, 2100), (2, 1, 8, 9, 9), (3, 3, 20, 5, 5),
+]
+
+
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_decode_attention_matches_float64(path: str, shape: tuple[int, ...]) -> None:
+    hq, hkv, d, n, cap = shape
+    g = torch.Generator().manual_seed(hash(shape) % 2**31)
+    q = torch.randn(hq, d, generator=g) * 0.5
+    k = torch.randn(hkv, cap, d, generator=g)
+    v = torch.randn(hkv, cap, d, generator=g)
+    scale = d ** -0.5
+    got = decode_attention(q, k, v, n, scale)
+    want = attention_ref(q, k, v, n, scale)
+    assert (got.double() - want).abs().max().item() <= 2e-5 * v[:, :n].abs().max().item()
+
+
+def test_decode_attention_reads_only_the_first_n_tokens() -> None:
+    q, k, v = torch.randn(4, 64), torch.randn(2, 100, 64), torch.randn(2, 100, 64)
+    k[:, 50:], v[:, 50:] = float("nan"), float("nan")  # past n: never read
+    got = decode_attention(q, k, v, 50, 0.125)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got.double(), attention_ref(q, k, v, 50, 0.125), rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_errors() -> None:
+    q, k, v = torch.randn(6, 64), torch.randn(4, 10, 64), torch.randn(4, 10, 64)
+    with pytest.raises(ValueError, match="not a multiple of KV heads"):
+        decode_attention(q, k, v, 10, 0.1)  # 6 query heads over 4 KV heads
+    with pytest.raises(ValueError, match="cap >= 11"):
+        decode_attention(torch.randn(4, 64), k, v, 11, 0.1)
+    with pytest.raises(ValueError, match="float32"):
+        decode_attention(torch.randn(4, 64).double(), k, v, 5, 0.1)
+    with pytest.raises(ValueError, match="one layout"):
+        decode_attention(torch.randn(4, 64), k, torch.randn(4, 12, 64), 5, 0.1)
+    # the C checks on their own: a short workspace, a head stride below len * D, no tokens
+    fp = lambda t: ffi.cast("float *", t.data_ptr())  # noqa: E731
+    out = torch.empty(4, 64)
+    need = lib.fx_decode_attention_workspace(4, 4, 64, 10)
+    work = torch.empty(need)
+    args = (fp(q[:4].contiguous()), 4, 4, 64, fp(k), fp(v))
+    assert lib.fx_decode_attention(*args, 640, 10, 0.1, fp(out), fp(work), need - 1) == lib.FX_E_OUTPUT
+    assert lib.fx_decode_attention(*args, 639, 10, 0.1, fp(out), fp(work), need) == lib.FX_E_QSHAPE
+    assert lib.fx_decode_attention_workspace(4, 4, 64, 0) == -lib.FX_E_QSHAPE
+    assert lib.fx_decode_attention_workspace(64, 2, 64, 5) == -lib.FX_E_GROUP  # a group of 32 > FX_MAX_GROUP
+
+
+# ----------------------------------------------------------------------------------------------- the layer --
+
+def make_layer(rng: np.random.Generator, spec: LayerSpec, types: dict[str, int], bias: bool
+               ) -> tuple[NativeLayer, dict[str, np.ndarray]]:
+    """A NativeLayer over random weights of the given types, and its parts in float64 (weights dequantized)."""
+    hq, hkv = spec.n_heads * spec.head_dim, spec.n_kv_heads * spec.head_dim
+    shapes = {"q": (hq, spec.d), "k": (hkv, spec.d), "v": (hkv, spec.d), "o": (spec.d, hq),
+              "gate": (spec.ffn, spec.d), "up": (spec.ffn, spec.d), "down": (spec.d, spec.ffn)}
+    weights, f64 = {}, {}
+    for name, (n_out, k) in shapes.items():
+        tid = types[name]
+        raw = ref.random_matrix(tid, n_out, k, rng)
+        if ref.TYPES[tid][0] == "F32":  # unit-scale random floats: shrink so activations stay O(1)
+            raw = (raw.view(np.float32) * np.float32(1 / math.sqrt(k))).view(np.uint8)
+        weights[name] = quant.QuantWeight(tid, np.ascontiguousarray(raw), n_out, k)
+        f64[name] = weights[name].dequantize().astype(np.float64)  # exact: dequantize is bit for bit
+    f64["attn_norm"] = 1.0 + 0.1 * rng.standard_normal(spec.d)
+    f64["ffn_norm"] = 1.0 + 0.1 * rng.standard_normal(spec.d)
+    f64["bias"] = 0.1 * rng.standard_normal(hq + 2 * hkv) if bias else None
+    layer = NativeLayer(spec, torch.from_numpy(f64["attn_norm"]).float(), torch.from_numpy(f64["ffn_norm"]).float(),
+                        None if f64["bias"] is None else torch.from_numpy(f64["bias"]).float(),
+                        **{name: weights[name] for name in shapes})
+    return layer, f64
+
+
+def product(f64: dict, name: str, x: np.ndarray) -> np.ndarray:
+    return x @ f64[name].T
+
+
+def rms(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * w
+
+
+def rope_ref(x: np.ndarray, n_heads: int, spec: LayerSpec, cs: np.ndarray) -> np.ndarray:
+    """x [m, n_heads * D]; cs [m, 2, R] (cos, sin_signed) -> rotated copy (fluxion.h's formula)."""
+    m, R, D = x.shape[0], spec.rope_dim, spec.head_dim
+    out = x.copy().reshape(m, n_heads, D)
+    i = np.arange(R)
+    pair = (i + R // 2) % R if spec.rope_neox else i ^ 1
+    rot = out[:, :, :R].copy()
+    out[:, :, :R] = rot * cs[:, None, 0, :] + rot[:, :, pair] * cs[:, None, 1, :]
+    return out.reshape(m, -1)
+
+
+def layer_ref(spec: LayerSpec, f64: dict, x: np.ndarray, cs: np.ndarray, o: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    hq = spec.n_heads * spec.head_dim
+    h = rms(x, f64["attn_norm"], spec.eps)
+    qkv = np.concatenate([product(f64, n, h) for n in ("q", "k", "v")], axis=1)
+    if f64["bias"] is not None:
+        qkv = qkv + f64["bias"]
+    if spec.rope_dim:
+        qk = rope_ref(qkv[:, : hq + spec.n_kv_heads * spec.head_dim], spec.n_heads + spec.n_kv_heads, spec, cs)
+        qkv = np.concatenate([qk, qkv[:, qk.shape[1]:]], axis=1)
+    x2 = x + product(f64, "o", o)
+    h2 = rms(x2, f64["ffn_norm"], spec.eps)
+    g, u = product(f64, "gate", h2), product(f64, "up", h2)
+    x2 = x2 + product(f64, "down", g / (1 + np.exp(-g)) * u)
+    return qkv, x2
+
+
+def rope_rows(rng: np.random.Generator, m: int, R: int) -> torch.Tensor:
+    """[m, 2, R] rows like the model's table: cos, and sin with the sign of each pair's first member."""
+    ang = rng.uniform(0, 2 * math.pi, (m, R))
+    return torch.from_numpy(np.stack([np.cos(ang), np.sin(ang) * rng.choice([-1.0, 1.0], (m, R))], 1)).float()
+
+
+SPECS = [  # d, Hq, Hkv, D, rope_dim, neox, F
+    LayerSpec(96, 6, 2, 16, 16, True, 160, 1e-6),
+    LayerSpec(64, 4, 4, 16, 8, False, 96, 1e-5),   # rope over part of each head; interleaved pairs
+    LayerSpec(128, 2, 1, 64, 64, False, 32, 1e-6),
+]
+
+
+@pytest.mark.parametrize("m", [1, 3, MAX_ROWS])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: f"d{s.d}-h{s.n_heads}x{s.n_kv_heads}-r{s.rope_dim}")
+def test_layer_with_f32_weights_matches_float64(path: str, spec: LayerSpec, m: int) -> None:
+    rng = np.random.default_rng(spec.d * 1000 + m)
+    types = dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), 0)
+    layer, f64 = make_layer(rng, spec, types, bias=spec.d != 64)
+    x = torch.from_numpy(rng.standard_normal((m, spec.d))).float()
+    o = torch.from_numpy(rng.standard_normal((m, spec.n_heads * spec.head_dim))).float()
+    cs = rope_rows(rng, m, spec.rope_dim)
+    qkv = layer.qkv(x, cs)
+    x_out = x.clone()
+    layer.out_mlp(x_out, o)
+    want_qkv, want_x = layer_ref(spec, f64, x.double().numpy(), cs.double().numpy(), o.double().numpy())
+    assert np.abs(qkv.double().numpy() - want_qkv).max() <= 1e-5 * np.abs(want_qkv).max()
+    assert np.abs(x_out.double().numpy() - want_x).max() <= 1e-5 * np.abs(want_x).max()
+
+
+QUANT_MIXES = {  # a llama.cpp Q4_K_M-like mix, and the 32-block types
+    "k-mix": dict(q=12, k=12, v=14, o=12, gate=12, up=12, down=14),
+    "q5-q8": dict(q=6, k=6, v=8, o=6, gate=6, up=6, down=8),
+    "q4-q5_1": dict(q=2, k=3, v=7, o=2, gate=3, up=2, down=7),
+}
+
+
+@pytest.mark.parametrize("mix", list(QUANT_MIXES))
+def test_layer_with_quantized_weights(path: str, mix: str) -> None:
+    spec = LayerSpec(256, 8, 2, 32, 32, True, 512, 1e-6)
+    rng = np.random.default_rng(len(mix))
+    layer, f64 = make_layer(rng, spec, QUANT_MIXES[mix], bias=True)
+    m = 2
+    x = torch.from_numpy(rng.standard_normal((m, spec.d))).float()
+    o = torch.from_numpy(rng.standard_normal((m, spec.n_heads * spec.head_dim))).float()
+    cs = rope_rows(rng, m, spec.rope_dim)
+    qkv = layer.qkv(x, cs).double().numpy()
+    x_out = x.clone()
+    layer.out_mlp(x_out, o)
+    want_qkv, want_x = layer_ref(spec, f64, x.double().numpy(), cs.double().numpy(), o.double().numpy())
+    assert np.linalg.norm(qkv - want_qkv) <= 3e-2 * np.linalg.norm(want_qkv)
+    delta, want_delta = x_out.double().numpy() - x.double().numpy(), want_x - x.double().numpy()
+    assert np.linalg.norm(delta - want_delta) <= 3e-2 * np.linalg.norm(want_delta)
+    # the same products through fx_qmatmul (QuantGroup), the norms and RoPE in numpy
+    w = layer._weights
+    h = torch.from_numpy(rms(x.double().numpy(), f64["attn_norm"], spec.eps)).float()
+    parts = quant.QuantGroup(list(w[:3])).matmul(h)
+    composed = np.concatenate([p.double().numpy() for p in parts], 1) + f64["bias"]
+    hq_hkv = (spec.n_heads + spec.n_kv_heads) * spec.head_dim
+    composed[:, :hq_hkv] = rope_ref(composed[:, :hq_hkv], spec.n_heads + spec.n_kv_heads, spec, cs.double().numpy())
+    assert np.linalg.norm(qkv - composed) <= 1e-4 * np.linalg.norm(composed)
+
+
+def test_layer_errors() -> None:
+    spec = LayerSpec(64, 4, 2, 16, 16, True, 96, 1e-6)
+    rng = np.random.default_rng(5)
+    types = dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), 8)
+    layer, _ = make_layer(rng, spec, types, bias=False)
+    x = torch.randn(MAX_ROWS + 1, 64)
+    with pytest.raises(ValueError, match="bad shapes"):
+        layer.qkv(x, rope_rows(rng, MAX_ROWS + 1, 16))
+    w = layer._weights
+    with pytest.raises(ValueError, match="bad shapes"):  # a weight of the wrong role's size: k in place of q
+        NativeLayer(spec, torch.ones(64), torch.ones(64), None, w[1], w[1], w[2], w[3], w[4], w[5], w[6])
+    with pytest.raises(ValueError, match="bad shapes"):  # 4 query heads over 3 KV heads
+        NativeLayer(LayerSpec(64, 4, 3, 16, 16, True, 96, 1e-6), torch.ones(64), torch.ones(64), None, *w)
+    with pytest.raises(ValueError, match="bad shapes"):  # an odd rope_dim
+        NativeLayer(LayerSpec(64, 4, 2, 16, 15, True, 96, 1e-6), torch.ones(64), torch.ones(64), None, *w)
+    # the C checks: a short workspace, no rope rows when the layer rotates
+    c = layer.c
+    fp = lambda t: ffi.cast("float *", t.data_ptr())  # noqa: E731
+    need = lib.fx_layer_workspace(c, 1)
+    buf = np.empty(need, np.uint8)
+    work = ffi.from_buffer("uint8_t[]", buf)
+    x1, qkv = torch.randn(1, 64), torch.empty(1, layer.width)
+    cs = rope_rows(rng, 1, 16)
+    assert lib.fx_layer_qkv(c, fp(x1), 1, fp(cs), 32, fp(qkv), work, need - 1) == lib.FX_E_OUTPUT
+    assert lib.fx_layer_qkv(c, fp(x1), 1, ffi.NULL, 32, fp(qkv), work, need) == lib.FX_E_QSHAPE
+    assert lib.fx_layer_qkv(c, fp(x1), 1, fp(cs), 31, fp(qkv), work, need) == lib.FX_E_QSHAPE
+    assert lib.fx_layer_out_mlp(c, fp(x1), ffi.NULL, 1, work, need) == lib.FX_E_QSHAPE
+    assert lib.fx_layer_qkv(c, fp(x1), 0, fp(cs), 32, fp(qkv), work, need) == lib.FX_OK  # no rows: nothing to do
