@@ -200,14 +200,12 @@ def is_present(model: CatalogModel, settings: Settings | None = None) -> bool:
 def _gguf_summary(path: Path) -> tuple[str, int | None]:
     """(arch, context length) read from a GGUF header, or ("?", None) when it cannot be read."""
     try:
-        from gguf import GGUFReader
+        from fluxion_lite.model.gguf_file import GGUFFile
 
-        reader = GGUFReader(path)
-        arch_field = reader.fields["general.architecture"]
-        arch = bytes(arch_field.parts[arch_field.data[0]]).decode("utf-8")
-        ctx_field = reader.fields.get(f"{arch}.context_length")
-        context = int(ctx_field.parts[ctx_field.data[0]][0]) if ctx_field is not None else None
-        return arch, context
+        md = GGUFFile(path).metadata
+        arch = str(md["general.architecture"])
+        context = md.get(f"{arch}.context_length")
+        return arch, int(context) if context is not None else None
     except Exception:  # noqa: BLE001 -- a listing must not fail because one stray file is broken
         return "?", None
 

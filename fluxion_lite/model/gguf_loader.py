@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import numbers
 import os
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.errors import ModelFileError
 from fluxion_lite.hostkv import quant
+from fluxion_lite.model.gguf_file import GGUFFile, GGUFFormatError, TensorInfo
 
 SUPPORTED_ARCHS = ("llama", "qwen2")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
@@ -43,8 +43,9 @@ def _import_gguf() -> Any:
     return gguf
 
 
-def read_metadata(path: Path) -> tuple[dict[str, Any], Any]:
-    """Open the file and return (metadata dict, reader). Raises ModelFileError for non-GGUF or truncated files."""
+def read_metadata(path: Path) -> tuple[dict[str, Any], GGUFFile]:
+    """Open the file and return (metadata dict, the parsed file). Raises ModelFileError for non-GGUF or truncated
+    files, naming the part that cannot be read."""
     path = Path(path)
     if not path.is_file():
         raise ModelFileError(f"{path}: no such file")
@@ -52,34 +53,17 @@ def read_metadata(path: Path) -> tuple[dict[str, Any], Any]:
         magic = fh.read(4)
     if magic != GGUF_MAGIC:
         raise ModelFileError(f"{path}: not a GGUF file (magic bytes {magic!r}, expected b'GGUF')")
-    gguf = _import_gguf()
     try:
-        reader = gguf.GGUFReader(str(path), "r")
-    except (ValueError, IndexError, OSError, KeyError, TypeError) as exc:  # the reader's own parse errors
-        # The reader maps every tensor while parsing, so a file cut inside the tensor data fails here too (in its
-        # _build_tensors step), before our own bounds check below: say which part could not be read.
-        frames = {frame.name for frame in traceback.extract_tb(exc.__traceback__)}
-        part = "tensor data" if "_build_tensors" in frames else "header (metadata and tensor table)"
+        reader = GGUFFile(path)
+    except GGUFFormatError as exc:
+        part = "tensor data" if exc.part == "tensor data" else "header (metadata and tensor table)"
         size = os.path.getsize(path)
         raise ModelFileError(
             f"{path}: truncated or corrupt GGUF file ({size:,} bytes): its {part} cannot be read ({exc})"
         ) from exc
-    metadata: dict[str, Any] = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key.endswith(("tokens", "scores", "token_type", "merges")):
-            continue  # large vocab arrays: the tokenizer reads them through llama.cpp
-        try:
-            metadata[key] = field.contents()
-        except Exception:  # an exotic field type we do not need must not stop loading
-            continue
-    file_size = os.path.getsize(path)
-    for tensor in reader.tensors:
-        end = int(tensor.data_offset) + int(tensor.n_bytes)
-        if end > file_size:
-            raise ModelFileError(
-                f"{path}: truncated: tensor {tensor.name!r} ends at byte {end:,} but the file has {file_size:,} bytes"
-            )
-    return metadata, reader
+    except (OSError, ValueError) as exc:
+        raise ModelFileError(f"{path}: cannot read the GGUF file: {exc}") from exc
+    return dict(reader.metadata), reader
 
 
 def config_from_metadata(path: Path, md: dict[str, Any], tensor_names: set[str]) -> ModelConfig:
@@ -132,21 +116,23 @@ def config_from_metadata(path: Path, md: dict[str, Any], tensor_names: set[str])
     )
 
 
-def _dequantise(path: Path, tensor: Any) -> np.ndarray:
-    gguf = _import_gguf()
-    type_name = tensor.tensor_type.name
-    if type_name not in SUPPORTED_TYPES:
-        raise ModelFileError(
-            f"{path}: tensor {tensor.name!r} has unsupported type {type_name} (supported: {', '.join(SUPPORTED_TYPES)})"
-        )
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists ne0 (innermost) first
+def _check_type(path: Path, tensor: TensorInfo) -> str:
+    if tensor.type_name not in SUPPORTED_TYPES:
+        raise ModelFileError(f"{path}: tensor {tensor.name!r} has unsupported type {tensor.type_name} "
+                             f"(supported: {', '.join(SUPPORTED_TYPES)})")
+    return tensor.type_name
+
+
+def _dequantise(path: Path, tensor: TensorInfo) -> np.ndarray:
+    type_name = _check_type(path, tensor)
     if type_name == "F32":
-        arr = np.array(tensor.data, dtype=np.float32)  # copy: the memmap is read-only
+        arr = np.array(tensor.data, dtype=np.float32)  # copy: the mapping is read-only
     elif type_name == "F16":
         arr = np.asarray(tensor.data, dtype=np.float16).astype(np.float32)
     else:
-        arr = gguf.quants.dequantize(np.asarray(tensor.data), tensor.tensor_type)
-    return arr.reshape(shape)
+        gguf = _import_gguf()
+        arr = gguf.quants.dequantize(tensor.data, gguf.GGMLQuantizationType(tensor.type_id))
+    return arr.reshape(tensor.shape)
 
 
 def required_tensor_names(cfg: ModelConfig) -> list[str]:
@@ -163,15 +149,11 @@ def required_tensor_names(cfg: ModelConfig) -> list[str]:
     return names
 
 
-def _blocks(path: Path, tensor: Any) -> Any:
+def _blocks(path: Path, tensor: TensorInfo) -> Any:
     """A matrix as the file stores it: a QuantWeight over the memory-mapped blocks (nothing copied or converted)."""
-    type_name = tensor.tensor_type.name
-    if type_name not in SUPPORTED_TYPES:
-        raise ModelFileError(
-            f"{path}: tensor {tensor.name!r} has unsupported type {type_name} (supported: {', '.join(SUPPORTED_TYPES)})"
-        )
-    n_out, k = (int(d) for d in reversed(tensor.shape.tolist()))  # GGUF lists ne0 (the row length) first
-    return quant.QuantWeight(type_name, np.asarray(tensor.data), n_out, k)
+    type_name = _check_type(path, tensor)
+    n_out, k = tensor.shape
+    return quant.QuantWeight(type_name, tensor.data, n_out, k)
 
 
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, quantized: bool = False) -> GGUFModel:
@@ -187,7 +169,7 @@ def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, 
         if name not in by_name:
             raise ModelFileError(f"{path}: missing tensor {name!r}")
         try:
-            if quantized and len(by_name[name].shape) == 2:
+            if quantized and len(by_name[name].dims) == 2:
                 tensors[name] = _blocks(path, by_name[name])
                 continue
             arr = _dequantise(path, by_name[name])
