@@ -6,10 +6,14 @@ and --dtype / their default types. Decode is also reported per CPU second of thi
 shared machine, wall time includes waiting for a core that other work holds, CPU time does not. With --threads 1 the
 CPU rate is each engine's own single-core speed; with more threads it also counts spinning workers.
 
-Also per model: load time and the process's resident memory after loading, above its baseline after imports
-(RSS, from /proc; the GGUF file's pages count once they are read: memory-mapped weights are the file's pages).
+Also per model: load time and the process's resident memory after loading and after each context's decode, above
+its baseline after imports (RSS, from /proc; the GGUF file's pages count once they are read: memory-mapped weights
+are the file's pages), next to the file's size plus that context's KV cache (fp32). Our runs come first, every
+context and mode, then llama.cpp's in the same process, so the RSS columns are ours alone. --attention takes several
+of our modes; each is compared with the same llama.cpp run (full attention). TPOT = 1 / decode rate.
 
-Usage: python bench/speed.py [--models ...] [--contexts 512 4096] [--decode 32] [--threads 2] [--dtype auto] [--out ...]
+Usage: python bench/speed.py [--models ...] [--contexts 512 4096] [--decode 32] [--threads 2] [--dtype auto]
+                             [--attention full [fluxion]] [--out ...]
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from pathlib import Path
 import torch
 
 from fluxion_lite.engine.engine import Engine
+from fluxion_lite.hub.resolve import resolve_model
 from fluxion_lite.hostkv import native
 from fluxion_lite.offline.eval_text import essay_text
 from fluxion_lite.offline.llamacpp_peer import last_logits, load_peer
@@ -71,6 +76,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: the CPU default (weights kept in the file's block formats)")
     ap.add_argument("--threads", type=int, default=0, help="threads for both engines (0: torch's default)")
+    ap.add_argument("--attention", nargs="+", default=["full"], choices=["full", "fluxion"],
+                    help="our attention modes, each against the same llama.cpp run (which is full attention)")
     ap.add_argument("--out", default=None, help="default bench/results/speed[_<dtype>].json")
     args = ap.parse_args()
     if args.threads:
@@ -80,36 +87,52 @@ def main() -> None:
     base_rss = rss_bytes()
     rows = []
     print(f"machine: {platform.node()} {platform.processor()} cores={os.cpu_count()} torch threads={threads}")
-    print(f"{'model':<20}{'ctx':>6}{'prefill tok/s':>15}{'llama.cpp':>11}{'ratio':>7}{'decode tok/s':>14}{'llama.cpp':>11}"
-          f"{'ratio':>7}{'cpu':>8}{'llama.cpp':>11}{'ratio':>7}")
+    print(f"{'model':<20}{'ctx':>6} {'mode':<8}{'prefill tok/s':>15}{'llama.cpp':>11}{'ratio':>7}{'TPOT ms':>10}"
+          f"{'llama.cpp':>11}{'ratio':>7}{'tok/cpu-s':>8}{'llama.cpp':>11}{'ratio':>7}{'RSS MiB':>9}{'file+KV':>11}")
     for name in args.models:
         t_load = time.perf_counter()
-        engine = Engine(name, dtype=args.dtype, prefill_chunk=512, prefix_cache_entries=0)
+        engine = Engine(name, dtype=args.dtype, attention=args.attention[0], prefill_chunk=512,
+                        prefix_cache_entries=0)
         load_s = time.perf_counter() - t_load
         load_rss = rss_bytes() - base_rss
         file_bytes = engine.model_path.stat().st_size
+        kv_per_token = engine.config.kv_bytes_per_token(4)  # the dense CPU cache is fp32
         print(f"{name}: loaded in {load_s:.2f} s, RSS +{load_rss / 2**20:.0f} MiB (file {file_bytes / 2**20:.0f} MiB)")
         assert engine.tokenizer is not None
         text_ids = engine.tokenizer.encode(essay_text()[: max(args.contexts) * 8], add_special=True)
-        peer = load_peer(engine.model_path, n_ctx=max(args.contexts) + args.decode + 8, n_threads=threads, logits_all=False)
+        # ours first, every context and mode, then llama.cpp in the same process: the RSS columns are ours alone
+        mine: dict[tuple[int, str], dict] = {}
         for n in args.contexts:
-            tokens = text_ids[:n]
-            p_ours, d_ours, c_ours = ours(engine, tokens, args.decode)
-            p_peer, d_peer, c_peer = peer_speed(peer, tokens, args.decode)
-            row = {"model": name, "context": n, "prefill_tps": p_ours, "prefill_tps_llamacpp": p_peer,
-                   "decode_tps": d_ours, "decode_tps_llamacpp": d_peer,
-                   "decode_tok_per_cpu_s": c_ours, "decode_tok_per_cpu_s_llamacpp": c_peer,
-                   "load_s": load_s, "load_rss_bytes": load_rss, "file_bytes": file_bytes,
-                   "rss_after_bytes": rss_bytes() - base_rss}
-            rows.append(row)
-            print(f"{name:<20}{n:>6}{p_ours:>15.1f}{p_peer:>11.1f}{p_ours / p_peer:>7.2f}"
-                  f"{d_ours:>14.1f}{d_peer:>11.1f}{d_ours / d_peer:>7.2f}{c_ours:>8.1f}{c_peer:>11.1f}{c_ours / c_peer:>7.2f}",
-                  flush=True)
-        del peer, engine
-    out = Path(args.out or f"bench/results/speed_{args.dtype}.json")
+            for mode in args.attention:
+                if engine.attention_mode != mode:
+                    engine.set_attention(mode)
+                p, d, c = ours(engine, text_ids[:n], args.decode)
+                mine[n, mode] = {"prefill_tps": p, "decode_tps": d, "tpot_ms": 1000 / d, "decode_tok_per_cpu_s": c,
+                                 "rss_after_bytes": rss_bytes() - base_rss, "kv_bytes": kv_per_token * n}
+        del engine
+        peer = load_peer(resolve_model(name, pull_missing=False), n_ctx=max(args.contexts) + args.decode + 8,
+                         n_threads=threads,
+                         logits_all=False)
+        for n in args.contexts:
+            p_peer, d_peer, c_peer = peer_speed(peer, text_ids[:n], args.decode)
+            for mode in args.attention:
+                m = mine[n, mode]
+                row = {"model": name, "context": n, "attention": mode, **m, "prefill_tps_llamacpp": p_peer,
+                       "decode_tps_llamacpp": d_peer, "tpot_ms_llamacpp": 1000 / d_peer,
+                       "tpot_ratio": m["tpot_ms"] / (1000 / d_peer), "decode_tok_per_cpu_s_llamacpp": c_peer,
+                       "load_s": load_s, "load_rss_bytes": load_rss, "file_bytes": file_bytes}
+                rows.append(row)
+                print(f"{name:<20}{n:>6} {mode:<8}{m['prefill_tps']:>15.1f}{p_peer:>11.1f}{m['prefill_tps'] / p_peer:>7.2f}"
+                      f"{m['tpot_ms']:>10.1f}{1000 / d_peer:>11.1f}{row['tpot_ratio']:>7.2f}"
+                      f"{m['decode_tok_per_cpu_s']:>8.1f}{c_peer:>11.1f}{m['decode_tok_per_cpu_s'] / c_peer:>7.2f}"
+                      f"{m['rss_after_bytes'] / 2**20:>9.0f}{(file_bytes + m['kv_bytes']) / 2**20:>11.0f}", flush=True)
+        del peer
+    suffix = "" if args.attention == ["full"] else "_" + "_".join(args.attention)
+    out = Path(args.out or f"bench/results/speed_{args.dtype}{suffix}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     out.write_text(json.dumps({"machine": platform.node(), "cpu": cpu, "threads": threads, "dtype": args.dtype,
+                               "attention": args.attention,
                                "load_avg_1m_at_end": os.getloadavg()[0], "rows": rows}, indent=2))
     print(f"wrote {out}")
 

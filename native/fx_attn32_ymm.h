@@ -10,6 +10,14 @@
 
 #define A32_INLINE static inline __attribute__((always_inline))
 
+/* Software prefetch distance of the K / V streams: one core alone does not keep enough reads in flight on its
+ * hardware prefetcher (measured on the VM: 7 GB/s per core without, the quantized products reach 15 with it). */
+#define A32_PF_BYTES 4096
+
+A32_INLINE void a32_prefetch(const float *p, int64_t bytes) {
+    for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch((const char *)p + A32_PF_BYTES + o, 0, 2);
+}
+
 /* [sum a0, sum a1, ..., sum a7] */
 A32_INLINE __m256 a32_reduce8(const __m256 a[8]) {
     __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3])); /* a0..a3 by 128-bit half */
@@ -35,6 +43,7 @@ static void a32_qk(const float *q, int r, const float *k, int len, int d, float 
     if (d % 8 == 0) {
         for (; t + 8 <= len; t += 8) {
             const float *kt = k + (int64_t)t * d;
+            a32_prefetch(kt, (int64_t)8 * d * 4);
             for (int j = 0; j < r; j++) {
                 const float *qj = q + (int64_t)j * d;
                 __m256 acc[8];
@@ -57,6 +66,9 @@ static void a32_qk(const float *q, int r, const float *k, int len, int d, float 
 static void a32_pv(const float *p, int r, int ld, const float *v, int len, int d, float *acc) {
     for (int t0 = 0; t0 < len; t0 += A32_PV_TILE) {
         int t1 = t0 + A32_PV_TILE < len ? t0 + A32_PV_TILE : len;
+        /* the next tile, while this one is read r times from L1 (the first row's pass is the memory read) */
+        for (int64_t o = 0; o < (int64_t)(t1 - t0) * d * 4; o += 64)
+            __builtin_prefetch((const char *)(v + (int64_t)t1 * d) + o, 0, 2);
         for (int j = 0; j < r; j++) {
             const float *pj = p + (int64_t)j * ld;
             float *aj = acc + (int64_t)j * d;

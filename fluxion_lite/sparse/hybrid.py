@@ -241,8 +241,12 @@ class HybridExecutor:
             self._cpu_out.ensure(tc * r * (d + 1))
             o_c = self._cpu_out.host[: tc * r * d].view(tc, r, d)
             l_c = self._cpu_out.host[tc * r * d : tc * r * (d + 1)].view(tc, r)
-            fut = self._worker.submit(self._cpu_attention, view, q_host, tasks[ci], ids[ci], counts[ci], scale,
-                                      o_c, l_c)
+            if self.cuda or len(gi):
+                fut = self._worker.submit(self._cpu_attention, view, q_host, tasks[ci], ids[ci], counts[ci], scale,
+                                          o_c, l_c)
+            else:  # nothing to overlap with: on this thread (a hand-off to the worker costs two thread switches)
+                fut = Future()
+                fut.set_result(self._cpu_attention(view, q_host, tasks[ci], ids[ci], counts[ci], scale, o_c, l_c))
         # GPU feeder, part 2 (device): zero-copy read + attention, or one H2D of K and V + attention; scatter
         if len(gi) and self.feeder is not None:
             assert layer is not None, "the zero-copy feeder needs the layer"
