@@ -1,11 +1,15 @@
-"""Parity with llama.cpp on the same GGUF (dense attention, fp32 on CPU).
+"""Parity with llama.cpp on the same GGUF (dense attention on the CPU), for each of our weight modes (--dtypes: auto,
+the file's blocks, and dequantised float32), and between our modes.
 
 1. Teacher-forced over N tokens of Paul Graham essays: top-1 agreement overall, and at positions where llama.cpp's own
    top-2 logit gap is >= 0.5 (there it must be 100%: only near-ties may flip, since llama.cpp quantises activations).
 2. Greedy chat continuations (first 32 tokens) for 10 prompts: identical count; where one differs, llama.cpp's top-2 gap at
    the first differing token.
 
-Usage: python bench/parity.py [--models smollm2-135m qwen2.5-coder-0.5b] [--tokens 2048] [--out bench/results/parity.json]
+3. Between our modes: top-1 agreement of each mode's teacher-forced logits with the first mode's (float32 by default).
+
+Usage: python bench/parity.py [--models smollm2-135m qwen2.5-coder-0.5b] [--dtypes float32 auto] [--tokens 2048]
+                              [--out bench/results/parity.json]
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from fluxion_lite.engine.engine import Engine
+from fluxion_lite.hub.resolve import resolve_model
 from fluxion_lite.offline.eval_text import essay_text
 from fluxion_lite.offline.llamacpp_peer import greedy_continuation, load_peer, teacher_forced_logits as peer_logits
 from fluxion_lite.engine.sampling import SamplingParams
@@ -38,11 +43,7 @@ CHAT_PROMPTS = [
 GAP_THRESHOLD = 0.5
 
 
-def teacher_forced_parity(engine: Engine, peer: object, n_tokens: int) -> dict[str, float]:
-    assert engine.tokenizer is not None
-    tokens = engine.tokenizer.encode(essay_text()[: n_tokens * 8], add_special=True)[:n_tokens]
-    t0 = time.perf_counter()
-    ref = peer_logits(peer, tokens)  # [N, V]
+def teacher_forced_parity(engine: Engine, ref: np.ndarray, tokens: list[int]) -> tuple[dict[str, float], np.ndarray]:
     t1 = time.perf_counter()
     ours = teacher_forced_logits(engine.model, engine.attn, tokens).numpy()
     t2 = time.perf_counter()
@@ -58,9 +59,8 @@ def teacher_forced_parity(engine: Engine, peer: object, n_tokens: int) -> dict[s
         "disagreements_confident": int((~agree[confident]).sum()),
         "max_gap_at_disagreement": float(gap[~agree].max()) if (~agree).any() else 0.0,
         "max_abs_logit_diff": float(np.abs(ours - ref).max()),
-        "seconds_llamacpp": t1 - t0,
         "seconds_ours": t2 - t1,
-    }
+    }, ours
 
 
 def chat_parity(engine: Engine, peer: object, n_new: int = 32) -> dict[str, object]:
@@ -95,25 +95,41 @@ def chat_parity(engine: Engine, peer: object, n_new: int = 32) -> dict[str, obje
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["smollm2-135m", "qwen2.5-coder-0.5b"])
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "auto"], choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--out", default="bench/results/parity.json")
     args = ap.parse_args()
     results = {"machine": platform.node(), "processor": platform.processor(), "models": {}}
-    print(f"{'model':<22}{'tokens':>7}{'top1':>8}{'top1@gap>=0.5':>15}{'confident':>10}{'maxΔlogit':>10}{'chat same':>10}")
+    print(f"{'model':<22}{'dtype':>8}{'tokens':>7}{'top1':>8}{'top1@gap>=0.5':>15}{'confident':>10}{'maxΔlogit':>10}"
+          f"{'chat same':>10}{'top1 vs ' + args.dtypes[0]:>16}")
     for name in args.models:
-        engine = Engine(name, dtype="float32", prefix_cache_entries=0)
-        peer = load_peer(engine.model_path, n_ctx=args.tokens + 64)
-        tf = teacher_forced_parity(engine, peer, args.tokens)
-        chat = chat_parity(engine, peer)
-        results["models"][name] = {"teacher_forced": tf, "chat": chat}
-        print(
-            f"{name:<22}{tf['tokens']:>7}{tf['top1_agreement']:>8.2%}{tf['top1_agreement_confident']:>15.2%}"
-            f"{tf['confident_positions']:>10}{tf['max_abs_logit_diff']:>10.3f}{chat['identical']:>7}/{chat['prompts']}"
-        )
-        for row in chat["rows"]:
-            if not row["identical"]:
-                print(f"   differs at token {row['first_diff']} (llama.cpp top-2 gap {row['llamacpp_gap_at_first_diff']}): {row['prompt']}")
-        del peer, engine
+        peer = load_peer(resolve_model(name, pull_missing=False), n_ctx=args.tokens + 64)
+        per_dtype: dict[str, object] = {}
+        first: np.ndarray | None = None
+        tokens: list[int] = []
+        ref = np.empty(0)
+        for dtype in args.dtypes:
+            engine = Engine(name, dtype=dtype, prefix_cache_entries=0)
+            assert engine.tokenizer is not None
+            if first is None:
+                tokens = engine.tokenizer.encode(essay_text()[: args.tokens * 8], add_special=True)[: args.tokens]
+                ref = peer_logits(peer, tokens)  # [N, V]
+            tf, ours = teacher_forced_parity(engine, ref, tokens)
+            if first is None:
+                first = ours
+            tf[f"top1_agreement_with_{args.dtypes[0]}"] = float((ours.argmax(1) == first.argmax(1)).mean())
+            chat = chat_parity(engine, peer)
+            per_dtype[dtype] = {"teacher_forced": tf, "chat": chat}
+            print(f"{name:<22}{dtype:>8}{tf['tokens']:>7}{tf['top1_agreement']:>8.2%}{tf['top1_agreement_confident']:>15.2%}"
+                  f"{tf['confident_positions']:>10}{tf['max_abs_logit_diff']:>10.3f}{chat['identical']:>7}/{chat['prompts']}"
+                  f"{tf[f'top1_agreement_with_{args.dtypes[0]}']:>16.2%}", flush=True)
+            for row in chat["rows"]:
+                if not row["identical"]:
+                    print(f"   differs at token {row['first_diff']} (llama.cpp top-2 gap "
+                          f"{row['llamacpp_gap_at_first_diff']}): {row['prompt']}")
+            del engine
+        results["models"][name] = per_dtype
+        del peer
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2))
     print(f"wrote {args.out}")

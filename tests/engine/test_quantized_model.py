@@ -90,7 +90,7 @@ def test_quant_linear_dense_and_rows_match_the_products() -> None:
     from fluxion_lite.model.quantized import DequantScratch
 
     loaded = load_gguf(local_path(get_model(MODEL)), quantized=True)
-    scratch = DequantScratch()
+    scratch = DequantScratch(bf16=False)
     qkv = QuantLinear([loaded.tensors[f"blk.3.attn_{x}.weight"] for x in "qkv"], scratch)
     dense = qkv.dense()  # [n_out, k] fp32
     x = torch.randn(3, qkv.k)
@@ -100,6 +100,10 @@ def test_quant_linear_dense_and_rows_match_the_products() -> None:
         assert ((qkv(x[:rows]) - want).norm() / want.norm()).item() < 0.02
     big = torch.randn(PREFILL_ROWS + 1, qkv.k)  # the prefill path: exact fp32 GEMM over the dequantised weight
     torch.testing.assert_close(qkv(big), big @ dense.T, rtol=1e-4, atol=1e-4)
+    # bf16 prefill GEMMs (where the CPU has native bf16): weights and activations rounded to 8-bit mantissas
+    qkv16 = QuantLinear(qkv.parts, DequantScratch(bf16=True))
+    want = big @ dense.T
+    assert ((qkv16(big) - want).norm() / want.norm()).item() < 1e-2
     embed = QuantLinear([loaded.tensors["token_embd.weight"]], scratch)
     ids = torch.tensor([0, 5, 49151, 5])
     torch.testing.assert_close(embed.rows(ids), embed.dense()[ids])
