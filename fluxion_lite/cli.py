@@ -63,10 +63,11 @@ def _add_settings_option(parser: argparse.ArgumentParser) -> None:
 def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default: 256)")
-    group.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 1.0)")
-    group.add_argument("--top-k", type=int, default=None, help="0 = off (default)")
-    group.add_argument("--top-p", type=float, default=None, help="nucleus sampling (default: 1.0 = off)")
-    group.add_argument("--min-p", type=float, default=None, help="drop tokens below min-p x top prob (default: 0)")
+    group.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: 0.8)")
+    group.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens, 0 = off (default: 40)")
+    group.add_argument("--top-p", type=float, default=None, help="nucleus sampling, 1 = off (default: 0.95)")
+    group.add_argument("--min-p", type=float, default=None,
+                       help="drop tokens below min-p x the top probability, 0 = off (default: 0.05)")
     group.add_argument("--repeat-penalty", type=float, default=None, help="llama.cpp repetition penalty (default: 1.0)")
     group.add_argument("--presence-penalty", type=float, default=None, help="OpenAI presence penalty (default: 0)")
     group.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty (default: 0)")

@@ -83,6 +83,7 @@ enum {
     FX_E_QTYPE = 15,    /* unknown weight type (QUANTIZED WEIGHTS below) */
     FX_E_QSHAPE = 16,   /* bad matrix arguments: k not a positive multiple of the type's block, a negative size or row,
                            a NULL array the sizes need, n outside [0, FX_QMM_MAX_MANY], byte counts past int64 */
+    FX_E_SPAN = 17,     /* a task's two token ranges overlap (fx_attend_spans) */
 };
 /* Block scoring of fx_group_topk_scoring. */
 enum { FX_SCORE_GROUP = 0, FX_SCORE_PER_HEAD = 1, FX_SCORE_MIDRANGE = 2 };
@@ -233,6 +234,23 @@ int64_t fx_background_workspace_floats(int64_t n_tasks, int32_t group, int32_t h
 int fx_background(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
                   int64_t n_tasks, const int32_t *ids, const int32_t *counts, int32_t k_cap, float scale, float *out,
                   float *lse, float *workspace, int64_t workspace_floats, int64_t *err_index);
+
+/* ---- the streaming spans of a decode layer ----
+ * For each task, its r query heads attend over the task's two token ranges [ex0_lo, ex0_hi) and [ex1_lo, ex1_hi)
+ * (clipped to the slot's tokens; an empty range has lo >= hi), the same fields through which fx_group_topk
+ * excludes a streaming part (sink, recent window) from its selection.  The result is merged by log-sum-exp into
+ * what row rows[i] of out [n_rows][r][D] / lse [n_rows][r] already holds (lse -inf: nothing yet, out is then
+ * ignored), so after fx_select_attend_pinned over the same tasks the row holds the group's whole attention: its
+ * selected blocks and its streaming part in one softmax.  A task whose ranges are both empty leaves its row as it
+ * is.  Only the task's slot, q_row, kv_head and ranges are read (g must still be a granularity: 16, 32, 64, 128;
+ * k is ignored).  rows strictly ascending in [0, n_rows) (else FX_E_OUTPUT, *err_index = i); non-empty ranges
+ * that overlap: FX_E_SPAN.  *span_tokens = the tokens attended.  workspace: >= fx_spans_workspace_floats(n_tasks,
+ * r, D) floats (FX_E_OUTPUT, *err_index = -1, before any work if short; the size depends on the pool's thread
+ * count).  No allocation; runs on the pool, each task's tokens split into work items. */
+int64_t fx_spans_workspace_floats(int64_t n_tasks, int32_t group, int32_t head_dim);
+int fx_attend_spans(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,
+                    int64_t n_tasks, float scale, const int64_t *rows, int64_t n_rows, float *out, float *lse,
+                    float *workspace, int64_t workspace_floats, int64_t *span_tokens, int64_t *err_index);
 
 /* ---- gather ----
  * Copy each task's selected blocks (valid tokens only, in the order given) into staging buffers

@@ -14,11 +14,15 @@ REPETITION_WINDOW = 64  # llama.cpp's default penalty_last_n: the repetition pen
 
 @dataclass
 class SamplingParams:
+    """What a request leaves out takes llama-server's defaults (temperature 0.8, top_k 40, top_p 0.95, min_p 0.05):
+    plain temperature-1 sampling from a small model's whole vocabulary drifts into gibberish within a sentence.
+    A field that a request sets keeps its OpenAI meaning; top_k = 0, top_p = 1 and min_p = 0 turn truncation off."""
+
     max_tokens: int = 256
-    temperature: float = 1.0  # 0 = greedy
-    top_k: int = 0  # 0 = off
-    top_p: float = 1.0
-    min_p: float = 0.0
+    temperature: float = 0.8  # 0 = greedy
+    top_k: int = 40  # 0 = off
+    top_p: float = 0.95  # 1 = off
+    min_p: float = 0.05  # 0 = off
     repetition_penalty: float = 1.0  # llama.cpp-style: divides positive logits of recent tokens
     presence_penalty: float = 0.0  # OpenAI-style: subtracted once for every token already generated
     frequency_penalty: float = 0.0  # OpenAI-style: subtracted per occurrence in the generated text

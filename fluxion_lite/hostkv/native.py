@@ -71,6 +71,7 @@ _ERRORS = {
     lib.FX_E_APPEND: "append past the page table's capacity",
     lib.FX_E_SCORING: "unknown block-scoring mode",
     lib.FX_E_PIN: "bad pinned blocks",
+    lib.FX_E_SPAN: "a task's two token ranges overlap",
 }
 
 
@@ -736,6 +737,47 @@ def background(view: KVView, q: Any, tasks: Any, ids: Any, counts: Any, scale: f
     return a.out, a.lse
 
 
+def _spans_call(view: KVView, what: str, t: np.ndarray, q_ptr: Any, q_rows: int, n_q_heads: int, r: int,
+                scale: float, rows_ptr: Any, n_rows: int, out_ptr: Any, lse_ptr: Any, rows: np.ndarray,
+                tokens: Any) -> int:
+    """fx_attend_spans of the tasks t with checked pointers; the thread's workspace grown when C says it is short.
+    Returns the tokens attended."""
+    scratch = _scratch
+    err = scratch.err
+    n = len(t)
+    args = (view.struct, q_ptr, q_rows, n_q_heads, _cptr(t), n, float(scale), rows_ptr, n_rows, out_ptr, lse_ptr)
+    rc = lib.fx_attend_spans(*args, scratch.ws_ptr, scratch.ws_floats, tokens, err)
+    if rc == _E_OUTPUT and int(err[0]) < 0:
+        scratch.grow(int(lib.fx_spans_workspace_floats(n, r, view.head_dim)))
+        rc = lib.fx_attend_spans(*args, scratch.ws_ptr, scratch.ws_floats, tokens, err)
+    if rc == _E_OUTPUT:
+        i = int(err[0])
+        raise ValueError(f"{what}: rows[{i}]={int(rows[i])}: rows must be strictly ascending in [0, {n_rows})")
+    if rc == lib.FX_E_SPAN:
+        i = int(err[0])
+        raise ValueError(f"{what}: tasks[{i}]: the ranges [{int(t[i, 5])}, {int(t[i, 6])}) and "
+                         f"[{int(t[i, 7])}, {int(t[i, 8])}) overlap")
+    if rc:
+        raise _native_error(rc, err, what, view, t, q_rows=q_rows)
+    return int(tokens[0])
+
+
+def attend_spans(view: KVView, q: Any, tasks: Any, scale: float, rows: Any, out: Any, lse: Any) -> int:
+    """Each task's query heads attend over its two token ranges (the excluded ranges of make_tasks: a streaming
+    part's sink and window), merged by log-sum-exp into row rows[i] of out fp32 [n_rows, r, D] / lse fp32
+    [n_rows, r] (lse -inf there: nothing yet), in place (fluxion.h, "the streaming spans of a decode layer").
+    rows int64 [T] strictly ascending. Returns the tokens attended."""
+    q_ptr, q_rows, n_q_heads, r = _check_q(view, q)
+    t = _tasks_array(tasks)
+    if not (0.0 < scale < _INF):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    rows_a = _arr(rows, "rows", _I64, ndim=1, shape=(len(t),))
+    out_ptr, (n_rows, _, _) = _buf(out, "out", _F32, 3, (None, r, view.head_dim), writable=True)
+    lse_ptr, _ = _buf(lse, "lse", _F32, 2, (n_rows, r), writable=True)
+    return _spans_call(view, "attend_spans", t, q_ptr, q_rows, n_q_heads, r, scale, _cptr(rows_a), n_rows, out_ptr,
+                       lse_ptr, rows_a, ffi.new("int64_t[1]"))
+
+
 def gather(view: KVView, tasks: Any, ids: Any, counts: Any, k_out: Any, v_out: Any,
            out_offset: Any | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Copy each task's selected blocks (valid tokens, in the given order) into staging k_out/v_out [cap, D].
@@ -900,6 +942,17 @@ class PreparedSelection:
             raise _native_error(rc, err, "select_attend", view, self.tasks[lo:hi], q_rows=self.q_rows, k_cap=k_cap,
                                 kept_only=True)
         return int(self._tokens[0]), float(self._seconds[0]), float(self._seconds[1])
+
+    def attend_spans(self, view: KVView, lo: int, hi: int) -> int:
+        """attend_spans of rows [lo, hi): each task's two ranges merged into its row of out/lse (given to the
+        constructor), after select_attend over the same rows. Returns the tokens attended."""
+        if self.rows is None:
+            raise ValueError("attend_spans needs rows, out and lse given to the constructor")
+        self._check(view, lo, hi)
+        t = self.tasks[lo:hi]
+        return _spans_call(view, "attend_spans", t, self._q_ptr, self.q_rows, self.n_q_heads, self.r, self.scale,
+                           self._rows_ptr + lo, self.n_rows, self._out_ptr, self._lse_ptr, self.rows[lo:hi],
+                           self._tokens)
 
     def attention(self, view: KVView, lo: int, hi: int, out: Any, lse: Any) -> None:
         """sparse_attention of rows [lo, hi) over their selections into out fp32 [hi - lo, r, D] and lse fp32

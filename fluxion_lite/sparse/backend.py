@@ -42,6 +42,7 @@ from fluxion_lite.sparse.cost_model import Costs, CostModel, Placement, measure_
 from fluxion_lite.plan.sparse_plan import GRANULARITIES, SparsePlan, with_background_override
 from fluxion_lite.sparse.device.capture import DeviceGraphedDecode
 from fluxion_lite.sparse.host_capture import GraphedDecode
+from fluxion_lite.sparse.host_decode import HostDecode
 from fluxion_lite.sparse.state import SparseState
 from fluxion_lite.sparse.step import (BACKGROUND_G, DecodeStep, active_retrieval, background_tasks,
                                       retrieval_tasks)
@@ -56,7 +57,11 @@ class SparseAttention(AttentionBackend):
     def __init__(self, cfg: ModelConfig, plan: SparsePlan, dtype: torch.dtype, device: torch.device, max_seqs: int,
                  placement: Placement = "auto", selection: Selection = "cpu", costs: Costs | None = None,
                  zero_copy: bool | None = None, topk_scoring: str | None = None,
-                 mixed_select: Literal["host", "device"] | None = None, settings: Settings | None = None):
+                 mixed_select: Literal["host", "device"] | None = None, settings: Settings | None = None,
+                 host_decode: bool | None = None):
+        """host_decode: decode layers read everything from the host store in three native calls (host_decode.py);
+        None = on a CPU device with CPU selection, where the hybrid step's "GPU side" is this same CPU. False keeps
+        the hybrid step there (tests of its scheduler and feeders)."""
         self.settings = settings if settings is not None else Settings.load()  # FLUXION_* knobs (settings.py)
         plan = with_background_override(plan, self.settings)  # the plan's background term, or FLUXION_BACKGROUND's
         plan.validate(cfg.n_layers, cfg.n_kv_heads)
@@ -129,6 +134,11 @@ class SparseAttention(AttentionBackend):
         self._t_step = 0.0
         self.serial = next(_serials)
         self.host_capture = GraphedDecode(self)
+        if host_decode is None:
+            host_decode = not cuda and selection == "cpu"
+        elif host_decode and (cuda or selection != "cpu"):
+            raise ValueError("host_decode needs a CPU device and selection='cpu'")
+        self.host_decode = HostDecode(self) if host_decode else None
         self.device_capture: DeviceGraphedDecode | None = None  # made at the first graphable device-selection step
         # block scoring of the native top-k (native.SCORINGS), for the eager and the graphed decode paths alike:
         # the argument, else FLUXION_TOPK, else the plan's (plan files can name it: policy variants)
@@ -163,8 +173,8 @@ class SparseAttention(AttentionBackend):
         the zero-copy feeder), or None where it must run eagerly: prefill chunks or a sequence's first decode step,
         a token still landing in the sink, per-request plans, device selection without the zero-copy feeder or with
         the unread-background term at a retrieval block size other than 16 (the device term reads g = 16
-        summaries)."""
-        if self.planner is not None:
+        summaries), or decode layers on the host (host_decode: no device work to capture)."""
+        if self.planner is not None or self.host_decode is not None:
             return None
         if any(c.length != 1 or c.seq_id in self.state.prefilling or c.start < self.state.sink_cap for c in chunks):
             return None
@@ -339,8 +349,11 @@ class SparseAttention(AttentionBackend):
             with record_function("fluxion::mixed_decode_rows"):
                 st = self.state.step_for(dec)
                 idx = torch.tensor(rows, device=q.device)
-                self._write_tokens(layer, st, k[idx], v[idx])
-                out[idx] = self._attend_decode(layer, q[idx], st, host_select=self.mixed_host_select)
+                if self.host_decode is not None:  # their K/V went to the host store with the chunks' above
+                    out[idx] = self.host_decode.layer(layer, q[idx], st, self._row_plan(st))
+                else:
+                    self._write_tokens(layer, st, k[idx], v[idx])
+                    out[idx] = self._attend_decode(layer, q[idx], st, host_select=self.mixed_host_select)
         if layer == self.cfg.n_layers - 1:
             # Mixed steps are not counted as decode steps: drop their timer marks, or their spans would be charged
             # to the next pure decode step (its GPU wait could then exceed its own duration).
@@ -389,9 +402,12 @@ class SparseAttention(AttentionBackend):
         if layer == 0:
             self._t_step = time.perf_counter()
         st = self.state.step_for(chunks)
-        self._write_tokens(layer, st, k, v)
-        self._queue_host_append(layer, st, k, v)
-        out = self._attend_decode(layer, q, st)
+        if self.host_decode is not None:
+            out = self.host_decode.layer(layer, q, st, self._row_plan(st), k, v)
+        else:
+            self._write_tokens(layer, st, k, v)
+            self._queue_host_append(layer, st, k, v)
+            out = self._attend_decode(layer, q, st)
         if layer == self.cfg.n_layers - 1:
             spans = self.timer.collect()
             s = self.state.stats

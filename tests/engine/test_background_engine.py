@@ -115,7 +115,7 @@ def test_graphed_step_with_background_matches_eager(placement: str) -> None:
               [GroupPlan(False, 32, 0.02), GroupPlan(True), GroupPlan(False, 16, 1.0)]]
     plan = SparsePlan(sink=20, window=33, groups=groups, source="test", background="all")
     costs = Costs(cpu_gbs=10.0, gather_gbs=1000.0, h2d_gbs=None, zero_copy=True, pcie_read_gbs=1.0, zc_fixed_s=10.0)
-    backends = [SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, placement=placement,
+    backends = [SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, host_decode=False, placement=placement,
                                 costs=costs, zero_copy=True) for _ in range(2)]  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(12)
     lengths = [250, 700, 180]

@@ -109,7 +109,7 @@ def test_sparse_hooks_match_the_eager_sparse_backend(placement: str, zero_copy: 
     lengths = [300, 510]  # the second crosses a 256-token page boundary while decoding
     backends = []
     for m in (eager, runner):
-        a = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, placement=placement,
+        a = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, host_decode=False, placement=placement,
                             costs=costs, zero_copy=zero_copy)  # type: ignore[arg-type]
         backends.append(a)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g) for n in lengths]
@@ -141,7 +141,7 @@ def test_a_dropped_sparse_backend_is_not_kept_alive_by_the_graph_cache() -> None
     plan = SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.1, sink=8, window=40)
     refs = []
     for _ in range(2):
-        a = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=2, placement="cpu",
+        a = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=2, host_decode=False, placement="cpu",
                             costs=Costs(cpu_gbs=10.0, gather_gbs=10.0, h2d_gbs=None))
         a.allocate(0)
         runner.forward(torch.arange(200) % cfg.vocab_size, torch.arange(200), [SeqChunk(0, 0, 200)], a)

@@ -46,7 +46,7 @@ def _models(seed: int, no_mlp: bool = False, device: torch.device = CPU) -> tupl
 
 def _backends(plan: SparsePlan, cfg: object, device: torch.device = CPU, selection: str = "gpu"
               ) -> list[SparseAttention]:
-    return [SparseAttention(cfg, plan, torch.float32, device, max_seqs=4, placement="gpu",  # type: ignore[arg-type]
+    return [SparseAttention(cfg, plan, torch.float32, device, max_seqs=4, host_decode=False, placement="gpu",  # type: ignore[arg-type]
                             selection=selection, costs=COSTS, zero_copy=True) for _ in range(2)]
 
 
@@ -347,7 +347,7 @@ def test_mixed_step_decode_rows_select_where_configured(monkeypatch: pytest.Monk
     eager, _ = _models(seed=17)
     cfg = eager.cfg
     plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * 2, source="test")
-    backends = [SparseAttention(cfg, plan, torch.float32, CPU, max_seqs=4, placement="gpu", selection=sel,
+    backends = [SparseAttention(cfg, plan, torch.float32, CPU, max_seqs=4, host_decode=False, placement="gpu", selection=sel,
                                 costs=COSTS, zero_copy=True) for sel in ("gpu", "cpu")]
     assert backends[0].mixed_host_select == (mixed_select == "host") and not backends[1].mixed_host_select
     g = torch.Generator().manual_seed(9)
@@ -378,7 +378,7 @@ def test_mixed_select_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> Non
     cfg = make_cfg("llama", hq=6, hkv=3, d=32)
     plan = SparsePlan(sink=16, window=32, groups=[[GroupPlan(False, 16, 0.1)] * 3] * 2, source="test")
     with pytest.raises(ValueError, match="FLUXION_MIXED_SELECT='gpu': use host or device"):
-        SparseAttention(cfg, plan, torch.float32, CPU, max_seqs=2, placement="gpu", selection="gpu", costs=COSTS,
+        SparseAttention(cfg, plan, torch.float32, CPU, max_seqs=2, host_decode=False, placement="gpu", selection="gpu", costs=COSTS,
                         zero_copy=True)
 
 

@@ -82,7 +82,7 @@ def dense_reference(cfg: ModelConfig, lengths: list[int], n_decode: int, data: l
 def test_full_budget_equals_dense_for_every_placement(placement: str, heads: tuple[int, int]) -> None:
     cfg = config(*heads)
     lengths, n_dec = [700, 333], 3
-    attn = SparseAttention(cfg, mixed_plan(cfg, 1.0), torch.float32, torch.device("cpu"), max_seqs=4,
+    attn = SparseAttention(cfg, mixed_plan(cfg, 1.0), torch.float32, torch.device("cpu"), max_seqs=4, host_decode=False,
                            placement=placement, costs=SPLIT_COSTS)  # type: ignore[arg-type]
     out, data = run(attn, cfg, lengths, n_dec)
     ref = dense_reference(cfg, lengths, n_dec, data)
@@ -104,7 +104,7 @@ def test_hybrid_split_matches_all_cpu_at_sparse_budget() -> None:
     lengths, n_dec = [900, 1300, 500], 4
     outs = {}
     for placement in ("cpu", "gpu", "auto"):
-        attn = SparseAttention(cfg, mixed_plan(cfg, 0.1), torch.float32, torch.device("cpu"), max_seqs=4,
+        attn = SparseAttention(cfg, mixed_plan(cfg, 0.1), torch.float32, torch.device("cpu"), max_seqs=4, host_decode=False,
                                placement=placement, costs=SPLIT_COSTS)  # type: ignore[arg-type]
         outs[placement], _ = run(attn, cfg, lengths, n_dec, seed=1)
         s = attn.stats()
@@ -119,7 +119,7 @@ def test_device_selection_matches_native_selection() -> None:
     cfg = config(4, 2, 32)
     plan = SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.1, sink=16, window=64)
     lengths, n_dec = [1000, 600], 4
-    native_sel = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), 4, placement="gpu", costs=SPLIT_COSTS)
+    native_sel = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), 4, host_decode=False, placement="gpu", costs=SPLIT_COSTS)
     device_sel = make_attention("gpu-sparse", cfg, torch.float32, torch.device("cpu"), 4, "synthetic", plan=plan)
     a, _ = run(native_sel, cfg, lengths, n_dec, seed=2)
     b, _ = run(device_sel, cfg, lengths, n_dec, seed=2)
@@ -128,12 +128,18 @@ def test_device_selection_matches_native_selection() -> None:
     assert device_sel.stats()["gpu_byte_fraction"] == 1.0
 
 
-def test_host_store_receives_decode_tokens_one_step_late_but_completely() -> None:
+@pytest.mark.parametrize("host_decode", (False, True), ids=("hybrid", "host"))
+def test_host_store_receives_decode_tokens_completely(host_decode: bool) -> None:
+    """The hybrid step appends a decode token one step late (its streaming part reads the device slab meanwhile);
+    the host decode path appends it before the layer reads the store."""
     cfg = config()
     attn = make_attention("fixed", cfg, torch.float32, torch.device("cpu"), 2, "synthetic")
+    assert attn.host_decode is not None  # the default on a CPU device
+    if not host_decode:
+        attn.host_decode = None
     lengths, n_dec = [300], 3
     _, data = run(attn, cfg, lengths, n_dec)
-    assert attn.store.n_tokens(0, 0) == 302  # the last decode token is queued, not yet appended
+    assert attn.store.n_tokens(0, 0) == (303 if host_decode else 302)  # hybrid: the last token still queued
     attn.flush()
     k, v = attn.store.read(1, 0)
     assert k.shape[0] == 303
@@ -172,7 +178,7 @@ def test_mixed_prefill_decode_step_leaves_no_timer_marks_for_the_next_step() -> 
     """A call with a prefill chunk and a decode row times its decode part but is not a counted step: its marks must
     be dropped at its last layer, or the next decode step would be charged for them (GPU wait > step time)."""
     cfg = config(8, 2, 64, n_layers=2)
-    attn = SparseAttention(cfg, mixed_plan(cfg, 0.1), torch.float32, torch.device("cpu"), max_seqs=4,
+    attn = SparseAttention(cfg, mixed_plan(cfg, 0.1), torch.float32, torch.device("cpu"), max_seqs=4, host_decode=False,
                            placement="auto", costs=SPLIT_COSTS)  # type: ignore[arg-type]
     gen = torch.Generator().manual_seed(3)
     hq, hkv, d = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -198,7 +204,7 @@ def test_mixed_prefill_decode_step_leaves_no_timer_marks_for_the_next_step() -> 
 def test_streaming_fraction_counts_the_groups_decode_actually_streamed() -> None:
     cfg = config(8, 2, 64, n_layers=3)
     plan = mixed_plan(cfg, 0.1)  # 1 streaming group of 6
-    attn = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4)
+    attn = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, host_decode=False)
     run(attn, cfg, [700, 300], 3, seed=2)
     assert attn.stats()["streaming_fraction"] == pytest.approx(1 / 6) == pytest.approx(plan.streaming_fraction)
     attn.reset_stats()

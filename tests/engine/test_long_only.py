@@ -171,7 +171,8 @@ def _decode(p: SparsePlan, n: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
 
     a = _backend(p)
     g = torch.Generator().manual_seed(seed)
-    k, v = torch.randn(n + 1, 3, 16, generator=g), torch.randn(n + 1, 3, 16, generator=g)
+    # bf16 values: the host store's precision, so the CPU decode path's sink and window reads are exact
+    k, v = (torch.randn(n + 1, 3, 16, generator=g).bfloat16().float() for _ in range(2))
     q = torch.randn(1, 6, 16, generator=g)
     a.allocate(0)
     a.import_kv(0, 0, 0, k[:n], v[:n])

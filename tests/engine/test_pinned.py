@@ -360,7 +360,7 @@ def test_graphed_step_with_pins_matches_eager(monkeypatch: pytest.MonkeyPatch, o
     groups = [[GroupPlan(False, 16, 0.2), GroupPlan(True), GroupPlan(False, 32, 0.3)] for _ in range(cfg.n_layers)]
     plan = SparsePlan(sink=16, window=32, groups=groups, source="test", pin_fraction=0.5, obs_window=8)
     costs = Costs(cpu_gbs=10.0, gather_gbs=1000.0, h2d_gbs=10.0)
-    backends = [SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, placement="cpu",
+    backends = [SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, host_decode=False, placement="cpu",
                                 costs=costs, zero_copy=False) for _ in range(2)]
     g = torch.Generator().manual_seed(12)
     lengths = [400, 260]

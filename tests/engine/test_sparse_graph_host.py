@@ -45,7 +45,7 @@ def test_fast_path_matches_eager_and_predicts_the_selection(monkeypatch: pytest.
     plan = SparsePlan(sink=20, window=33, groups=groups, source="test")
     # a GPU side that never wins: every split is all-CPU, as on the H200 at small batches
     costs = Costs(cpu_gbs=10.0, gather_gbs=1000.0, h2d_gbs=None, zero_copy=True, pcie_read_gbs=1.0, zc_fixed_s=10.0)
-    backends = [SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, placement=placement,
+    backends = [SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, host_decode=False, placement=placement,
                                 costs=costs, zero_copy=zero_copy) for _ in range(2)]  # type: ignore[arg-type]
     g = torch.Generator().manual_seed(11)
     lengths = [250, 700, 180]  # the first crosses a 256-token page boundary while decoding

@@ -23,7 +23,7 @@ CPU = torch.device("cpu")
 def test_zero_copy_full_budget_equals_dense_and_all_cpu(placement: str, heads: tuple[int, int]) -> None:
     cfg = config(*heads)
     lengths, n_dec = [700, 333], 3
-    attn = SparseAttention(cfg, mixed_plan(cfg, 1.0), torch.float32, CPU, max_seqs=4, placement=placement,  # type: ignore[arg-type]
+    attn = SparseAttention(cfg, mixed_plan(cfg, 1.0), torch.float32, CPU, max_seqs=4, host_decode=False, placement=placement,  # type: ignore[arg-type]
                            costs=SPLIT_COSTS, zero_copy=True)
     assert attn.zero_copy and attn.executor.feeder is not None and attn.costs.costs.zero_copy
     out, data = run(attn, cfg, lengths, n_dec)
@@ -31,7 +31,7 @@ def test_zero_copy_full_budget_equals_dense_and_all_cpu(placement: str, heads: t
     assert torch.allclose(out[:, 1], ref[:, 1], atol=1e-4, rtol=1e-4)
     retrieval_heads = slice(cfg.gqa_ratio, None) if cfg.n_kv_heads > 1 else slice(None)
     assert torch.allclose(out[:, 0, :, retrieval_heads], ref[:, 0, :, retrieval_heads], atol=1e-4, rtol=1e-4)
-    cpu = SparseAttention(cfg, mixed_plan(cfg, 1.0), torch.float32, CPU, max_seqs=4, placement="cpu",
+    cpu = SparseAttention(cfg, mixed_plan(cfg, 1.0), torch.float32, CPU, max_seqs=4, host_decode=False, placement="cpu",
                           costs=SPLIT_COSTS)
     out_cpu, _ = run(cpu, cfg, lengths, n_dec)
     assert torch.allclose(out, out_cpu, atol=1e-4)
@@ -51,7 +51,7 @@ def test_zero_copy_sparse_budget_matches_all_cpu_per_g(g: int) -> None:
     outs = {}
     for name, kw in (("cpu", dict(placement="cpu")), ("zc", dict(placement="gpu", zero_copy=True)),
                      ("staging", dict(placement="gpu", zero_copy=False))):
-        attn = SparseAttention(cfg, plan, torch.float32, CPU, max_seqs=4, costs=SPLIT_COSTS, **kw)  # type: ignore[arg-type]
+        attn = SparseAttention(cfg, plan, torch.float32, CPU, max_seqs=4, host_decode=False, costs=SPLIT_COSTS, **kw)  # type: ignore[arg-type]
         outs[name], _ = run(attn, cfg, lengths, n_dec, seed=g)
         assert attn.stats()["kv_read_fraction"] < 0.7  # sink and window rounded to g
     assert torch.allclose(outs["zc"], outs["cpu"], atol=1e-4)
@@ -62,8 +62,8 @@ def test_zero_copy_with_device_selection_matches_native_selection() -> None:
     cfg = config(4, 2, 32)
     plan = SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.1, sink=16, window=64)
     lengths, n_dec = [1000, 600], 3
-    native_sel = SparseAttention(cfg, plan, torch.float32, CPU, 4, placement="gpu", costs=SPLIT_COSTS)
-    device_sel = SparseAttention(cfg, plan, torch.float32, CPU, 4, placement="gpu", selection="gpu", zero_copy=True)
+    native_sel = SparseAttention(cfg, plan, torch.float32, CPU, 4, host_decode=False, placement="gpu", costs=SPLIT_COSTS)
+    device_sel = SparseAttention(cfg, plan, torch.float32, CPU, 4, host_decode=False, placement="gpu", selection="gpu", zero_copy=True)
     a, _ = run(native_sel, cfg, lengths, n_dec, seed=2)
     b, _ = run(device_sel, cfg, lengths, n_dec, seed=2)
     assert torch.allclose(a, b, atol=1e-4)  # ids in score order (not ascending) are fine for the feeder

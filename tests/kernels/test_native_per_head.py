@@ -196,9 +196,10 @@ def test_bad_scoring_is_rejected_naming_the_argument() -> None:
 # ------------------------------------------------------------------------------------------- decode paths --
 
 
-def _decode_setup(topk_scoring: str | None, graphed: bool) -> tuple[Any, Any, Any]:
+def _decode_setup(topk_scoring: str | None, graphed: bool, host_decode: bool = False) -> tuple[Any, Any, Any]:
     """(config, model, SparseAttention backend): a 2-layer qwen2-style model with GQA 4, retrieval groups at
-    g = 16 and 32 (one streaming group), the graphed runner's segments run eagerly when `graphed`."""
+    g = 16 and 32 (one streaming group), the graphed runner's segments run eagerly when `graphed`; the hybrid
+    step unless `host_decode` (the CPU device's own decode path, sparse/host_decode.py)."""
     from fluxion_lite.model.cuda_graphs import DecodeGraphs
     from fluxion_lite.model.gguf_loader import GGUFModel
     from fluxion_lite.model.transformer import Transformer
@@ -215,7 +216,8 @@ def _decode_setup(topk_scoring: str | None, graphed: bool) -> tuple[Any, Any, An
               for layer in range(cfg.n_layers)]
     plan = SparsePlan(sink=8, window=40, groups=groups, source="test")
     a = SparseAttention(cfg, plan, torch.float32, torch.device("cpu"), max_seqs=4, placement="cpu",
-                        costs=Costs(cpu_gbs=10.0, gather_gbs=10.0, h2d_gbs=None), topk_scoring=topk_scoring)
+                        costs=Costs(cpu_gbs=10.0, gather_gbs=10.0, h2d_gbs=None), topk_scoring=topk_scoring,
+                        host_decode=host_decode)
     return cfg, m, a
 
 
@@ -267,9 +269,10 @@ def test_eager_decode_selects_what_the_numpy_per_head_selected(monkeypatch: pyte
 
 
 def scored_decode_runs(monkeypatch: pytest.MonkeyPatch, scoring: str) -> dict[str, list[torch.Tensor]]:
-    """The logits of three decodes, "eager" and "graphed" with `scoring` and "graphed-group" with the group scoring,
-    checking that every top-k call of each (the graphed step's one-call select_attend included) asks for its
-    backend's scoring and that the graphed runs used the hooked step."""
+    """The logits of four decodes, "eager", "graphed" and "host" (the CPU device's decode path) with `scoring` and
+    "graphed-group" with the group scoring, checking that every top-k call of each (the one-call select_attend of
+    the graphed and host steps included) asks for its backend's scoring and that the graphed runs used the hooked
+    step."""
     real, real_select_attend = native.group_topk, native.PreparedSelection.select_attend
     seen: list[str] = []
 
@@ -279,16 +282,16 @@ def scored_decode_runs(monkeypatch: pytest.MonkeyPatch, scoring: str) -> dict[st
         return real(view, q, tasks, k_cap, out, scoring, **pins)
 
     def spy_select_attend(self: native.PreparedSelection, view: native.KVView, lo: int, hi: int,
-                          scoring: str = "group", *pins: Any) -> tuple[int, float, float]:
+                          scoring: str = "group", *pins: Any, **pin_kw: Any) -> tuple[int, float, float]:
         seen.append(scoring)
-        return real_select_attend(self, view, lo, hi, scoring, *pins)
+        return real_select_attend(self, view, lo, hi, scoring, *pins, **pin_kw)
 
     monkeypatch.setattr(native, "group_topk", spy)
     monkeypatch.setattr(native.PreparedSelection, "select_attend", spy_select_attend)
     runs = {}
     for name, run_scoring, graphed in (("eager", scoring, False), ("graphed", scoring, True),
-                                       ("graphed-group", "group", True)):
-        cfg, m, a = _decode_setup(run_scoring, graphed)
+                                       ("graphed-group", "group", True), ("host", scoring, False)):
+        cfg, m, a = _decode_setup(run_scoring, graphed, host_decode=name == "host")
         seen.clear()
         runs[name] = _decode(cfg, m, a)
         assert seen and set(seen) == {run_scoring}
