@@ -828,18 +828,7 @@ static void attend_chunk(attn_job *J, const int32_t *t, const int32_t *ids, int3
         }
         if (dot_bf16) K->qk_bf16(qb, r, kb, len, D, J->scale, s, len, kn, pf_lines);
         else K->qk(q, r, kb, len, D, bf16, J->scale, s, len, kn, pf_lines);
-        for (int j = 0; j < r; j++) {
-            float *sj = s + j * len;
-            float mb = K->row_max(sj, len);
-            float mn = mb > m[j] ? mb : m[j];
-            float corr = m[j] == -INFINITY ? 0.0f : expf(m[j] - mn);
-            m[j] = mn;
-            l[j] = l[j] * corr + K->exp_sum(sj, len, mn);
-            if (corr != 1.0f) {
-                float *aj = acc + (int64_t)j * D;
-                for (int e = 0; e < D; e++) aj[e] *= corr;
-            }
-        }
+        fx_softmax_block(K, s, len, r, D, m, l, acc);
         K->pv(s, r, len, kb + voff, len, D, bf16, acc, kn ? kn + voff : NULL, pf_lines);
     }
     fx_finish_partial(acc, lse, m, l, r, D);

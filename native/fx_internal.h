@@ -2,6 +2,7 @@
 #ifndef FX_INTERNAL_H
 #define FX_INTERNAL_H
 
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 #include "fluxion.h"
@@ -57,6 +58,25 @@ typedef struct fx_kernels {
     void (*qk32)(const float *q, int r, const float *k, int len, int d, float scale, float *s, int ld);
     void (*pv32)(const float *p, int r, int ld, const float *v, int len, int d, float *acc);
 } fx_kernels;
+
+/* One block of an online softmax over r heads: s [r][len] holds the block's scores and leaves holding their weights
+ * exp(s - m'), where m' is each head's running maximum after the block; l [r] (the running sums of weights) and
+ * acc [r][D] (the weighted values so far) are rescaled to m'.  The caller then adds the block's values (pv). */
+static inline void fx_softmax_block(const fx_kernels *K, float *s, int len, int r, int D, float *m, float *l,
+                                    float *acc) {
+    for (int j = 0; j < r; j++) {
+        float *sj = s + j * len;
+        float mb = K->row_max(sj, len);
+        float mn = mb > m[j] ? mb : m[j];
+        float corr = m[j] == -INFINITY ? 0.0f : expf(m[j] - mn);
+        m[j] = mn;
+        l[j] = l[j] * corr + K->exp_sum(sj, len, mn);
+        if (corr != 1.0f) {
+            float *aj = acc + (int64_t)j * D;
+            for (int e = 0; e < D; e++) aj[e] *= corr;
+        }
+    }
+}
 
 extern const fx_kernels fx_kernels_portable;
 extern const fx_kernels fx_kernels_avx2;

@@ -72,18 +72,7 @@ static void attend_tokens(span_job *J, const float *q, const uint16_t *qb, int d
         int n = (int)len;
         if (dot_bf16) K->qk_bf16(qb, r, kb, n, D, J->scale, s, n, kn, pf_lines);
         else K->qk(q, r, kb, n, D, bf16, J->scale, s, n, kn, pf_lines);
-        for (int j = 0; j < r; j++) {
-            float *sj = s + j * n;
-            float mb = K->row_max(sj, n);
-            float mn = mb > m[j] ? mb : m[j];
-            float corr = m[j] == -INFINITY ? 0.0f : expf(m[j] - mn);
-            m[j] = mn;
-            l[j] = l[j] * corr + K->exp_sum(sj, n, mn);
-            if (corr != 1.0f) {
-                float *aj = acc + (int64_t)j * D;
-                for (int c = 0; c < D; c++) aj[c] *= corr;
-            }
-        }
+        fx_softmax_block(K, s, n, r, D, m, l, acc);
         K->pv(s, r, n, kb + voff, n, D, bf16, acc, kn ? kn + voff : NULL, pf_lines);
         t = tn;
     }
