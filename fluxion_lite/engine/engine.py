@@ -29,6 +29,7 @@ from fluxion_lite.engine.sampling import Penalties, SamplingParams, penalised, s
 from fluxion_lite.sparse.backend import SparseAttention
 from fluxion_lite.plan.request_plan import load_planner
 from fluxion_lite.plan import files as plan_files
+from fluxion_lite.plan.auto_plan import choose_plan, plan_key
 from fluxion_lite.plan.sparse_plan import SparsePlan, with_background_override
 from fluxion_lite.engine.step_counters import StepCounters
 from fluxion_lite.model.tokenizer import IncrementalDecoder, Tokenizer
@@ -168,6 +169,9 @@ class Engine:
         self._inflight: InFlight | None = None
 
     def _make_backend(self, mode: str, plan: SparsePlan | None = None) -> AttentionBackend:
+        self.plan_origin = "given by the caller" if plan is not None else None
+        if mode == "fluxion" and plan is None:
+            plan = self._fluxion_plan()
         attn = make_attention(mode, self.config, self.dtype, self.device, max_seqs=self.max_batch + 4,
                               model_name=self.model_name, plan=plan, per_request_plans=self.use_predictor,
                               settings=self.settings)
@@ -176,6 +180,25 @@ class Engine:
             attn.planner = load_planner(self.model_name, self.config, attn.plan,
                                         [lw.wo_dense() for lw in self.model.layers], self.settings)
         return attn
+
+    def _fluxion_plan(self) -> SparsePlan:
+        """The user's or the shipped plan of this model file, else one calibrated now on the loaded model
+        (plan/auto_plan.py); self.plan_origin says which."""
+        from fluxion_lite.offline.calibration import calibrate_loaded
+
+        def calibrate(samples: int, context: int, positions: int, sink: int, window: int):  # type: ignore[no-untyped-def]
+            if self.tokenizer is None:
+                raise RequestError(f"{self.model_name}: no fluxion plan, and calibrating one needs the tokenizer "
+                                   f"(load_tokenizer=True)")
+            return calibrate_loaded(self.model, self.tokenizer, self.model_name, samples=samples, context=context,
+                                    positions=positions, sink=sink, window=window)
+
+        try:
+            choice = choose_plan(self.model_name, self.model_path, self.config, calibrate, self.settings)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        self.plan_origin = choice.origin
+        return choice.plan
 
     def set_attention(self, mode: str, plan: SparsePlan | None = None) -> None:
         """Switch the attention mode between runs on one loaded model (benchmarks compare modes this way).
@@ -266,9 +289,10 @@ class Engine:
     def explain(self) -> str:
         """The attention plan in words (per layer: streaming vs retrieval groups, g and budget)."""
         if isinstance(self.attn, SparseAttention):
+            origin = f"plan: {self.plan_origin}\n" if self.plan_origin else ""
             if self.attn.planner is not None:
-                return self.attn.planner.describe() + "\n" + self.attn.plan.explain()
-            return self.attn.plan.explain()
+                return origin + self.attn.planner.describe() + "\n" + self.attn.plan.explain()
+            return origin + self.attn.plan.explain()
         return f"attention {self.attention_mode}: dense over all {self.context_length} positions"
 
     def has_unfinished(self) -> bool:
@@ -529,7 +553,7 @@ def fixed_plan(cfg: ModelConfig) -> SparsePlan:
 def load_fluxion_plan(model_name: str, cfg: ModelConfig, settings: Settings | None = None) -> SparsePlan:
     """The model's plan: the user's own (written by calibrate into the cache: settings' cache_dir, None:
     Settings.load()) first, else the shipped one."""
-    path = plan_files.find(model_name, ".plan.json", settings)
+    path = plan_files.find(plan_key(model_name), ".plan.json", settings)
     if path is None:
         raise RequestError(
             f"attention='fluxion' needs a calibrated plan for {model_name!r} ({model_name}.plan.json in "

@@ -179,26 +179,38 @@ def mean_labels(per_prompt: list[dict[tuple[int, int, str], tuple[float, float]]
 def run_calibration(model_name: str, *, samples: int = 4, context: int = 2048, positions: int = 32, sink: int = 16,
                     window: int = 64, seed: int = 0) -> tuple[dict[tuple[int, int, str], tuple[float, float]], dict[str, object]]:
     """Calibrate a catalog model (or .gguf path) on planted-fact essay prompts; deterministic for a given seed."""
+    from fluxion_lite.engine.engine import Engine
+
+    engine = Engine(model_name, dtype="float32", prefix_cache_entries=0)  # dense fp32: the labels' reference
+    return calibrate_loaded(engine.model, engine.tokenizer, model_name, samples=samples, context=context,
+                            positions=positions, sink=sink, window=window, seed=seed)
+
+
+def calibrate_loaded(model: Transformer, tokenizer, model_name: str, *, samples: int, context: int, positions: int,  # type: ignore[no-untyped-def]
+                     sink: int, window: int, seed: int = 0
+                     ) -> tuple[dict[tuple[int, int, str], tuple[float, float]], dict[str, object]]:
+    """run_calibration on a model already loaded (the engine's own, in whatever weights it runs), with a progress
+    bar on stderr: labels per (layer, group, configuration) and the run's metadata."""
     import time
 
-    from fluxion_lite.engine.engine import Engine
     from fluxion_lite.offline.eval_text import essay_text
     from fluxion_lite.offline.progress import progress
 
-    engine = Engine(model_name, dtype="float32", prefix_cache_entries=0)  # dense fp32: the labels' reference
-    tok = engine.tokenizer
-    assert tok is not None
+    if tokenizer is None:
+        raise ValueError("calibration needs the model's tokenizer")
     rng = random.Random(seed)
-    essay_ids = tok.encode(essay_text()[: context * 40], add_special=False)
+    essay_ids = tokenizer.encode(essay_text()[: context * 40], add_special=False)
     words = ["apple", "river", "falcon", "marble", "lantern", "cedar", "violet", "harbor", "meadow", "copper",
              "thistle", "orbit", "saffron", "glacier", "pepper", "quartz", "willow", "ember", "canyon", "basil"]
     per_prompt = []
     t0 = time.time()
+    progress(0, samples, t0, "calibrating")
     for i in range(samples):
-        ids = planted_fact_prompt(words, essay_ids, lambda s: tok.encode(s, add_special=False), context, rng)
-        per_prompt.append(calibrate_prompt(engine.model, ids, positions, sink, window, all_configs()))
+        ids = planted_fact_prompt(words, essay_ids, lambda s: tokenizer.encode(s, add_special=False), context, rng)
+        per_prompt.append(calibrate_prompt(model, ids, positions, sink, window, all_configs()))
         progress(i + 1, samples, t0, "calibrating")
+    cfg = model.cfg
     meta = {"model": model_name, "samples": samples, "context": context, "positions": positions, "sink": sink,
-            "window": window, "seed": seed, "n_layers": engine.config.n_layers, "n_groups": engine.config.n_kv_heads,
-            "head_dim": engine.config.head_dim, "prompts": "essay haystack with 3 planted facts + question"}
+            "window": window, "seed": seed, "n_layers": cfg.n_layers, "n_groups": cfg.n_kv_heads,
+            "head_dim": cfg.head_dim, "prompts": "essay haystack with 3 planted facts + question"}
     return mean_labels(per_prompt), meta

@@ -435,7 +435,7 @@ class ChatServer:
             "context_length": int(engine.context_length), "attention_mode": engine.attention_mode,
             "device": self.config.device, "dtype": self.config.dtype, "max_batch": self.config.max_batch,
             "max_queue": self.bridge.max_queue, "api_key_required": self.config.api_key is not None,
-            "load_seconds": self.bridge.load_seconds,
+            "load_seconds": self.bridge.load_seconds, "plan_origin": getattr(engine, "plan_origin", None),
         })
 
     async def page(self, request: Request) -> Response:

@@ -1,0 +1,118 @@
+"""A fluxion plan for any model file: the user's calibration, else the shipped plan, else a calibration made now.
+
+A model without a plan used to be refused ("run `fluxion-lite calibrate`"). Now the engine calibrates it on first
+use (3 planted-fact prompts of up to 4,096 tokens through the loaded model, a progress bar on stderr: ~45 s for
+qwen2.5-coder-0.5b on the 2-core VM), selects the plan as `calibrate` does and keeps it in the user cache next to the
+models, with a stamp naming the file it was made for (size, modification time, sha256). A plan whose stamp no longer
+matches the file is made again, never reused: size and time equal -> trusted without reading the file; otherwise
+the file's sha256 decides (a file rewritten in place with the same size and time would slip through; nothing else).
+User plans without a stamp (written by `calibrate` before stamps, or by hand) are the user's choice and are used as
+they are.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from fluxion_lite.model.config import ModelConfig
+from fluxion_lite.plan import files as plan_files
+from fluxion_lite.plan.selector import DEFAULT_EPSILON, Labels, save_labels, select_plan
+from fluxion_lite.plan.sparse_plan import SparsePlan
+from fluxion_lite.settings import Settings
+
+AUTO_SAMPLES = 3  # prompts: what `calibrate` takes by default
+AUTO_CONTEXT = 4096  # tokens per prompt, at most (and at most half the model's context)
+AUTO_POSITIONS = 32  # query positions measured per prompt
+AUTO_SINK, AUTO_WINDOW = 16, 64
+STAMP_SUFFIX = ".plan.stamp.json"
+
+Calibrate = Callable[[int, int, int, int, int], tuple[Labels, dict[str, object]]]  # samples, context, positions,
+# sink, window -> labels and metadata (offline/calibration.calibrate_loaded on the engine's model)
+
+
+@dataclass
+class PlanChoice:
+    plan: SparsePlan
+    origin: str  # where it came from, in words (Engine.explain and /props show it)
+
+
+def plan_key(model_name: str) -> str:
+    """The name a model's plan files carry: a file's name without .gguf (as `calibrate` names them)."""
+    return model_name.removesuffix(".gguf")
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def make_stamp(path: Path) -> dict[str, object]:
+    st = path.stat()
+    return {"file": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
+
+
+def stamp_matches(stamp: dict[str, object], path: Path) -> bool:
+    """The stamp was made for this file: same size and modification time, or else the same sha256."""
+    st = path.stat()
+    if stamp.get("size") == st.st_size and stamp.get("mtime_ns") == st.st_mtime_ns:
+        return True
+    return stamp.get("size") == st.st_size and stamp.get("sha256") == file_sha256(path)
+
+
+def write_plan(folder: Path, key: str, plan: SparsePlan, model_path: Path, labels: Labels | None = None,
+               meta: dict[str, object] | None = None) -> Path:
+    """The plan, its stamp for model_path and (if given) its labels into folder; returns the plan's path."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plan_path = folder / f"{key}.plan.json"
+    plan.save(plan_path)
+    (folder / f"{key}{STAMP_SUFFIX}").write_text(json.dumps(make_stamp(model_path)))
+    if labels is not None and meta is not None:
+        save_labels(folder / f"{key}.calib.json", labels, meta)
+    return plan_path
+
+
+def choose_plan(model_name: str, model_path: Path, cfg: ModelConfig, calibrate: Calibrate,
+                settings: Settings | None = None, log: Callable[[str], None] | None = None) -> PlanChoice:
+    """The plan `fluxion` runs for this model file (module docstring), calibrating now where none fits."""
+    log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+    key = plan_key(model_name)
+    user = plan_files.user_dir(settings)
+    user_plan, stamp_path = user / f"{key}.plan.json", user / f"{key}{STAMP_SUFFIX}"
+    why = f"no plan for {key}"
+    if user_plan.is_file():
+        if not stamp_path.is_file():
+            return PlanChoice(_load(user_plan, cfg), f"your plan {user_plan}")
+        stamp = json.loads(stamp_path.read_text())
+        if stamp_matches(stamp, model_path):
+            return PlanChoice(_load(user_plan, cfg), f"calibrated for this file (sha256 {str(stamp['sha256'])[:12]}), "
+                                                     f"{user_plan}")
+        why = f"{model_path.name} is not the file the plan {user_plan} was calibrated for"
+    else:
+        shipped = plan_files.shipped_dir() / f"{key}.plan.json"
+        if shipped.is_file():
+            return PlanChoice(_load(shipped, cfg), f"shipped with fluxion-lite, {shipped}")
+    context = min(AUTO_CONTEXT, cfg.context_length // 2)
+    if context <= AUTO_POSITIONS + AUTO_SINK + AUTO_WINDOW:
+        raise ValueError(f"{model_path.name}: a context of {cfg.context_length} tokens is too short to calibrate a "
+                         f"fluxion plan; use attention='full'")
+    log(f"fluxion: {why}: calibrating one on {AUTO_SAMPLES} prompts of {context} tokens (once; kept in {user})")
+    labels, meta = calibrate(AUTO_SAMPLES, context, AUTO_POSITIONS, AUTO_SINK, AUTO_WINDOW)
+    plan = select_plan(labels, cfg.n_layers, cfg.n_kv_heads, DEFAULT_EPSILON, context, AUTO_SINK, AUTO_WINDOW,
+                       cfg.head_dim, source=f"calibrated on first use, {AUTO_SAMPLES} x {context} tokens, "
+                                            f"epsilon={DEFAULT_EPSILON:g}")
+    path = write_plan(user, key, plan, model_path, labels, meta)
+    plan.validate(cfg.n_layers, cfg.n_kv_heads)
+    return PlanChoice(plan, f"calibrated now for this file, {path}")
+
+
+def _load(path: Path, cfg: ModelConfig) -> SparsePlan:
+    plan = SparsePlan.load(path)
+    plan.validate(cfg.n_layers, cfg.n_kv_heads)
+    return plan
