@@ -446,9 +446,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                        source=f"calibrated on {meta['samples']} x {meta['context']} tokens, epsilon={epsilon:g}{weight_note}",
                        summary_weight=args.summary_weight)
     plan.save(plan_path)
+    _stamp_plan(args.model, out_dir, name)
     print(plan.explain())
     print(f"wrote {plan_path}")
     return 0
+
+
+def _stamp_plan(model: str, out_dir: Path, name: str) -> None:
+    """Mark the plan as made for this model file, so that the engine calibrates again if the file changes
+    (plan/auto_plan.py); left unstamped (used as it is) when the file is not at hand (--from-labels)."""
+    from fluxion_lite.plan.auto_plan import write_stamp
+
+    try:
+        path = Path(model) if model.endswith(".gguf") else resolve_model(model, pull_missing=False)
+    except FluxionError:
+        return
+    if path.is_file():
+        write_stamp(out_dir, name, path)
 
 
 def _train_predictor(args: argparse.Namespace, out_dir: Path, name: str) -> int:

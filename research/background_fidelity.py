@@ -4,7 +4,7 @@ research/background_mass.py measures, layer by layer, how much of a retrieval gr
 the unread spans (per-block running sums of keys and values) takes back. This asks whether that carries through the
 whole model: decode the last M tokens of essay text one at a time (as bench/fidelity.py does) with a simulated
 policy in torch -- every KV group reads sink + window + the top `budget` of its g-token blocks by the Quest bound
-summed over its query heads (fluxion_lite/offline/calibration.py's group_outputs) -- and optionally the background term at
+summed over its query heads (fluxion_lite/plan/calibration.py's group_outputs) -- and optionally the background term at
 summary block size G; report KL(full || sim) and top-1 agreement. A policy simulation, not the engine's kernels:
 it compares the two variants under the same selection.
 
@@ -28,7 +28,7 @@ from ruler_paired import write_out  # noqa: E402
 
 from fluxion_lite.model.attention import DenseAttention, SeqChunk  # noqa: E402
 from fluxion_lite.plan.space import Config  # noqa: E402
-from fluxion_lite.offline.calibration import group_outputs  # noqa: E402
+from fluxion_lite.plan.calibration import group_outputs  # noqa: E402
 
 
 class SimulatedTopK(SimulatedBackend):

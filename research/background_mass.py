@@ -13,7 +13,7 @@ where kbar_U and vbar_U come from B's sums minus the read tokens' own keys and v
 those). The estimate merges with the read part as one more softmax term, as the streaming and retrieval parts
 merge by log-sum-exp. `+oracle` gives each unread span its true mass (the ceiling of any mass estimate that keeps
 the mean value: what is left is the value's error). Per configuration: the contribution-weighted relative output deviation from full attention
-(the calibration's error measure, fluxion_lite/offline/calibration.py), the unread share of full's attention mass, and the
+(the calibration's error measure, fluxion_lite/plan/calibration.py), the unread share of full's attention mass, and the
 metadata those sums cost per step as a fraction of the KV bytes.
 
 Usage: python research/background_mass.py --dir .ruler_ids --length 4096 --tasks niah_multivalue niah_multiquery vt \
@@ -36,7 +36,7 @@ from ruler_split import exported_samples  # noqa: E402
 
 from fluxion_lite.plan.space import Config  # noqa: E402
 
-from fluxion_lite.offline.calibration import capture_prompt, group_outputs  # noqa: E402
+from fluxion_lite.plan.calibration import capture_prompt, group_outputs  # noqa: E402
 
 
 MASSES = ("mean", "oracle", "minmax", "midrange")  # background_output's mass rules

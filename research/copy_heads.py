@@ -52,7 +52,7 @@ from ruler_split import exported_samples, model_tag  # noqa: E402
 
 from fluxion_lite.plan import pins as pinned  # noqa: E402
 from fluxion_lite.model.attention import SeqChunk  # noqa: E402
-from fluxion_lite.offline.calibration import CaptureAttention  # noqa: E402
+from fluxion_lite.plan.calibration import CaptureAttention  # noqa: E402
 from fluxion_lite.engine.engine import Engine  # noqa: E402
 from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan  # noqa: E402
 

@@ -184,7 +184,7 @@ class Engine:
     def _fluxion_plan(self) -> SparsePlan:
         """The user's or the shipped plan of this model file, else one calibrated now on the loaded model
         (plan/auto_plan.py); self.plan_origin says which."""
-        from fluxion_lite.offline.calibration import calibrate_loaded
+        from fluxion_lite.plan.calibration import calibrate_loaded
 
         def calibrate(samples: int, context: int, positions: int, sink: int, window: int):  # type: ignore[no-untyped-def]
             if self.tokenizer is None:

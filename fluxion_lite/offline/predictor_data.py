@@ -27,7 +27,7 @@ import torch
 
 from fluxion_lite.plan.space import all_configs
 
-from fluxion_lite.offline.calibration import capture_prompt, layer_errors
+from fluxion_lite.plan.calibration import capture_prompt, layer_errors
 from fluxion_lite.plan.head_features import FEATURE_QUERIES, N_FEATURES, layer_features
 
 KINDS = ("facts", "multikey", "chain", "chat", "code")
@@ -173,7 +173,7 @@ def collect(model_name: str, *, samples: int, context: int, positions: int, sink
     """Run `samples` prompts (kinds rotated, lengths 1/2, 3/4 or all of `context`); deterministic given `seed`."""
     from fluxion_lite.engine.engine import Engine
     from fluxion_lite.offline.eval_text import essay_text
-    from fluxion_lite.offline.progress import progress
+    from fluxion_lite.plan.progress import progress
 
     if threads:
         torch.set_num_threads(threads)

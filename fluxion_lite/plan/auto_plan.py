@@ -6,8 +6,8 @@ qwen2.5-coder-0.5b on the 2-core VM), selects the plan as `calibrate` does and k
 models, with a stamp naming the file it was made for (size, modification time, sha256). A plan whose stamp no longer
 matches the file is made again, never reused: size and time equal -> trusted without reading the file; otherwise
 the file's sha256 decides (a file rewritten in place with the same size and time would slip through; nothing else).
-User plans without a stamp (written by `calibrate` before stamps, or by hand) are the user's choice and are used as
-they are.
+`calibrate` stamps the plans it writes the same way; a user plan without a stamp (written by hand, or by `calibrate
+--from-labels` without the model file at hand) is the user's choice and is used as it is.
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ AUTO_SINK, AUTO_WINDOW = 16, 64
 STAMP_SUFFIX = ".plan.stamp.json"
 
 Calibrate = Callable[[int, int, int, int, int], tuple[Labels, dict[str, object]]]  # samples, context, positions,
-# sink, window -> labels and metadata (offline/calibration.calibrate_loaded on the engine's model)
+# sink, window -> labels and metadata (plan/calibration.calibrate_loaded on the engine's model)
 
 
 @dataclass
@@ -66,13 +66,18 @@ def stamp_matches(stamp: dict[str, object], path: Path) -> bool:
     return stamp.get("size") == st.st_size and stamp.get("sha256") == file_sha256(path)
 
 
+def write_stamp(folder: Path, key: str, model_path: Path) -> None:
+    """Mark the plan <key>.plan.json in folder as made for model_path (choose_plan checks it before use)."""
+    (folder / f"{key}{STAMP_SUFFIX}").write_text(json.dumps(make_stamp(model_path)))
+
+
 def write_plan(folder: Path, key: str, plan: SparsePlan, model_path: Path, labels: Labels | None = None,
                meta: dict[str, object] | None = None) -> Path:
     """The plan, its stamp for model_path and (if given) its labels into folder; returns the plan's path."""
     folder.mkdir(parents=True, exist_ok=True)
     plan_path = folder / f"{key}.plan.json"
     plan.save(plan_path)
-    (folder / f"{key}{STAMP_SUFFIX}").write_text(json.dumps(make_stamp(model_path)))
+    write_stamp(folder, key, model_path)
     if labels is not None and meta is not None:
         save_labels(folder / f"{key}.calib.json", labels, meta)
     return plan_path

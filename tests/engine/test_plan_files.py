@@ -1,6 +1,7 @@
 """Plans are user data: calibrate writes into the user cache, and the engine prefers a plan there to the shipped one."""
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -9,6 +10,8 @@ import pytest
 from fluxion_lite.cli import main
 from fluxion_lite.engine.engine import Engine
 from fluxion_lite.hub.catalog import cache_dir, get_model, local_path
+from fluxion_lite.hub.resolve import resolve_model
+from fluxion_lite.plan.auto_plan import stamp_matches
 from fluxion_lite.plan import files as plan_files
 from fluxion_lite.plan.sparse_plan import SparsePlan
 
@@ -37,6 +40,9 @@ def test_calibrate_writes_into_the_user_cache_not_the_package(user_cache: Path) 
     assert shipped.read_bytes() == before  # the installed package is untouched
     assert SparsePlan.load(written).streaming_fraction == 1.0
     assert plan_files.find(MODEL, ".plan.json") == written
+    # stamped for the model file, so the engine uses it for this file only (plan/auto_plan.py)
+    stamp = json.loads((user_cache / f"{MODEL}.plan.stamp.json").read_text())
+    assert stamp_matches(stamp, resolve_model(MODEL, pull_missing=False))
 
 
 def test_engine_prefers_the_user_plan_to_the_shipped_one(user_cache: Path) -> None:

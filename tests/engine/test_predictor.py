@@ -10,7 +10,7 @@ import torch
 
 from fluxion_lite.model.attention import SeqChunk
 from fluxion_lite.plan.space import all_configs
-from fluxion_lite.offline.calibration import capture_prompt
+from fluxion_lite.plan.calibration import capture_prompt
 from fluxion_lite.model.gguf_loader import load_gguf
 from fluxion_lite.plan.head_features import FEATURE_NAMES, FEATURE_QUERIES, N_FEATURES, layer_features
 from fluxion_lite.model.transformer import Transformer

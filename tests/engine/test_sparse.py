@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from fluxion_lite.plan.space import Config, all_configs
-from fluxion_lite.offline.calibration import group_outputs
+from fluxion_lite.plan.calibration import group_outputs
 from fluxion_lite.engine.engine import Engine, make_attention
 from fluxion_lite.errors import CapacityError
 from fluxion_lite.plan.cost import bytes_per_step
@@ -108,7 +108,7 @@ def test_calibration_outputs_match_dense_at_full_budget() -> None:
 
 
 def test_calibration_labels_on_a_real_prompt(engine: Engine, essay_tokens: list[int]) -> None:
-    from fluxion_lite.offline.calibration import calibrate_prompt
+    from fluxion_lite.plan.calibration import calibrate_prompt
 
     configs = [Config(True), Config(False, 16, 0.05), Config(False, 64, 1.0)]
     labels = calibrate_prompt(engine.model, essay_tokens[:400], 8, 16, 64, configs)

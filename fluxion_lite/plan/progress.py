@@ -1,4 +1,4 @@
-"""A one-line progress bar on stderr for the offline tools (calibration, predictor data)."""
+"""A one-line progress bar on stderr for long work: calibration (on first use too), predictor data."""
 from __future__ import annotations
 
 import sys
