@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,15 +69,23 @@ def stamp_matches(stamp: dict[str, object], path: Path) -> bool:
 
 def write_stamp(folder: Path, key: str, model_path: Path) -> None:
     """Mark the plan <key>.plan.json in folder as made for model_path (choose_plan checks it before use)."""
-    (folder / f"{key}{STAMP_SUFFIX}").write_text(json.dumps(make_stamp(model_path)))
+    stamp = folder / f"{key}{STAMP_SUFFIX}"
+    tmp = stamp.with_name(stamp.name + ".tmp")
+    tmp.write_text(json.dumps(make_stamp(model_path)))
+    os.replace(tmp, stamp)
 
 
 def write_plan(folder: Path, key: str, plan: SparsePlan, model_path: Path, labels: Labels | None = None,
                meta: dict[str, object] | None = None) -> Path:
-    """The plan, its stamp for model_path and (if given) its labels into folder; returns the plan's path."""
+    """The plan, its stamp for model_path and (if given) its labels into folder; returns the plan's path. Each file
+    lands whole (written aside, then renamed), the plan before its stamp: a run stopped between the two leaves a new
+    plan under the old file's stamp, which the next run finds mismatched and calibrates again, never an old plan
+    under a new stamp."""
     folder.mkdir(parents=True, exist_ok=True)
     plan_path = folder / f"{key}.plan.json"
-    plan.save(plan_path)
+    tmp = plan_path.with_name(plan_path.name + ".tmp")
+    plan.save(tmp)
+    os.replace(tmp, plan_path)
     write_stamp(folder, key, model_path)
     if labels is not None and meta is not None:
         save_labels(folder / f"{key}.calib.json", labels, meta)
