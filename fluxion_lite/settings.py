@@ -365,6 +365,18 @@ class Settings:
         return out
 
 
+def user_cache_base() -> str | None:
+    """$XDG_CACHE_HOME (None when unset or empty): where the model cache goes when FLUXION_CACHE_DIR is not set
+    (hub/catalog.py). Read here with the knobs, so the environment has one reader."""
+    return os.environ.get("XDG_CACHE_HOME") or None
+
+
+def child_environment(**extra: str) -> dict[str, str]:
+    """The environment for a child process: this one's, with `extra` set (hub/pull.py points pip's TMPDIR at a
+    folder it watches for download progress)."""
+    return {**os.environ, **extra}
+
+
 def _collect() -> tuple[Knob, ...]:
     knobs = []
     for cls, experimental in ((Settings, False), (ExperimentalSettings, True)):

@@ -137,26 +137,30 @@ static void background_item(bg_job *J, int64_t ti, int64_t b0, int64_t b1, float
     fx_finish_partial(acc, lse, m, l, r, D);
 }
 
+/* One work item: 128-token blocks [k cb, (k + 1) cb) of task ti, as a partial at its place in the workspace. */
+static void background_chunk(void *ctx, int64_t ti, int64_t k, int64_t item) {
+    bg_job *J = ctx;
+    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
+    int64_t nb = (J->kv->n_tokens[J->tasks[ti * FX_TASK_FIELDS]] + FX_MAX_BLOCK - 1) / FX_MAX_BLOCK;
+    int64_t b0 = k * J->cb, b1 = b0 + J->cb < nb ? b0 + J->cb : nb;
+    float *part = J->parts + item * (int64_t)r * (D + 1);
+    background_item(J, ti, b0, b1, part, part + (int64_t)r * D);
+}
+
+/* A task's items all done: its partials merged into its row of out/lse. */
+static void background_merge(void *ctx, int64_t ti) {
+    bg_job *J = ctx;
+    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
+    int64_t first = J->first_item[ti];
+    fx_merge_partials(J->parts + first * (int64_t)r * (D + 1), J->first_item[ti + 1] - first, r, D,
+                      J->out + ti * r * D, J->lse + ti * r);
+}
+
 static void background_worker(void *ctx, int tid, int nthreads) {
     (void)tid;
     (void)nthreads;
     bg_job *J = ctx;
-    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
-    int64_t stride = (int64_t)r * (D + 1), ti = 0, total = J->first_item[J->n_tasks];
-    for (;;) {
-        int64_t item = atomic_fetch_add(&J->next, 1); /* claims rise, so the task index only moves forward */
-        if (item >= total) return;
-        while (J->first_item[ti + 1] <= item) ti++;
-        int64_t chunk = item - J->first_item[ti];
-        int64_t nb = (J->kv->n_tokens[J->tasks[ti * FX_TASK_FIELDS]] + FX_MAX_BLOCK - 1) / FX_MAX_BLOCK;
-        int64_t b0 = chunk * J->cb, b1 = b0 + J->cb < nb ? b0 + J->cb : nb;
-        float *part = J->parts + item * stride;
-        background_item(J, ti, b0, b1, part, part + (int64_t)r * D);
-        int64_t n_items = J->first_item[ti + 1] - J->first_item[ti];
-        if (atomic_fetch_add(&J->done[ti], 1) == n_items - 1)
-            fx_merge_partials(J->parts + J->first_item[ti] * stride, n_items, r, D, J->out + ti * r * D,
-                              J->lse + ti * r);
-    }
+    fx_run_task_items(J, &J->next, J->first_item, J->n_tasks, J->done, background_chunk, background_merge);
 }
 
 /* Counts within k_cap, ids blocks of the slot at g and strictly ascending (the walk relies on the order). */

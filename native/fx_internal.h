@@ -100,6 +100,16 @@ int64_t fx_pool_set_spin_ns(int64_t ns); /* idle spin before sleeping; < 0: the 
 int64_t fx_pool_spin_ns(void);
 void fx_pool_wake(void);                 /* sleeping workers wake and spin: call ahead of a call after an idle gap */
 
+/* A job's work items grouped by task, run from inside a pool job by every participant: items are numbered
+ * 0 .. first[n_tasks), task t owning first[t] .. first[t + 1] - 1.  Each participant claims the next number from
+ * *next (claims rise, so its task index only moves forward) and calls item(job, t, k, i) for the k-th item of task
+ * t (global number i); whoever finishes a task's last item (counted in done[t], zeroed by the caller) calls
+ * task_done(job, t), once per task with items.  Tasks without items get no call. */
+typedef void (*fx_item_fn)(void *job, int64_t task, int64_t k, int64_t item);
+typedef void (*fx_task_done_fn)(void *job, int64_t task);
+void fx_run_task_items(void *job, _Atomic int64_t *next, const int64_t *first, int64_t n_tasks, _Atomic int32_t *done,
+                       fx_item_fn item, fx_task_done_fn task_done);
+
 /* Shared by fluxion.c and fx_background.c: the SIMD path in use, and the validation of a view, of a call's GQA
  * group and of one task's common fields (need_kept: the task's granularity must be kept in the pages).  Each
  * returns FX_OK or an FX_E* code. */

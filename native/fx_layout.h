@@ -46,20 +46,24 @@ static inline uint16_t *summary(const fx_kv_view *kv, int slot, int h, int gi, i
     return (uint16_t *)sums + ((int64_t)h * (P / g) + (b * g % P) / g) * 2 * D;
 }
 
+/* A task's excluded token range x (0 or 1) clipped to [0, n_tok): its first token in *lo, its length returned (0:
+ * empty). */
+static inline int64_t excluded_range(const int32_t *t, int x, int64_t n_tok, int64_t *lo) {
+    int64_t a = t[5 + 2 * x], b = t[6 + 2 * x];
+    if (a < 0) a = 0;
+    if (b > n_tok) b = n_tok;
+    *lo = a;
+    return b > a ? b - a : 0;
+}
+
 /* A task's excluded token ranges as block ranges [ex_lo[x], ex_hi[x]) (a block is excluded when it intersects a
  * range; an empty range becomes [0, 0)). */
 static inline void excluded_blocks(const int32_t *t, int64_t n_tok, int64_t ex_lo[2], int64_t ex_hi[2]) {
     int g = t[3];
     for (int x = 0; x < 2; x++) {
-        int64_t lo = t[5 + 2 * x], hi = t[6 + 2 * x];
-        if (lo < 0) lo = 0;
-        if (hi > n_tok) hi = n_tok;
-        if (lo >= hi) {
-            ex_lo[x] = ex_hi[x] = 0;
-            continue;
-        }
-        ex_lo[x] = lo / g;
-        ex_hi[x] = (hi - 1) / g + 1;
+        int64_t lo, len = excluded_range(t, x, n_tok, &lo);
+        ex_lo[x] = len ? lo / g : 0;
+        ex_hi[x] = len ? (lo + len - 1) / g + 1 : 0;
     }
 }
 

@@ -202,3 +202,15 @@ void fx_pool_wake(void) {
     }
     pthread_mutex_unlock(&P.run_lock);
 }
+
+void fx_run_task_items(void *job, _Atomic int64_t *next, const int64_t *first, int64_t n_tasks, _Atomic int32_t *done,
+                       fx_item_fn item, fx_task_done_fn task_done) {
+    int64_t t = 0, total = first[n_tasks];
+    for (;;) {
+        int64_t i = atomic_fetch_add(next, 1);
+        if (i >= total) return;
+        while (first[t + 1] <= i) t++;
+        item(job, t, i - first[t], i);
+        if (atomic_fetch_add(&done[t], 1) == first[t + 1] - first[t] - 1) task_done(job, t);
+    }
+}

@@ -39,13 +39,7 @@ typedef struct {
 
 /* Task t's two ranges clipped to [0, n_tok) as lo[x], len[x] (len 0: empty). */
 static void task_ranges(const int32_t *t, int64_t n_tok, int64_t lo[2], int64_t len[2]) {
-    for (int x = 0; x < 2; x++) {
-        int64_t a = t[5 + 2 * x], b = t[6 + 2 * x];
-        if (a < 0) a = 0;
-        if (b > n_tok) b = n_tok;
-        lo[x] = a;
-        len[x] = b > a ? b - a : 0;
-    }
+    for (int x = 0; x < 2; x++) len[x] = excluded_range(t, x, n_tok, &lo[x]);
 }
 
 /* One online-softmax pass over tokens [t, e) of (slot, head h), pieces of at most PIECE tokens that never cross a
@@ -136,27 +130,31 @@ static void merge_into_row(span_job *J, int64_t ti, const float *parts, int64_t 
     }
 }
 
+/* One work item: offsets [k chunk, (k + 1) chunk) of task ti's ranges, as a partial at its place in the workspace. */
+static void span_chunk(void *ctx, int64_t ti, int64_t k, int64_t item) {
+    span_job *J = ctx;
+    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
+    const int32_t *t = J->tasks + ti * FX_TASK_FIELDS;
+    int64_t lo[2], len[2];
+    task_ranges(t, J->kv->n_tokens[t[0]], lo, len);
+    int64_t o0 = k * J->chunk, o1 = o0 + J->chunk < len[0] + len[1] ? o0 + J->chunk : len[0] + len[1];
+    float *part = J->parts + item * (int64_t)r * (D + 1);
+    span_item(J, ti, o0, o1, part, part + (int64_t)r * D);
+}
+
+/* A task's items all done: its partials merged with its row. */
+static void span_merge(void *ctx, int64_t ti) {
+    span_job *J = ctx;
+    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
+    int64_t first = J->first_item[ti];
+    merge_into_row(J, ti, J->parts + first * (int64_t)r * (D + 1), J->first_item[ti + 1] - first);
+}
+
 static void span_worker(void *ctx, int tid, int nthreads) {
     (void)tid;
     (void)nthreads;
     span_job *J = ctx;
-    int r = J->n_q_heads / J->kv->n_kv_heads, D = J->kv->head_dim;
-    int64_t stride = (int64_t)r * (D + 1), ti = 0, total = J->first_item[J->n_tasks];
-    for (;;) {
-        int64_t item = atomic_fetch_add(&J->next, 1); /* claims rise, so the task index only moves forward */
-        if (item >= total) return;
-        while (J->first_item[ti + 1] <= item) ti++;
-        const int32_t *t = J->tasks + ti * FX_TASK_FIELDS;
-        int64_t lo[2], len[2];
-        task_ranges(t, J->kv->n_tokens[t[0]], lo, len);
-        int64_t o0 = (item - J->first_item[ti]) * J->chunk, o1 = o0 + J->chunk;
-        if (o1 > len[0] + len[1]) o1 = len[0] + len[1];
-        float *part = J->parts + item * stride;
-        span_item(J, ti, o0, o1, part, part + (int64_t)r * D);
-        int64_t n_items = J->first_item[ti + 1] - J->first_item[ti];
-        if (atomic_fetch_add(&J->done[ti], 1) == n_items - 1)
-            merge_into_row(J, ti, J->parts + J->first_item[ti] * stride, n_items);
-    }
+    fx_run_task_items(J, &J->next, J->first_item, J->n_tasks, J->done, span_chunk, span_merge);
 }
 
 int fx_attend_spans(const fx_kv_view *kv, const float *q, int64_t q_rows, int32_t n_q_heads, const int32_t *tasks,

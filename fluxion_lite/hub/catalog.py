@@ -12,6 +12,7 @@ as soon as anything rewrites the file.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from fluxion_lite.errors import FluxionError, UnknownModelError
-from fluxion_lite.settings import Settings
+from fluxion_lite.settings import Settings, user_cache_base
 
 STAMP_SUFFIX = ".verified"
 
@@ -148,7 +149,7 @@ def cache_dir(settings: Settings | None = None) -> Path:
     override = (settings if settings is not None else Settings.load()).cache_dir
     if override:
         return Path(override).expanduser().absolute()
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = user_cache_base()
     base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
     return (base / "fluxion-lite" / "models").absolute()
 
@@ -161,14 +162,51 @@ def _stamp_path(path: Path) -> Path:
     return path.with_name(path.name + STAMP_SUFFIX)
 
 
+def file_record(path: Path, sha256: str) -> dict[str, object]:
+    """What a stamp records of `path` as it is now: the sha256 it hashed to (given), its size and modification time."""
+    st = path.stat()
+    return {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
+
+
+def record_is_current(record: object, path: Path) -> bool:
+    """The file has not changed since the record was made (same size and modification time; never re-hashes)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return isinstance(record, dict) and record.get("size") == st.st_size and record.get("mtime_ns") == st.st_mtime_ns
+
+
+def write_record(dest: Path, record: dict[str, object]) -> None:
+    """The record as JSON at dest, whole or not at all (written aside, then renamed)."""
+    tmp = dest.with_name(dest.name + ".partial")
+    tmp.write_text(json.dumps(record), encoding="utf-8")
+    os.replace(tmp, dest)
+
+
+def read_record(src: Path) -> dict[str, object] | None:
+    try:
+        record = json.loads(src.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def file_sha256(path: Path) -> str:
+    """The sha256 of a file: the pulled model's verified stamp when it is current (no read), else hashed now."""
+    record = read_record(_stamp_path(path))
+    if record is not None and record_is_current(record, path) and isinstance(record.get("sha256"), str):
+        return str(record["sha256"])
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 24), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 def write_stamp(path: Path, sha256: str) -> None:
     """Record that `path`, as it is now, hashed to `sha256`."""
-    st = path.stat()
-    record = {"sha256": sha256, "size": st.st_size, "mtime_ns": st.st_mtime_ns}
-    stamp = _stamp_path(path)
-    tmp = stamp.with_name(stamp.name + ".partial")
-    tmp.write_text(json.dumps(record), encoding="utf-8")
-    os.replace(tmp, stamp)
+    write_record(_stamp_path(path), file_record(path, sha256))
 
 
 def remove_stamp(path: Path) -> None:
@@ -177,17 +215,8 @@ def remove_stamp(path: Path) -> None:
 
 def has_valid_stamp(path: Path, sha256: str) -> bool:
     """True when `path` was verified against `sha256` and has not changed since (size and mtime match)."""
-    try:
-        record = json.loads(_stamp_path(path).read_text(encoding="utf-8"))
-        st = path.stat()
-    except (OSError, ValueError):
-        return False
-    return (
-        isinstance(record, dict)
-        and record.get("sha256") == sha256
-        and record.get("size") == st.st_size
-        and record.get("mtime_ns") == st.st_mtime_ns
-    )
+    record = read_record(_stamp_path(path))
+    return record is not None and record.get("sha256") == sha256 and record_is_current(record, path)
 
 
 def is_present(model: CatalogModel, settings: Settings | None = None) -> bool:

@@ -39,7 +39,7 @@ from fluxion_lite.hub.catalog import (
     write_stamp,
 )
 from fluxion_lite.errors import DownloadError
-from fluxion_lite.settings import Settings
+from fluxion_lite.settings import Settings, child_environment
 
 CHUNK = 1 << 20
 PIP_TAIL_LINES = 12
@@ -128,7 +128,7 @@ class PipDownloader:
         pip_tmp = dest / "pip-tmp"  # pip downloads into TMPDIR before copying to -d; watching it gives progress
         pip_tmp.mkdir()
         log_path = dest / "pip-stderr.log"
-        env = {**os.environ, "TMPDIR": str(pip_tmp)}
+        env = child_environment(TMPDIR=str(pip_tmp))
         with open(log_path, "wb") as log:
             try:
                 proc = subprocess.Popen(

@@ -11,14 +11,13 @@ the file's sha256 decides (a file rewritten in place with the same size and time
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from fluxion_lite.hub.catalog import file_record, file_sha256, read_record, record_is_current, write_record
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.plan import files as plan_files
 from fluxion_lite.plan.selector import DEFAULT_EPSILON, Labels, save_labels, select_plan
@@ -46,33 +45,21 @@ def plan_key(model_name: str) -> str:
     return model_name.removesuffix(".gguf")
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def make_stamp(path: Path) -> dict[str, object]:
-    st = path.stat()
-    return {"file": path.name, "size": st.st_size, "mtime_ns": st.st_mtime_ns, "sha256": file_sha256(path)}
+    """The stamp of a model file as it is now (hub/catalog.py's record: sha256, size, modification time)."""
+    return file_record(path, file_sha256(path))
 
 
 def stamp_matches(stamp: dict[str, object], path: Path) -> bool:
-    """The stamp was made for this file: same size and modification time, or else the same sha256."""
-    st = path.stat()
-    if stamp.get("size") == st.st_size and stamp.get("mtime_ns") == st.st_mtime_ns:
+    """The stamp was made for this file: same size and modification time, or else the same size and sha256."""
+    if record_is_current(stamp, path):
         return True
-    return stamp.get("size") == st.st_size and stamp.get("sha256") == file_sha256(path)
+    return stamp.get("size") == path.stat().st_size and stamp.get("sha256") == file_sha256(path)
 
 
 def write_stamp(folder: Path, key: str, model_path: Path) -> None:
     """Mark the plan <key>.plan.json in folder as made for model_path (choose_plan checks it before use)."""
-    stamp = folder / f"{key}{STAMP_SUFFIX}"
-    tmp = stamp.with_name(stamp.name + ".tmp")
-    tmp.write_text(json.dumps(make_stamp(model_path)))
-    os.replace(tmp, stamp)
+    write_record(folder / f"{key}{STAMP_SUFFIX}", make_stamp(model_path))
 
 
 def write_plan(folder: Path, key: str, plan: SparsePlan, model_path: Path, labels: Labels | None = None,
@@ -103,7 +90,7 @@ def choose_plan(model_name: str, model_path: Path, cfg: ModelConfig, calibrate: 
     if user_plan.is_file():
         if not stamp_path.is_file():
             return PlanChoice(_load(user_plan, cfg), f"your plan {user_plan}")
-        stamp = json.loads(stamp_path.read_text())
+        stamp = read_record(stamp_path) or {}
         if stamp_matches(stamp, model_path):
             return PlanChoice(_load(user_plan, cfg), f"calibrated for this file (sha256 {str(stamp['sha256'])[:12]}), "
                                                      f"{user_plan}")

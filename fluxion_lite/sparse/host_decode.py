@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from fluxion_lite.hostkv import native
+from fluxion_lite.sparse.attend import lse_merge
 from fluxion_lite.sparse.step import DecodeStep, active_retrieval, retrieval_tasks
 
 if TYPE_CHECKING:
@@ -137,10 +138,8 @@ class HostDecode:
         if got is None:
             return out
         rows, o_b, lse_b = got
-        o, lse = self._out[rows].astype(np.float64), self._lse[rows].astype(np.float64)  # [T, r, D], [T, r]
-        m = np.maximum(lse, lse_b)
-        w1, w2 = np.exp(lse - m), np.exp(lse_b - m)  # the spans' part is never empty: lse finite
-        merged = (w1[..., None] * o + w2[..., None] * o_b) / (w1 + w2)[..., None]
-        result = self._out.copy()
-        result[rows] = merged.astype(np.float32)
-        return torch.from_numpy(result)
+        result = out.clone()
+        # the rows' own part is never empty (the window holds at least the new token): its lse is finite
+        result[rows] = lse_merge(result[rows], torch.from_numpy(self._lse[rows]), torch.from_numpy(o_b),
+                                 torch.from_numpy(lse_b))
+        return result
