@@ -109,7 +109,7 @@ def main() -> None:
         tokens: list[int] = []
         ref = np.empty(0)
         for dtype in args.dtypes:
-            engine = Engine(name, dtype=dtype, prefix_cache_entries=0)
+            engine = Engine(name, dtype=dtype, attention="full", prefix_cache_entries=0)
             assert engine.tokenizer is not None
             if first is None:
                 tokens = engine.tokenizer.encode(essay_text()[: args.tokens * 8], add_special=True)[: args.tokens]

@@ -44,12 +44,12 @@ def _paths(directory: Path, tag: str, length: int) -> tuple[Path, Path]:
 
 # ---- export (needs the tokenizer) -----------------------------------------------------------------------------------
 def export(args: argparse.Namespace) -> None:
-    from fluxion_lite.engine.engine import _resolve
+    from fluxion_lite.hub.resolve import resolve_model
     from fluxion_lite.model.gguf_loader import read_metadata
     from fluxion_lite.offline.ruler import TASKS, chat_prompt, generate_sample
     from fluxion_lite.model.tokenizer import Tokenizer
 
-    path = _resolve(args.model)
+    path = resolve_model(args.model)
     metadata, _ = read_metadata(path)
     tok = Tokenizer(path, metadata)
     render = chat_prompt(tok.apply_chat_template)
@@ -198,12 +198,12 @@ def answer(args: argparse.Namespace) -> None:
 def score(args: argparse.Namespace) -> None:
     from ruler import print_tables, summarise
 
-    from fluxion_lite.engine.engine import _resolve
+    from fluxion_lite.hub.resolve import resolve_model
     from fluxion_lite.model.gguf_loader import read_metadata
     from fluxion_lite.offline.ruler import score_output
     from fluxion_lite.model.tokenizer import Tokenizer
 
-    path = _resolve(args.model)
+    path = resolve_model(args.model)
     metadata, _ = read_metadata(path)
     tok = Tokenizer(path, metadata)
     answered = json.loads(Path(args.answers).read_text())

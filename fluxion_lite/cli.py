@@ -45,7 +45,9 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
                         help="auto (default): on the CPU the weights stay as the GGUF file stores them (4-8 bit "
                              "blocks, fp32 activations), on CUDA bfloat16; a named dtype dequantizes every weight to it")
     # No argparse choices: the engine owns the list of modes and rejects unknown ones before loading weights.
-    parser.add_argument("--attention", default="full", help="attention mode (default: full)")
+    parser.add_argument("--attention", default="auto",
+                        help="auto (default): dense attention for short prompts, fluxion over the host KV for long "
+                             "ones; or full, fluxion, fixed, full-host, gpu-sparse")
     parser.add_argument("--max-context", type=int, default=None, help="cap the context length (default: the model's)")
     parser.add_argument("--threads", type=int, default=None, help="CPU threads for torch (default: torch's choice)")
     parser.add_argument("--explain", action="store_true", help="print the sparse-attention plan after loading")
@@ -73,6 +75,8 @@ def _add_sampling_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI frequency penalty (default: 0)")
     group.add_argument("--seed", type=int, default=None, help="random seed for reproducible sampling")
     group.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop at TEXT (repeatable)")
+    group.add_argument("--epsilon", type=float, default=None,
+                       help="fluxion's error bound for this prompt: smaller reads more KV (default: the model's plan)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,6 +178,7 @@ def sampling_params(args: argparse.Namespace) -> SamplingParams:
         "presence_penalty": "presence_penalty",
         "frequency_penalty": "frequency_penalty",
         "seed": "seed",
+        "epsilon": "epsilon",
     }
     values: dict[str, Any] = {
         field: getattr(args, flag) for flag, field in flag_to_field.items() if getattr(args, flag) is not None

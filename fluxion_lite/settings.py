@@ -257,6 +257,13 @@ class Settings:
         "FLUXION_TOPK", None, "group, per-head or midrange (native = group)",
         "Block scoring of the retrieval groups' top-k in place of the plan's `scoring` (per-head: CPU selection "
         "only).", _choice("FLUXION_TOPK", TOPK_SCORINGS, {"native": "group"}), shown="the plan's, else group")
+    auto_dense_tokens: int | None = _knob(
+        "FLUXION_AUTO_DENSE_TOKENS", None, "a non-negative integer",
+        "Attention mode `auto`: prompts of up to this many tokens run dense attention, longer ones fluxion (0: "
+        "every prompt fluxion).",
+        _integer("FLUXION_AUTO_DENSE_TOKENS", lambda n: n >= 0,
+                 "FLUXION_AUTO_DENSE_TOKENS must be an integer >= 0, got {text!r}"),
+        shown="the crossover measured for the device kind (sparse/auto_mode.py)")
     selection: str = _knob(
         "FLUXION_SELECTION", "auto", "auto, cpu or gpu",
         "Where attention mode `fluxion` selects blocks: auto picks the GPU when the whole decode step can run "

@@ -209,7 +209,7 @@ def main() -> None:
         sys.exit(f"error: no sample of {args.tasks} among {args.model}'s exported samples at {args.length}")
     from fluxion_lite.engine.engine import Engine
 
-    engine = Engine(args.model, prefix_cache_entries=0)
+    engine = Engine(args.model, attention="full", prefix_cache_entries=0)
     configs = [Config(True)] + [Config(False, args.g, b) for b in args.budgets]
     per_prompt = []
     t0 = time.time()

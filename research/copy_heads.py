@@ -277,7 +277,7 @@ def main() -> None:
     ref = answer_outputs(args.reference, args.length)
     cand = answer_outputs(args.candidate, args.length) if args.candidate else None
     plan = SparsePlan.load(Path(args.plan))
-    engine = Engine(args.gguf, prefix_cache_entries=0, max_context=args.length + 256)
+    engine = Engine(args.gguf, attention="full", prefix_cache_entries=0, max_context=args.length + 256)
     index = {(s["task"], s["index"]): k for k, s in enumerate(meta["samples"])}
     results = []
     for spec in args.samples:

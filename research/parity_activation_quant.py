@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=1024)
     ap.add_argument("--out", default="bench/results/parity_activation_quant.json")
     args = ap.parse_args()
-    engine = Engine(args.model, prefix_cache_entries=0)
+    engine = Engine(args.model, attention="full", prefix_cache_entries=0)
     assert engine.tokenizer is not None
     tokens = engine.tokenizer.encode(essay_text()[: args.tokens * 12])[: args.tokens]
     ref = peer_logits(load_peer(engine.model_path, n_ctx=args.tokens + 64), tokens)

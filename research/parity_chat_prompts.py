@@ -31,7 +31,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--out", default="bench/results/parity_chat_prompts.json")
     args = ap.parse_args()
-    engine = Engine(args.model, prefix_cache_entries=0)
+    engine = Engine(args.model, attention="full", prefix_cache_entries=0)
     tok = engine.tokenizer
     assert tok is not None
     peer = load_peer(engine.model_path, n_ctx=640)

@@ -189,7 +189,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
 
-    from fluxion_lite.engine.engine import _resolve
+    from fluxion_lite.hub.resolve import resolve_model
     from fluxion_lite.model.gguf_loader import load_gguf, read_metadata
     from fluxion_lite.model.transformer import Transformer
     from fluxion_lite.offline.teacher_forcing import teacher_forced_logits
@@ -207,7 +207,7 @@ def main() -> None:
     meta, prompts = load_ids(Path(args.dir) / f"{tag}_{length}.json", Path(args.dir) / f"{tag}_{length}.ids.xz")
     reference = answer_outputs(div["reference"], length)
     index = {(s["task"], s["index"]): k for k, s in enumerate(meta["samples"])}
-    path = _resolve(args.model)
+    path = resolve_model(args.model)
     if args.token_table is not None:
         try:
             tok: Any = TokenTable.load(args.token_table)

@@ -36,7 +36,8 @@ from pin_trace import token_span  # noqa: E402
 from ruler_split import load_ids, model_tag  # noqa: E402
 
 from fluxion_lite.plan import pins as pinned  # noqa: E402
-from fluxion_lite.engine.engine import Engine, _resolve  # noqa: E402
+from fluxion_lite.engine.engine import Engine  # noqa: E402
+from fluxion_lite.hub.resolve import resolve_model  # noqa: E402
 from fluxion_lite.model.gguf_loader import read_metadata  # noqa: E402
 from fluxion_lite.engine.sampling import SamplingParams  # noqa: E402
 from fluxion_lite.plan.sparse_plan import SparsePlan  # noqa: E402
@@ -132,7 +133,7 @@ def main() -> None:
     if not plan.pin_fraction:
         sys.exit(f"error: {args.plan}: pin_fraction is 0; the observed mass is recorded where pins are picked")
     rules = parse_rules(args.fractions, args.spans, args.decays)
-    path = _resolve(args.gguf)
+    path = resolve_model(args.gguf)
     tok = Tokenizer(path, read_metadata(path)[0])
     engine = Engine(args.gguf, attention="fluxion", device="cpu", dtype=args.dtype, max_batch=1,
                     max_context=args.length + 256, prefill_chunk=1024, prefix_cache_entries=0, load_tokenizer=False)

@@ -33,7 +33,8 @@ from ruler_split import load_ids, model_tag  # noqa: E402
 from fluxion_lite.plan import pins as pinned  # noqa: E402
 
 from fluxion_lite.hostkv import native
-from fluxion_lite.engine.engine import Engine, _resolve  # noqa: E402
+from fluxion_lite.engine.engine import Engine  # noqa: E402
+from fluxion_lite.hub.resolve import resolve_model  # noqa: E402
 from fluxion_lite.model.gguf_loader import read_metadata  # noqa: E402
 from fluxion_lite.engine.sampling import SamplingParams  # noqa: E402
 from fluxion_lite.plan.sparse_plan import SparsePlan  # noqa: E402
@@ -238,7 +239,7 @@ def main() -> None:
         if not index.isdigit() or (task, int(index)) not in where:
             sys.exit(f"error: --samples {item!r}: no such exported sample at {args.length}")
         picks.append(where[(task, int(index))])
-    path = _resolve(args.gguf)
+    path = resolve_model(args.gguf)
     tok = Tokenizer(path, read_metadata(path)[0])
     engine = Engine(args.gguf, attention="full", device="cpu", dtype=args.dtype, max_batch=1,
                     max_context=args.length, prefill_chunk=1024, prefix_cache_entries=0, load_tokenizer=False)

@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     args = ap.parse_args()
-    eng = Engine(args.model, max_context=args.context + 1, prefix_cache_entries=0, device=args.device,
+    eng = Engine(args.model, attention="full", max_context=args.context + 1, prefix_cache_entries=0, device=args.device,
                  dtype=args.dtype, load_tokenizer=args.tokens is None)
     cfg = eng.config
     if args.tokens:

@@ -26,20 +26,23 @@ from fluxion_lite.model.gguf_loader import load_gguf
 from fluxion_lite.model.transformer import Transformer
 from fluxion_lite.engine.async_decode import InFlight, chainable, queue_tokens, starts_chain
 from fluxion_lite.engine.sampling import Penalties, SamplingParams, penalised, sample_rows
+from fluxion_lite.sparse.auto_mode import AutoAttention, dense_tokens_for
 from fluxion_lite.sparse.backend import SparseAttention
 from fluxion_lite.plan.request_plan import load_planner
 from fluxion_lite.plan import files as plan_files
-from fluxion_lite.plan.auto_plan import choose_plan, plan_key
+from fluxion_lite.plan.auto_plan import choose_plan, epsilon_plan, find_labels, find_plan, plan_key
+from fluxion_lite.plan.cost import plan_bytes_fraction
 from fluxion_lite.plan.sparse_plan import SparsePlan, with_background_override
 from fluxion_lite.engine.step_counters import StepCounters
 from fluxion_lite.model.tokenizer import IncrementalDecoder, Tokenizer
 from fluxion_lite.hostkv import native
 from fluxion_lite.settings import Settings
 
+# auto (the default): each request dense or fluxion by its prompt length (sparse/auto_mode.py);
 # full-gpu (alias full): dense KV on the device; the rest keep all KV in host RAM (sink + window on the device):
 # full-host reads everything on the CPU, fixed is the static all-CPU sparse baseline, gpu-sparse selects on the device
 # and ships blocks over PCIe, fluxion runs the calibrated plan with the CPU/GPU scheduler. Same kernels throughout.
-ATTENTION_MODES = ("full", "full-gpu", "full-host", "fixed", "gpu-sparse", "fluxion")
+ATTENTION_MODES = ("auto", "full", "full-gpu", "full-host", "fixed", "gpu-sparse", "fluxion")
 FIXED_SINK, FIXED_WINDOW = 16, 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # dtype="auto" (the default): on the CPU the matrices stay in the GGUF file's block formats (model/quantized.py),
@@ -67,6 +70,11 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    attention: str = ""  # how the request attended: "dense" or "fluxion" (mode auto's choice), else the mode
+    epsilon: float | None = None  # the request's own error bound where it ran fluxion with one
+    # finished outputs of fluxion requests: the KV fraction their plan reads per step at their final length
+    # (plan/cost.plan_bytes_fraction: sink and window included); 1.0 for dense attention
+    kv_read_fraction: float | None = None
 
 
 @dataclass
@@ -96,6 +104,8 @@ class Sequence:
     finish_reason: str | None = None
     all_ids: list[int] = field(default_factory=list)  # prompt + output, appended in place (no per-step concat)
     penalties: Penalties | None = None  # a penalised request's history on the model's device (sampling.Penalties)
+    side: str = ""  # "dense" or "fluxion" once admitted (RequestOutput.attention)
+    plan: SparsePlan | None = None  # the sparse plan it runs (its own with epsilon); None: dense attention
 
     def __post_init__(self) -> None:
         self.all_ids = self.prompt_ids + self.output_ids
@@ -108,7 +118,7 @@ class Engine:
         *,
         device: str = "cpu",
         dtype: str = AUTO_DTYPE,
-        attention: str = "full",
+        attention: str = "auto",
         max_batch: int = 16,
         max_context: int | None = None,
         prefill_chunk: int = 256,
@@ -147,8 +157,6 @@ class Engine:
         self.use_predictor = predictor
         self.attn: AttentionBackend = self._make_backend(attention)
         self.attention_mode = attention
-        if not isinstance(self.attn, DenseAttention):
-            prefix_cache_entries = 0  # the host store cannot truncate a sequence yet, so no prefix reuse
         self.kv_bytes_per_token = cfg.kv_bytes_per_token(torch.tensor([], dtype=compute_dtype).element_size())
         self.kv_budget_bytes = kv_budget_bytes
         self.max_batch, self.prefill_chunk = max_batch, prefill_chunk
@@ -167,9 +175,12 @@ class Engine:
         wanted = self.settings.async_decode
         self.async_decode = self.device.type == "cuda" if wanted is None else wanted
         self._inflight: InFlight | None = None
+        self._epsilon_plans: dict[float, SparsePlan] = {}  # a request's epsilon -> its plan (_epsilon_plan)
 
     def _make_backend(self, mode: str, plan: SparsePlan | None = None) -> AttentionBackend:
         self.plan_origin = "given by the caller" if plan is not None else None
+        if mode == "auto":
+            return self._auto_backend(plan)
         if mode == "fluxion" and plan is None:
             plan = self._fluxion_plan()
         attn = make_attention(mode, self.config, self.dtype, self.device, max_seqs=self.max_batch + 4,
@@ -180,6 +191,24 @@ class Engine:
             attn.planner = load_planner(self.model_name, self.config, attn.plan,
                                         [lw.wo_dense() for lw in self.model.layers], self.settings)
         return attn
+
+    def _auto_backend(self, plan: SparsePlan | None) -> AutoAttention:
+        """Dense for short prompts, fluxion for long ones (sparse/auto_mode.py). The fluxion side is built now when
+        its plan is at hand, else at the first long prompt (a calibration then)."""
+        cfg = self.config
+        dense = DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, self.dtype, self.device)
+        origin = self.plan_origin
+        dense_tokens = dense_tokens_for(self.device, self.settings.auto_dense_tokens)
+        if plan is None and self.context_length <= dense_tokens:  # no prompt can be long enough for fluxion
+            return AutoAttention(dense, lambda: self._make_backend("fluxion"), dense_tokens)  # type: ignore[arg-type,return-value]
+        if plan is None:
+            found, _ = find_plan(self.model_name, self.model_path, cfg, self.settings)
+            if found is not None:
+                plan, origin = found.plan, found.origin
+        sparse = self._make_backend("fluxion", plan) if plan is not None else None
+        self.plan_origin = origin
+        return AutoAttention(dense, lambda: self._make_backend("fluxion"),  # type: ignore[arg-type,return-value]
+                             dense_tokens, sparse)  # type: ignore[arg-type]
 
     def _fluxion_plan(self) -> SparsePlan:
         """The user's or the shipped plan of this model file, else one calibrated now on the loaded model
@@ -212,6 +241,7 @@ class Engine:
             raise RequestError("set_attention: requests are still running")
         self._sync_inflight(drop=True)
         self._prefix_cache.clear()
+        self._epsilon_plans.clear()
         if self.model.graphs is not None:  # captured steps hold the old backend's buffers (its host store too)
             self.model.graphs.release_backends()
         self.attn = None  # type: ignore[assignment]  # free the old backend's KV before the new one allocates
@@ -219,12 +249,12 @@ class Engine:
             torch.cuda.empty_cache()
         self.attn = self._make_backend(mode, plan)
         self.attention_mode = mode
-        if not isinstance(self.attn, DenseAttention):
-            self.prefix_cache_entries = 0
 
     # ---- requests -------------------------------------------------------------------------------------------------
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None) -> str:
         params.validate()
+        if params.epsilon is not None:
+            self._check_epsilon(params.epsilon)
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty")
@@ -286,13 +316,25 @@ class Engine:
             seq.slot = -1
         self._pending_outputs.append(self._output(seq, [], "", "abort"))
 
+    @property
+    def auto_dense_tokens(self) -> int | None:
+        """Attention mode auto: the longest prompt that runs dense (sparse/auto_mode.py); None in other modes."""
+        return self.attn.dense_tokens if isinstance(self.attn, AutoAttention) else None
+
     def explain(self) -> str:
         """The attention plan in words (per layer: streaming vs retrieval groups, g and budget)."""
-        if isinstance(self.attn, SparseAttention):
+        attn, head = self.attn, ""
+        if isinstance(attn, AutoAttention):
+            head = attn.describe() + "\n"
+            if attn.sparse is None:
+                return head + (f"fluxion plan: none for {self.model_name} yet; one is calibrated at the first prompt "
+                               f"over {attn.dense_tokens} tokens (plan/auto_plan.py)")
+            attn = attn.sparse
+        if isinstance(attn, SparseAttention):
             origin = f"plan: {self.plan_origin}\n" if self.plan_origin else ""
-            if self.attn.planner is not None:
-                return origin + self.attn.planner.describe() + "\n" + self.attn.plan.explain()
-            return origin + self.attn.plan.explain()
+            if attn.planner is not None:
+                return head + origin + attn.planner.describe() + "\n" + attn.plan.explain()
+            return head + origin + attn.plan.explain()
         return f"attention {self.attention_mode}: dense over all {self.context_length} positions"
 
     def has_unfinished(self) -> bool:
@@ -326,7 +368,10 @@ class Engine:
     def _attach_kv(self, seq: Sequence) -> None:
         """Give the sequence a KV slot, adopting the cached sequence that shares the longest token prefix."""
         best_slot, best_len = -1, 0
+        n_prompt = len(seq.prompt_ids)
         for slot, ids in self._prefix_cache.items():
+            if not self.attn.can_reuse(slot, n_prompt):
+                continue
             common = _common_prefix(ids, seq.prompt_ids)
             if common > best_len:
                 best_slot, best_len = slot, common
@@ -337,12 +382,58 @@ class Engine:
             seq.slot, seq.num_cached, seq.cached_tokens = best_slot, reuse, reuse
             return
         seq.slot = next(self._slots)
-        self.attn.allocate(seq.slot)
+        self.attn.allocate(seq.slot, n_prompt)
+        self._place(seq)
+
+    def _place(self, seq: Sequence) -> None:
+        """Note where an admitted sequence attends and give it its own plan if it asked for an epsilon."""
+        attn = self.attn
+        if isinstance(attn, AutoAttention):
+            sparse = attn.sparse if attn.side_of(seq.slot) == "fluxion" else None
+        else:
+            sparse = attn if isinstance(attn, SparseAttention) else None
+        seq.side = "dense" if sparse is None else "fluxion"
+        if sparse is None:
+            return
+        seq.plan = sparse.plan
+        eps = seq.params.epsilon
+        if eps is not None:
+            seq.plan = self._epsilon_plan(sparse, eps)
+            sparse.assign_plan(seq.slot, seq.plan)
+
+    def _epsilon_plan(self, sparse: SparseAttention, epsilon: float) -> SparsePlan:
+        """The selector's plan at this epsilon from the model's calibration labels, with the running plan's sink
+        and window, shaped as plan/auto_plan.epsilon_plan says (cached per epsilon)."""
+        plan = self._epsilon_plans.get(epsilon)
+        if plan is None:
+            found = find_labels(self.model_name, self.model_path, self.settings)
+            if found is None:  # add_request checked while the plan was at hand; a plan made since has labels
+                raise RequestError(f"epsilon: no calibration labels for {self.model_name}")
+            plan = epsilon_plan(*found, self.config, epsilon, sparse.plan.sink, sparse.plan.window)
+            self._epsilon_plans[epsilon] = plan
+        return plan
+
+    def _check_epsilon(self, epsilon: float) -> None:
+        """A request's epsilon needs fluxion (mode fluxion or auto), CPU selection and the model's labels."""
+        attn = self.attn
+        sparse = attn.sparse if isinstance(attn, AutoAttention) else attn
+        if not isinstance(attn, AutoAttention) and not isinstance(attn, SparseAttention):
+            raise RequestError(f"epsilon: attention mode {self.attention_mode!r} is exact; epsilon applies to modes "
+                               f"auto and fluxion")
+        if isinstance(sparse, SparseAttention):
+            if sparse.selection != "cpu":
+                raise RequestError("epsilon: this engine selects blocks on the GPU, which runs one plan for every "
+                                   "request; FLUXION_SELECTION=cpu allows a plan per request")
+            if find_labels(self.model_name, self.model_path, self.settings) is None:
+                raise RequestError(f"epsilon: {self.model_name} has no calibration labels to choose a plan from "
+                                   f"(its plan is {self.plan_origin}); `fluxion-lite calibrate` makes them")
+        elif self.device.type == "cuda" and self.settings.selection != "cpu":
+            raise RequestError("epsilon: on CUDA a plan per request needs FLUXION_SELECTION=cpu")
 
     def _retire(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self._by_id.pop(seq.request_id, None)
-        if self.prefix_cache_entries <= 0:
+        if self.prefix_cache_entries <= 0 or not self.attn.can_reuse(seq.slot, 0):
             self.attn.free(seq.slot)
             return
         self._prefix_cache[seq.slot] = seq.all_ids[: seq.num_cached]
@@ -472,8 +563,12 @@ class Engine:
         seq.finish_reason = reason
         return self._output(seq, [token], new_text, reason)
 
-    @staticmethod
-    def _output(seq: Sequence, ids: list[int], text: str, reason: str | None) -> RequestOutput:
+    def _output(self, seq: Sequence, ids: list[int], text: str, reason: str | None) -> RequestOutput:
+        read = None
+        if reason is not None and seq.side:
+            n = len(seq.all_ids)
+            read = 1.0 if seq.plan is None else plan_bytes_fraction(seq.plan, n, self.config.head_dim)[0]
+        own = seq.plan is not None and seq.params.epsilon is not None
         return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=ids,
@@ -483,6 +578,9 @@ class Engine:
             prompt_tokens=len(seq.prompt_ids),
             completion_tokens=len(seq.output_ids),
             cached_tokens=seq.cached_tokens,
+            attention=seq.side,
+            epsilon=seq.params.epsilon if own else None,
+            kv_read_fraction=read,
         )
 
 

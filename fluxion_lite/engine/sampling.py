@@ -29,6 +29,8 @@ class SamplingParams:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    # fluxion's error bound for this request (the selector's epsilon; the model's plan when None): smaller reads more
+    epsilon: float | None = None
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> RequestError:
@@ -56,6 +58,9 @@ class SamplingParams:
             raise bad("stop", "must be a list of non-empty strings")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if self.epsilon is not None and not (isinstance(self.epsilon, (int, float)) and not isinstance(self.epsilon, bool)
+                                             and 0.0 < self.epsilon <= 100.0):
+            raise bad("epsilon", "must be a number in (0, 100]")
 
     @property
     def greedy(self) -> bool:

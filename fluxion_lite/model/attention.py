@@ -31,7 +31,9 @@ class AttentionBackend(ABC):
     """Owns the KV cache of every live sequence and computes attention over it."""
 
     @abstractmethod
-    def allocate(self, seq_id: int) -> None: ...
+    def allocate(self, seq_id: int, prompt_tokens: int = 0) -> None:
+        """A KV cache for a new sequence; prompt_tokens: the length of the prompt it starts with (a backend that
+        places sequences by length reads it; 0: unknown)."""
 
     @abstractmethod
     def free(self, seq_id: int) -> None: ...
@@ -50,6 +52,11 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (T = sum of chunk lengths, packed in chunk order) -> out [T, Hq, D]."""
+
+    def can_reuse(self, seq_id: int, prompt_tokens: int) -> bool:
+        """Whether a finished sequence's KV may be truncated and continued by a new prompt of this length (the
+        engine's prefix cache); False: free it when the sequence ends."""
+        return False
 
     def stats(self) -> dict[str, float]:
         """Backend-specific counters (sparse statistics); empty for dense attention."""
@@ -285,8 +292,11 @@ class DenseAttention(AttentionBackend):
         # fp32 cache on the CPU: decode steps through native_decode_attention
         self._native_decode = torch.device(device).type == "cpu" and dtype == torch.float32
 
-    def allocate(self, seq_id: int) -> None:
+    def allocate(self, seq_id: int, prompt_tokens: int = 0) -> None:
         self.cache.allocate(seq_id)
+
+    def can_reuse(self, seq_id: int, prompt_tokens: int) -> bool:
+        return True
 
     def free(self, seq_id: int) -> None:
         self.cache.free(seq_id)

@@ -10,7 +10,7 @@ def run_calibration(model_name: str, *, samples: int = 4, context: int = 2048, p
     """Calibrate a catalog model (or .gguf path) on planted-fact essay prompts; deterministic for a given seed."""
     from fluxion_lite.engine.engine import Engine
 
-    engine = Engine(model_name, dtype="float32", prefix_cache_entries=0)  # dense fp32: the labels' reference
+    engine = Engine(model_name, attention="full", dtype="float32", prefix_cache_entries=0)  # dense fp32: the labels' reference
     return calibrate_loaded(engine.model, engine.tokenizer, model_name, samples=samples, context=context,
                             positions=positions, sink=sink, window=window, seed=seed)
 

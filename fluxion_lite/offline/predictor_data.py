@@ -177,7 +177,7 @@ def collect(model_name: str, *, samples: int, context: int, positions: int, sink
 
     if threads:
         torch.set_num_threads(threads)
-    engine = Engine(model_name, dtype="float32", prefix_cache_entries=0)  # dense fp32: the labels' reference
+    engine = Engine(model_name, attention="full", dtype="float32", prefix_cache_entries=0)  # dense fp32: the labels' reference
     tok = engine.tokenizer
     assert tok is not None
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from fluxion_lite.hub.catalog import file_record, file_sha256, read_record, record_is_current, write_record
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.plan import files as plan_files
-from fluxion_lite.plan.selector import DEFAULT_EPSILON, Labels, save_labels, select_plan
+from fluxion_lite.plan.recipe import first_use_recipe, request_recipe
+from fluxion_lite.plan.selector import DEFAULT_EPSILON, Labels, load_labels, save_labels, select_plan
 from fluxion_lite.plan.sparse_plan import SparsePlan
 from fluxion_lite.settings import Settings
 
@@ -80,35 +81,69 @@ def write_plan(folder: Path, key: str, plan: SparsePlan, model_path: Path, label
     return plan_path
 
 
+def find_plan(model_name: str, model_path: Path, cfg: ModelConfig, settings: Settings | None = None
+              ) -> tuple[PlanChoice | None, str]:
+    """The plan that fits this model file without calibrating (the user's, else the shipped one), or None and why
+    there is none."""
+    key = plan_key(model_name)
+    user = plan_files.user_dir(settings)
+    user_plan, stamp_path = user / f"{key}.plan.json", user / f"{key}{STAMP_SUFFIX}"
+    if user_plan.is_file():
+        if not stamp_path.is_file():
+            return PlanChoice(_load(user_plan, cfg), f"your plan {user_plan}"), ""
+        stamp = read_record(stamp_path) or {}
+        if stamp_matches(stamp, model_path):
+            return PlanChoice(_load(user_plan, cfg), f"calibrated for this file (sha256 {str(stamp['sha256'])[:12]}), "
+                                                     f"{user_plan}"), ""
+        return None, f"{model_path.name} is not the file the plan {user_plan} was calibrated for"
+    shipped = plan_files.shipped_dir() / f"{key}.plan.json"
+    if shipped.is_file():
+        return PlanChoice(_load(shipped, cfg), f"shipped with fluxion-lite, {shipped}"), ""
+    return None, f"no plan for {key}"
+
+
+def find_labels(model_name: str, model_path: Path, settings: Settings | None = None
+                ) -> tuple[Labels, dict[str, object]] | None:
+    """The calibration labels behind this model file's plan (the user's when their stamp fits the file, else the
+    shipped ones), from which the selector makes a plan at any epsilon; None when there are none."""
+    key = plan_key(model_name)
+    user = plan_files.user_dir(settings)
+    stamp_path = user / f"{key}{STAMP_SUFFIX}"
+    user_labels = user / f"{key}.calib.json"
+    if user_labels.is_file() and (not stamp_path.is_file() or stamp_matches(read_record(stamp_path) or {}, model_path)):
+        return load_labels(user_labels)
+    shipped = plan_files.shipped_dir() / f"{key}.calib.json"
+    return load_labels(shipped) if shipped.is_file() else None
+
+
+def epsilon_plan(labels: Labels, meta: dict[str, object], cfg: ModelConfig, epsilon: float, sink: int,
+                 window: int) -> SparsePlan:
+    """A request's own plan: the selector's plan at this epsilon with the running plan's sink and window, shaped by
+    the recipe's first step (plan/recipe.py)."""
+    context = int(meta.get("context", AUTO_CONTEXT))  # type: ignore[call-overload]
+    selected = select_plan(labels, cfg.n_layers, cfg.n_kv_heads, epsilon, context, sink, window, cfg.head_dim,
+                           source=f"epsilon={epsilon:g}, for one request")
+    return request_recipe(selected, context)
+
+
 def choose_plan(model_name: str, model_path: Path, cfg: ModelConfig, calibrate: Calibrate,
                 settings: Settings | None = None, log: Callable[[str], None] | None = None) -> PlanChoice:
     """The plan `fluxion` runs for this model file (module docstring), calibrating now where none fits."""
     log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
-    key = plan_key(model_name)
-    user = plan_files.user_dir(settings)
-    user_plan, stamp_path = user / f"{key}.plan.json", user / f"{key}{STAMP_SUFFIX}"
-    why = f"no plan for {key}"
-    if user_plan.is_file():
-        if not stamp_path.is_file():
-            return PlanChoice(_load(user_plan, cfg), f"your plan {user_plan}")
-        stamp = read_record(stamp_path) or {}
-        if stamp_matches(stamp, model_path):
-            return PlanChoice(_load(user_plan, cfg), f"calibrated for this file (sha256 {str(stamp['sha256'])[:12]}), "
-                                                     f"{user_plan}")
-        why = f"{model_path.name} is not the file the plan {user_plan} was calibrated for"
-    else:
-        shipped = plan_files.shipped_dir() / f"{key}.plan.json"
-        if shipped.is_file():
-            return PlanChoice(_load(shipped, cfg), f"shipped with fluxion-lite, {shipped}")
+    found, why = find_plan(model_name, model_path, cfg, settings)
+    if found is not None:
+        return found
+    key, user = plan_key(model_name), plan_files.user_dir(settings)
     context = min(AUTO_CONTEXT, cfg.context_length // 2)
     if context <= AUTO_POSITIONS + AUTO_SINK + AUTO_WINDOW:
         raise ValueError(f"{model_path.name}: a context of {cfg.context_length} tokens is too short to calibrate a "
                          f"fluxion plan; use attention='full'")
     log(f"fluxion: {why}: calibrating one on {AUTO_SAMPLES} prompts of {context} tokens (once; kept in {user})")
     labels, meta = calibrate(AUTO_SAMPLES, context, AUTO_POSITIONS, AUTO_SINK, AUTO_WINDOW)
-    plan = select_plan(labels, cfg.n_layers, cfg.n_kv_heads, DEFAULT_EPSILON, context, AUTO_SINK, AUTO_WINDOW,
-                       cfg.head_dim, source=f"calibrated on first use, {AUTO_SAMPLES} x {context} tokens, "
-                                            f"epsilon={DEFAULT_EPSILON:g}")
+    selected = select_plan(labels, cfg.n_layers, cfg.n_kv_heads, DEFAULT_EPSILON, context, AUTO_SINK, AUTO_WINDOW,
+                           cfg.head_dim, source=f"calibrated on first use, {AUTO_SAMPLES} x {context} tokens, "
+                                                f"epsilon={DEFAULT_EPSILON:g}")
+    plan = first_use_recipe(selected, context)  # shaped as the shipped 0.5b plan was (plan/recipe.py)
     path = write_plan(user, key, plan, model_path, labels, meta)
     plan.validate(cfg.n_layers, cfg.n_kv_heads)
     return PlanChoice(plan, f"calibrated now for this file, {path}")

@@ -1,4 +1,8 @@
-"""Per-request sparse plans: the head-property predictor run on a sequence's own prefill.
+"""Per-request sparse plans: a request's own error bound (epsilon), or the head-property predictor run on a
+sequence's own prefill.
+
+assign(seq, plan) gives a sequence a plan of its own (the engine's, for a request that sets epsilon: the selector's
+plan at that epsilon from the model's calibration labels). With a predictor, the hooks below plan the others:
 
 SparseAttention calls three hooks (and nothing else changes for it):
   record(layer, seq, q_chunk)          every prefill chunk: keep the last FEATURE_QUERIES queries of the layer
@@ -39,7 +43,7 @@ class RowPlan:
 
 
 class RequestPlanner:
-    def __init__(self, predictor: Predictor, static: SparsePlan, cfg: ModelConfig, wo: list[torch.Tensor],
+    def __init__(self, predictor: Predictor | None, static: SparsePlan, cfg: ModelConfig, wo: list[torch.Tensor],
                  min_context: int = 0):
         self.pred, self.static, self.cfg, self.wo = predictor, static, cfg, wo
         self.r = cfg.n_heads // cfg.n_kv_heads
@@ -50,6 +54,9 @@ class RequestPlanner:
         self._exact_long_rows = static.exact_long_rows
         self._q: dict[tuple[int, int], torch.Tensor] = {}  # (seq, layer) -> [<=Q, Hq, D]
         self._plans: dict[int, tuple[np.ndarray, ...]] = {}  # seq -> ([L,Hkv] x 4), as _static
+        # assigned plans whose context scaling differs from the static plan's (a step scales every row's budgets by
+        # the static plan's factor at its context; rows() corrects these rows to their own plan's)
+        self._own: dict[int, SparsePlan] = {}
         self._done: set[int] = set()  # sequences whose first decode step planned them (or found nothing to plan)
         self._version = 0
         self._cache: tuple[object, int, RowPlan | None] | None = None
@@ -59,8 +66,30 @@ class RequestPlanner:
         self.last_seq: int | None = None
         self.last_plan: SparsePlan | None = None
 
+    def assign(self, seq_id: int, plan: SparsePlan) -> None:
+        """The sequence runs this plan (same shape and sink/window as the static plan) instead of the static one or
+        the predictor's."""
+        if (plan.sink, plan.window) != (self.static.sink, self.static.window):
+            raise ValueError(f"a per-request plan keeps the static plan's sink {self.static.sink} and window "
+                             f"{self.static.window}; got {plan.sink} and {plan.window}")
+        self._plans[seq_id] = tuple(a.copy() for a in plan.arrays())  # type: ignore[assignment]
+        self._own[seq_id] = plan
+        self._done.add(seq_id)  # the predictor leaves it alone
+        self._version += 1
+
+    @property
+    def predicts(self) -> bool:
+        """Whether a predictor plans sequences (else only assigned plans differ from the static one)."""
+        return self.pred is not None
+
+    def active(self) -> bool:
+        """Whether some live sequence has or may get a plan of its own (the decode step must run eagerly)."""
+        return self.pred is not None or bool(self._plans)
+
     # ---- hooks ----------------------------------------------------------------------------------------------------
     def record(self, layer: int, seq_id: int, q: torch.Tensor) -> None:
+        if self.pred is None or seq_id in self._done:
+            return
         tail = q[-FEATURE_QUERIES:]
         prev = self._q.get((seq_id, layer))
         if prev is not None and tail.shape[0] < FEATURE_QUERIES:
@@ -72,7 +101,7 @@ class RequestPlanner:
         K/V [Hkv, N, D] from the dense scratch, which holds every layer until that step ends. The first call plans
         all layers at once (head_features.prompt_features: the features' tensor ops once per batch of layers, not
         per layer); the other calls return at once."""
-        if seq_id in self._done:
+        if self.pred is None or seq_id in self._done:
             return
         self._done.add(seq_id)
         c = self.cfg
@@ -105,6 +134,7 @@ class RequestPlanner:
             self.last_plan = self.plan_of(seq_id)
             self.last_seq = None
         self._plans.pop(seq_id, None)
+        self._own.pop(seq_id, None)
         self._done.discard(seq_id)
         for key in [k for k in self._q if k[0] == seq_id]:
             del self._q[key]
@@ -117,6 +147,11 @@ class RequestPlanner:
         if any(s in self._plans for s in seq_ids):
             per = [self._plans.get(s, self._static) for s in seq_ids]
             ret, g, bud, long_only = (np.stack([p[i] for p in per], axis=1) for i in range(4))
+            n = getattr(step, "n", None)  # [B] each row's context (DecodeStep)
+            for b, s in enumerate(seq_ids):
+                own = self._own.get(s)
+                if own is not None and n is not None:  # the step applies the static factor: make it this plan's
+                    bud[:, b] *= float(own.budget_factor(int(n[b]))) / float(self.static.budget_factor(int(n[b])))
             gidx = group_rows(g, long_only, self._exact_long_rows)
             rp = RowPlan(ret, g, bud, gidx, torch.from_numpy(gidx).to(device), long_only if long_only.any() else None)
         self._cache = (step, self._version, rp)
@@ -124,6 +159,8 @@ class RequestPlanner:
 
     # ---- reporting ------------------------------------------------------------------------------------------------
     def plan_of(self, seq_id: int) -> SparsePlan | None:
+        if seq_id in self._own:
+            return self._own[seq_id]
         if seq_id not in self._plans:
             return None
         ret, g, bud, long_only = self._plans[seq_id]
@@ -135,6 +172,9 @@ class RequestPlanner:
                           short_scale=st.short_scale, short_tokens=st.short_tokens, budget_curve=st.budget_curve)
 
     def describe(self) -> str:
+        if self.pred is None:
+            return ("per-request plans: a request that sets epsilon runs the selector's plan at that epsilon (from "
+                    "the model's calibration labels); the others the plan below")
         m = self.pred.meta
         ho = m.get("heldout", {})
         line = (f"per-request plans: predictor {m.get('model')} ({self.pred.n_params:,} parameters, epsilon "

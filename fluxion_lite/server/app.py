@@ -139,6 +139,7 @@ class _Generation:
     completion_tokens: int = 0
     cached_tokens: int = 0
     finish_reason: str | None = None
+    attention: dict[str, Any] | None = None  # how the request attended (usage.attention), once finished
     t_first: float | None = None
     t_last: float | None = None
     closed: bool = False
@@ -155,11 +156,17 @@ class _Generation:
         self.cached_tokens = out.cached_tokens
         if out.finished:
             self.finish_reason = out.finish_reason
+            if getattr(out, "attention", ""):
+                self.attention = {"mode": out.attention, "epsilon": out.epsilon,
+                                  "kv_read_fraction": out.kv_read_fraction}
 
     def usage(self) -> dict[str, Any]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        usage = {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                 "total_tokens": self.prompt_tokens + self.completion_tokens,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        if self.attention is not None:  # an extension: dense or fluxion, the request's epsilon, the plan's KV read
+            usage["attention"] = self.attention
+        return usage
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -436,6 +443,7 @@ class ChatServer:
             "device": self.config.device, "dtype": self.config.dtype, "max_batch": self.config.max_batch,
             "max_queue": self.bridge.max_queue, "api_key_required": self.config.api_key is not None,
             "load_seconds": self.bridge.load_seconds, "plan_origin": getattr(engine, "plan_origin", None),
+            "auto_dense_tokens": getattr(engine, "auto_dense_tokens", None),
         })
 
     async def page(self, request: Request) -> Response:
@@ -544,7 +552,7 @@ def build_engine_loader(args: Any, settings: Settings | None = None) -> Callable
         kwargs: dict[str, Any] = {
             "device": getattr(args, "device", None) or "cpu",
             "dtype": getattr(args, "dtype", None) or "auto",
-            "attention": getattr(args, "attention", None) or "full",
+            "attention": getattr(args, "attention", None) or "auto",
             "max_batch": getattr(args, "max_batch", None) or 16,
             "max_context": getattr(args, "max_context", None),
             "predictor": bool(getattr(args, "predictor", False)),
@@ -603,7 +611,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--attention", default="full")
+    parser.add_argument("--attention", default="auto")
     parser.add_argument("--max-batch", type=int, default=16)
     parser.add_argument("--max-queue", type=int, default=64)
     parser.add_argument("--max-context", type=int, default=None)

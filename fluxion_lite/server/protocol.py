@@ -66,12 +66,13 @@ class SamplingFields:
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    epsilon: float | None = None  # fluxion's error bound for this request (an extension; SamplingParams.epsilon)
 
     def as_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for `SamplingParams`, leaving out what the client did not set."""
         kwargs: dict[str, Any] = {"stop": list(self.stop), "ignore_eos": self.ignore_eos}
         for name in ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty", "seed"):
+                     "presence_penalty", "frequency_penalty", "seed", "epsilon"):
             value = getattr(self, name)
             if value is not None:
                 kwargs[name] = value
@@ -205,6 +206,9 @@ def _sampling(body: dict[str, Any], max_tokens_field: str = "max_tokens") -> Sam
                           "max_completion_tokens")
         max_tokens = mct if mct is not None else max_tokens
     ignore_eos = _opt_bool(body, "ignore_eos")
+    epsilon = _opt_float(body, "epsilon", lo=0.0, hi=100.0)
+    if epsilon == 0.0:
+        raise invalid("'epsilon' must be > 0 (smaller reads more of the KV; full attention is mode full)", "epsilon")
     return SamplingFields(
         max_tokens=max_tokens,
         temperature=_opt_float(body, "temperature", lo=0.0, hi=2.0),
@@ -217,12 +221,13 @@ def _sampling(body: dict[str, Any], max_tokens_field: str = "max_tokens") -> Sam
         seed=_opt_int(body, "seed"),
         stop=_stop(body),
         ignore_eos=bool(ignore_eos),
+        epsilon=epsilon,
     )
 
 
 # Fields shared by both endpoints that we check and honour.
 _SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-                    "frequency_penalty", "seed", "stop", "ignore_eos", "stream", "stream_options", "model"}
+                    "frequency_penalty", "seed", "stop", "ignore_eos", "stream", "stream_options", "model", "epsilon"}
 # Accepted and ignored: they do not change what is generated.
 _IGNORED_FIELDS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prompt_cache_key",
                    "safety_identifier"}

@@ -111,7 +111,13 @@ class SparseAttention(AttentionBackend):
         # research/mixed_step.py's "+blocking-append" variants, for A/B)
         self.overlap_chunk_append = True
         self.timer = Timer(device)
-        base = costs or measure_costs(str(device) if cuda else "cpu")
+        if host_decode is None:
+            host_decode = not cuda and selection == "cpu"
+        elif host_decode and (cuda or selection != "cpu"):
+            raise ValueError("host_decode needs a CPU device and selection='cpu'")
+        # the hybrid step's scheduler places tasks by measured rates; host_decode has one side and never asks, so it
+        # skips the ~1 s bandwidth probe (zero rates: stats() shows them unmeasured)
+        base = costs or (Costs(0.0, 0.0, None) if host_decode else measure_costs(str(device) if cuda else "cpu"))
         if not cuda and costs is None:  # the "GPU" side is torch on this CPU: model it as a slow but usable side
             base = Costs(base.cpu_gbs, base.gather_gbs, h2d_gbs=base.cpu_gbs, cpu_fixed_s=base.cpu_fixed_s,
                          gather_fixed_s=base.gather_fixed_s)
@@ -134,10 +140,6 @@ class SparseAttention(AttentionBackend):
         self._t_step = 0.0
         self.serial = next(_serials)
         self.host_capture = GraphedDecode(self)
-        if host_decode is None:
-            host_decode = not cuda and selection == "cpu"
-        elif host_decode and (cuda or selection != "cpu"):
-            raise ValueError("host_decode needs a CPU device and selection='cpu'")
         self.host_decode = HostDecode(self) if host_decode else None
         self.device_capture: DeviceGraphedDecode | None = None  # made at the first graphable device-selection step
         # block scoring of the native top-k (native.SCORINGS), for the eager and the graphed decode paths alike:
@@ -174,7 +176,7 @@ class SparseAttention(AttentionBackend):
         a token still landing in the sink, per-request plans, device selection without the zero-copy feeder or with
         the unread-background term at a retrieval block size other than 16 (the device term reads g = 16
         summaries), or decode layers on the host (host_decode: no device work to capture)."""
-        if self.planner is not None or self.host_decode is not None:
+        if (self.planner is not None and self.planner.active()) or self.host_decode is not None:
             return None
         if any(c.length != 1 or c.seq_id in self.state.prefilling or c.start < self.state.sink_cap for c in chunks):
             return None
@@ -211,7 +213,7 @@ class SparseAttention(AttentionBackend):
         return ok
 
     # ---- sequence lifecycle ---------------------------------------------------------------------------------------
-    def allocate(self, seq_id: int) -> None:
+    def allocate(self, seq_id: int, prompt_tokens: int = 0) -> None:
         if seq_id in self.state.slot:
             raise ValueError(f"sequence {seq_id} already has a KV cache")
         slot = self.store.allocate()
@@ -238,6 +240,16 @@ class SparseAttention(AttentionBackend):
         self.state.step = None
         if self.planner is not None:
             self.planner.forget(seq_id)
+
+    def assign_plan(self, seq_id: int, plan: SparsePlan) -> None:
+        """An allocated sequence runs `plan` instead of the static one (a request's own epsilon). Needs CPU
+        selection: the device step runs one plan for the whole batch."""
+        if self.selection != "cpu":
+            raise ValueError("a per-request plan needs CPU selection (FLUXION_SELECTION=cpu); the device step runs "
+                             "one plan for every sequence")
+        if self.planner is None:
+            self.planner = RequestPlanner(None, self.plan, self.cfg, [])
+        self.planner.assign(seq_id, plan)
 
     def truncate(self, seq_id: int, n_tokens: int) -> None:
         raise NotImplementedError("the sparse backend does not support prefix reuse yet")
@@ -334,7 +346,10 @@ class SparseAttention(AttentionBackend):
                 dec.append(c)
                 if self.planner is not None and c.seq_id in self.state.prefilling:  # prefill ended: plan this layer
                     self.planner.prefill_done(layer, c.seq_id, lambda i, s=c.seq_id: self.scratch.view(i, s))
-                if self.pins is not None and self.planner is None and c.seq_id in self.state.prefilling:
+                # pins belong to the static plan: made for every sequence unless a predictor plans them all (a step
+                # reads them only while no row in it has a plan of its own)
+                if (self.pins is not None and (self.planner is None or not self.planner.predicts)
+                        and c.seq_id in self.state.prefilling):
                     self.pins.pin(layer, c.seq_id, slot, lambda i, s=c.seq_id: self.scratch.view(i, s)[0],
                                   c.start + 1, self.scale)
                 if layer == self.cfg.n_layers - 1 and c.seq_id in self.state.prefilling:

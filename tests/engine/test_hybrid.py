@@ -8,7 +8,7 @@ import torch
 
 from fluxion_lite.model.attention import SeqChunk, causal_attention
 from fluxion_lite.model.config import ModelConfig
-from fluxion_lite.engine.engine import make_attention
+from fluxion_lite.engine.engine import fixed_plan, make_attention
 from fluxion_lite.sparse.attend import block_attention, lse_merge
 from fluxion_lite.sparse.cost_model import Costs
 from fluxion_lite.sparse.backend import SparseAttention
@@ -133,10 +133,9 @@ def test_host_store_receives_decode_tokens_completely(host_decode: bool) -> None
     """The hybrid step appends a decode token one step late (its streaming part reads the device slab meanwhile);
     the host decode path appends it before the layer reads the store."""
     cfg = config()
-    attn = make_attention("fixed", cfg, torch.float32, torch.device("cpu"), 2, "synthetic")
-    assert attn.host_decode is not None  # the default on a CPU device
-    if not host_decode:
-        attn.host_decode = None
+    assert make_attention("fixed", cfg, torch.float32, torch.device("cpu"), 2, "synthetic").host_decode is not None
+    attn = SparseAttention(cfg, fixed_plan(cfg), torch.float32, torch.device("cpu"), max_seqs=2, placement="cpu",
+                           host_decode=host_decode)  # host decode: the default on a CPU device
     lengths, n_dec = [300], 3
     _, data = run(attn, cfg, lengths, n_dec)
     assert attn.store.n_tokens(0, 0) == (303 if host_decode else 302)  # hybrid: the last token still queued

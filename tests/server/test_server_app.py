@@ -143,10 +143,29 @@ def test_models_props_tokenize_detokenize(client: TestClient, engine: Any) -> No
     assert models["object"] == "list" and models["data"][0]["id"] == MODEL
     assert models["data"][0]["max_model_len"] == engine.context_length
     props = client.get("/props").json()
-    assert props["context_length"] == engine.context_length and props["attention_mode"] == "full"
+    assert props["context_length"] == engine.context_length and props["attention_mode"] == "auto"
+    assert props["auto_dense_tokens"] == engine.auto_dense_tokens == 2048
     toks = client.post("/tokenize", json={"content": "hello world", "add_special": False}).json()
     assert toks["tokens"] == engine.tokenizer.encode("hello world", add_special=False)
     assert client.post("/detokenize", json={"tokens": toks["tokens"]}).json() == {"content": "hello world"}
+
+
+def test_usage_says_how_a_request_attended_and_takes_its_epsilon(client: TestClient, engine: Any) -> None:
+    """Mode auto: a short prompt ran dense (reads all its KV), a long one fluxion; a request's own epsilon is used
+    and reported, a smaller one reading more; a bad epsilon is a 400 naming the field."""
+    short = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2}).json()
+    assert short["usage"]["attention"] == {"mode": "dense", "epsilon": None, "kv_read_fraction": 1.0}
+    long_prompt = engine.tokenizer.decode(list(range(1000, 3400)))  # ~2,400 tokens: over the crossover
+    reads = {}
+    for eps in (None, 0.02, 1.0):
+        body = {"prompt": long_prompt, "max_tokens": 2, **({} if eps is None else {"epsilon": eps})}
+        usage = client.post("/v1/completions", json=body).json()["usage"]
+        assert usage["attention"]["mode"] == "fluxion" and usage["attention"]["epsilon"] == eps
+        reads[eps] = usage["attention"]["kv_read_fraction"]
+    assert 0 < reads[1.0] < reads[0.02] < 1
+    for bad in (0, -1, "small", 1000):
+        r = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2, "epsilon": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "epsilon", r.text
 
 
 def test_health_page_and_metrics(client: TestClient) -> None:

@@ -23,7 +23,7 @@ EXPERIMENTAL = {"FLUXION_BA_DOT", "FLUXION_BA_WARPS", "FLUXION_BA_ENTRIES", "FLU
                 "FLUXION_L2_HINTS", "FLUXION_GEMV_FUSE", "FLUXION_GEMV_CONFIG", "FLUXION_REUSE_SHARE",
                 "FLUXION_DEVICE_TOPK", "FLUXION_DEVICE_GRAPHS", "FLUXION_MIXED_SELECT", "FLUXION_STREAM_STORES"}
 # a value each knob refuses (the free-text ones, a path, a token, a directory, take anything)
-BAD = {"FLUXION_THREADS": "0", "FLUXION_SIMD": "sse2", "FLUXION_CUDA_GRAPHS": "off", "FLUXION_ZERO_COPY": "yes",
+BAD = {"FLUXION_THREADS": "0", "FLUXION_AUTO_DENSE_TOKENS": "-1", "FLUXION_SIMD": "sse2", "FLUXION_CUDA_GRAPHS": "off", "FLUXION_ZERO_COPY": "yes",
        "FLUXION_HUGEPAGES": "2", "FLUXION_BACKGROUND": "some", "FLUXION_TOPK": "perhead", "FLUXION_SELECTION": "fast",
        "FLUXION_TRITON": "true", "FLUXION_PIN_CACHE": "no", "FLUXION_REUSE_CACHE": "-1", "FLUXION_STEP_OVERLAP": "on",
        "FLUXION_STREAM_BRANCH": "x", "FLUXION_EARLY_SELECT": "01", "FLUXION_DENSE_KERNELS": "True",
@@ -124,7 +124,7 @@ g = os.environ.get("HOME")
 
 def test_every_knob_is_declared_once_with_its_reference() -> None:
     envs = [k.env for k in KNOBS]
-    assert len(envs) == len(set(envs)) == 33 and all(e.startswith("FLUXION_") for e in envs)
+    assert len(envs) == len(set(envs)) == 34 and all(e.startswith("FLUXION_") for e in envs)
     assert {k.env for k in KNOBS if k.experimental} == EXPERIMENTAL
     assert set(BAD) | FREE_TEXT == set(envs)
     for k in KNOBS:
