@@ -76,6 +76,8 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="auto: the CPU default (weights kept in the file's block formats)")
     ap.add_argument("--threads", type=int, default=0, help="threads for both engines (0: torch's default)")
+    ap.add_argument("--torch-threads", type=int, default=0,
+                    help="torch's intra-op threads in our engine if not --threads (the native pool keeps --threads)")
     ap.add_argument("--attention", nargs="+", default=["full"], choices=["full", "fluxion"],
                     help="our attention modes, each against the same llama.cpp run (which is full attention)")
     ap.add_argument("--out", default=None, help="default bench/results/speed[_<dtype>].json")
@@ -84,6 +86,8 @@ def main() -> None:
         torch.set_num_threads(args.threads)
         native.set_threads(args.threads)
     threads = torch.get_num_threads()
+    if args.torch_threads:
+        torch.set_num_threads(args.torch_threads)
     base_rss = rss_bytes()
     rows = []
     print(f"machine: {platform.node()} {platform.processor()} cores={os.cpu_count()} torch threads={threads}")
@@ -132,6 +136,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name")), "?")
     out.write_text(json.dumps({"machine": platform.node(), "cpu": cpu, "threads": threads, "dtype": args.dtype,
+                               "torch_threads": torch.get_num_threads(),
                                "attention": args.attention,
                                "load_avg_1m_at_end": os.getloadavg()[0], "rows": rows}, indent=2))
     print(f"wrote {out}")
