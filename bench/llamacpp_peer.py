@@ -95,54 +95,11 @@ def build(tgz: Path, work: Path, cuda_arch: str, jobs: int) -> None:
 
 
 def write_gguf(shape_name: str, out: Path, seed: int) -> None:
-    """Random F16 weights (std 0.02, a 32 MiB random block tiled: values matter to no timing); norms 1 in F32."""
-    import gguf
-    from fluxion_lite.model.config import ModelConfig
-    from fluxion_lite.model.gguf_loader import tensor_shapes
+    """A random F16 GGUF of the shape (bench/random_gguf.py)."""
     sys.path.insert(0, str(HERE))
-    from model_shapes import SHAPES
-    s = SHAPES[shape_name]
-    if s["arch"] != "llama":
-        raise SystemExit(f"--shape {shape_name}: only llama-arch shapes are written (got {s['arch']})")
-    cfg = ModelConfig(**s, context_length=131072, rms_eps=1e-5, rope_dim=s["head_dim"])
-    d, vocab = s["d_model"], s["vocab_size"]
-    w = gguf.GGUFWriter(str(out), "llama")
-    w.add_context_length(131072)
-    w.add_embedding_length(d)
-    w.add_block_count(s["n_layers"])
-    w.add_feed_forward_length(s["d_ff"])
-    w.add_head_count(s["n_heads"])
-    w.add_head_count_kv(s["n_kv_heads"])
-    w.add_rope_dimension_count(s["head_dim"])
-    w.add_rope_freq_base(s["rope_theta"])
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    # a SentencePiece-style vocabulary of the right size: unk, bos, eos, the 256 byte tokens, then plain pieces
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
-    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
-    tokens += [f"tok{i}" for i in range(len(tokens), vocab)]
-    types += [gguf.TokenType.NORMAL] * (vocab - len(types))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * vocab)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    shapes = tensor_shapes(cfg)  # the engine's own list: [out, in] as numpy writes it; gguf reverses for ggml
-    for name, shp in shapes.items():
-        dtype = np.dtype(np.float16 if len(shp) == 2 else np.float32)
-        w.add_tensor_info(name, shp, dtype, int(np.prod(shp)) * dtype.itemsize)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_ti_data_to_file()
-    block = (np.random.default_rng(seed).standard_normal(1 << 24) * 0.02).astype(np.float16)
-    t0 = time.time()
-    for shp in shapes.values():
-        n = int(np.prod(shp))
-        w.write_tensor_data(np.resize(block, n) if len(shp) == 2 else np.ones(n, dtype=np.float32))
-    w.close()
-    print(f"wrote {out}: {out.stat().st_size / 2**30:.2f} GiB in {time.time() - t0:.0f} s")
+    import random_gguf
+
+    random_gguf.write(shape_name, out, "f16", seed)
 
 
 def run(binary: Path, model: Path, depths: list[int], steps: int, threads: int, out: Path) -> None:
