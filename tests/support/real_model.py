@@ -16,7 +16,7 @@ MODEL = "smollm2-135m"
 def engine() -> Engine:
     # dequantised fp32 weights: these tests compare attention paths to 1e-3, and the quantized default's 8-bit
     # activation blocks turn the host store's bf16 rounding into rounding-step jumps downstream
-    return Engine(MODEL, max_context=2048, prefix_cache_entries=0, dtype="float32")
+    return Engine(MODEL, attention="full", max_context=2048, prefix_cache_entries=0, dtype="float32")
 
 
 def decode_logits(engine: Engine, attn: object, tokens: list[int], n_decode: int) -> torch.Tensor:
