@@ -276,6 +276,10 @@ class Engine:
                 f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {n + params.max_tokens} exceeds the "
                 f"context length {ctx}"
             )
+        if isinstance(self.attn, AutoAttention) and self.attn.sparse is None and self.attn.side_for(n) == "fluxion":
+            # the first long prompt builds the fluxion side (a first-use calibration) here, so that a failure is
+            # this request's error rather than one inside step() that no request owns
+            self.attn.fluxion()
         need = (n + params.max_tokens) * self.kv_bytes_per_token
         if self.kv_budget_bytes is not None and need > self.kv_budget_bytes:
             raise CapacityError(

@@ -1,11 +1,16 @@
 """Attention mode auto (sparse/auto_mode.py): each request dense or fluxion by its prompt length, in one batch."""
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
 from fluxion_lite.engine.engine import Engine
 from fluxion_lite.engine.sampling import SamplingParams
+from fluxion_lite.errors import RequestError
+from fluxion_lite.hub.resolve import resolve_model
 from fluxion_lite.model.attention import DenseAttention
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.plan.calibration_text import essay_text
@@ -124,3 +129,17 @@ def test_the_crossover_comes_from_the_setting_else_the_device_kind() -> None:
     assert dense_tokens_for(torch.device("cpu"), None) == DENSE_TOKENS["cpu"]
     assert dense_tokens_for(torch.device("cpu"), 0) == 0
     assert dense_tokens_for(torch.device("cuda"), None) == DENSE_TOKENS["cuda"]
+
+
+def test_a_first_long_prompt_that_cannot_build_fluxion_is_that_requests_error(tmp_path: Path) -> None:
+    """A model with no plan, loaded without its tokenizer: the first long prompt needs a calibration, which needs the
+    tokenizer. add_request says so (no request is left half-admitted inside step), and short prompts still run."""
+    path = tmp_path / "no-plan-model.gguf"
+    shutil.copyfile(resolve_model(MODEL, pull_missing=False), path)
+    settings = Settings.load({"FLUXION_CACHE_DIR": str(tmp_path / "cache")}, auto_dense_tokens=DENSE)
+    engine = Engine(str(path), max_context=2048, dtype="float32", load_tokenizer=False, settings=settings)
+    assert isinstance(engine.attn, AutoAttention) and engine.attn.sparse is None
+    with pytest.raises(RequestError, match="needs the tokenizer"):
+        engine.add_request(list(range(100, 100 + DENSE + 1)), SamplingParams(max_tokens=2, temperature=0.0))
+    assert not engine.has_unfinished()
+    assert len(_run(engine, [list(range(100, 150))], max_tokens=2)[0]) == 2
