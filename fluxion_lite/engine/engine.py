@@ -32,6 +32,7 @@ from fluxion_lite.plan.request_plan import load_planner
 from fluxion_lite.plan import files as plan_files
 from fluxion_lite.plan.auto_plan import choose_plan, epsilon_plan, find_labels, find_plan, plan_key
 from fluxion_lite.plan.cost import plan_bytes_fraction
+from fluxion_lite.plan.selector import Labels
 from fluxion_lite.plan.sparse_plan import SparsePlan, with_background_override
 from fluxion_lite.engine.step_counters import StepCounters
 from fluxion_lite.model.tokenizer import IncrementalDecoder, Tokenizer
@@ -176,6 +177,7 @@ class Engine:
         self.async_decode = self.device.type == "cuda" if wanted is None else wanted
         self._inflight: InFlight | None = None
         self._epsilon_plans: dict[float, SparsePlan] = {}  # a request's epsilon -> its plan (_epsilon_plan)
+        self._epsilon_labels: tuple[Labels, dict[str, object]] | None = None  # _labels()
 
     def _make_backend(self, mode: str, plan: SparsePlan | None = None) -> AttentionBackend:
         self.plan_origin = "given by the caller" if plan is not None else None
@@ -242,6 +244,7 @@ class Engine:
         self._sync_inflight(drop=True)
         self._prefix_cache.clear()
         self._epsilon_plans.clear()
+        self._epsilon_labels = None
         if self.model.graphs is not None:  # captured steps hold the old backend's buffers (its host store too)
             self.model.graphs.release_backends()
         self.attn = None  # type: ignore[assignment]  # free the old backend's KV before the new one allocates
@@ -410,12 +413,21 @@ class Engine:
         and window, shaped as plan/auto_plan.epsilon_plan says (cached per epsilon)."""
         plan = self._epsilon_plans.get(epsilon)
         if plan is None:
-            found = find_labels(self.model_name, self.model_path, self.settings)
+            found = self._labels()
             if found is None:  # add_request checked while the plan was at hand; a plan made since has labels
                 raise RequestError(f"epsilon: no calibration labels for {self.model_name}")
             plan = epsilon_plan(*found, self.config, epsilon, sparse.plan.sink, sparse.plan.window)
             self._epsilon_plans[epsilon] = plan
         return plan
+
+    def _labels(self) -> tuple[Labels, dict[str, object]] | None:
+        """The model's calibration labels, read (and its file stamp checked) once per plan, not per request."""
+        if self._epsilon_labels is None:
+            found = find_labels(self.model_name, self.model_path, self.settings)
+            if found is None:
+                return None
+            self._epsilon_labels = found
+        return self._epsilon_labels
 
     def _check_epsilon(self, epsilon: float) -> None:
         """A request's epsilon needs fluxion (mode fluxion or auto), CPU selection and the model's labels."""
@@ -428,7 +440,7 @@ class Engine:
             if sparse.selection != "cpu":
                 raise RequestError("epsilon: this engine selects blocks on the GPU, which runs one plan for every "
                                    "request; FLUXION_SELECTION=cpu allows a plan per request")
-            if find_labels(self.model_name, self.model_path, self.settings) is None:
+            if self._labels() is None:
                 raise RequestError(f"epsilon: {self.model_name} has no calibration labels to choose a plan from "
                                    f"(its plan is {self.plan_origin}); `fluxion-lite calibrate` makes them")
         elif self.device.type == "cuda" and self.settings.selection != "cpu":
