@@ -434,19 +434,46 @@ int fx_layer_out_mlp(const fx_qlayer *L, float *x, const float *o, int64_t m, vo
  *   One query token over all len keys of one sequence, fp32 K and V (the dense CPU KV cache): for query head j,
  *   KV head h = j / (n_heads / n_kv_heads), out[j] = softmax_t(scale * q[j] . K_h[t]) @ V_h, with K_h[t] at
  *   k + h * head_stride + t * head_dim (V likewise).  q, out: [n_heads][head_dim].  The keys are split in chunks of
- *   FX_DECODE_CHUNK per KV head, the items spread over the pool, each an online softmax whose partial results are
- *   merged by log-sum-exp (the sparse attention's arithmetic; fx_kernels' qk32 / pv32 per SIMD path).
- *   work: fx_decode_attention_workspace(...) floats.  Errors before any write: FX_E_GROUP (n_heads not a multiple of
- *   n_kv_heads or a group above FX_MAX_GROUP), FX_E_QSHAPE (a size not positive, head_stride < len * head_dim, a
+ *   at most FX_DECODE_CHUNK per KV head (shorter, down to FX_DECODE_MIN_CHUNK, when that leaves fewer than two
+ *   items per pool thread: a short context's K/V come from DRAM, and a few items would read them on a few cores),
+ *   the items spread over the pool, each an online softmax whose partial results are merged by log-sum-exp (the
+ *   sparse attention's arithmetic; fx_kernels' qk32 / pv32 per SIMD path).
+ *   work: fx_decode_attention_workspace(...) floats, for the pool's size at that call (a resize in between makes
+ *   the call fail with FX_E_OUTPUT, never write past work).  k_new, v_new: the newest token's key and value
+ *   [n_kv_heads][head_dim], or NULL: when given, written at token len - 1 of each head (the decode step's append)
+ *   before the attention reads it, so a step appends and attends in one call.  Errors before any write: FX_E_GROUP
+ *   (n_heads not a multiple of n_kv_heads or a group above FX_MAX_GROUP), FX_E_QSHAPE (a size not positive, head_stride < len * head_dim, a
  *   NULL pointer), FX_E_OUTPUT (workspace too small).
  * ---------------------------------------------------------------------------------------------------------------
  */
 #define FX_DECODE_CHUNK 256
+#define FX_DECODE_MIN_CHUNK 32
 
 int64_t fx_decode_attention_workspace(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int64_t len);
-int fx_decode_attention(const float *q, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, const float *k,
-                        const float *v, int64_t head_stride, int64_t len, float scale, float *out, float *work,
-                        int64_t work_floats);
+int fx_decode_attention(const float *q, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float *k, float *v,
+                        int64_t head_stride, int64_t len, const float *k_new, const float *v_new, float scale,
+                        float *out, float *work, int64_t work_floats);
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * DENSE DECODE STEP (fx_decode_layers)
+ *
+ *   One token of one sequence through n_layers decoder layers over its dense fp32 KV cache, in one call: for each
+ *   layer l in turn, qkv = fx_layer_qkv(layers[l], x, rope), then fx_decode_attention of its q over layer l's cache
+ *   with its k and v appended at token pos (over pos + 1 tokens), then fx_layer_out_mlp(layers[l], x, that output).
+ *   The same arithmetic as those calls made one by one, bit for bit: what it saves is a decode step's round trips
+ *   between Python and C (three a layer).  x [d] is updated in place.  rope: the token's table row, cos [rope_dim]
+ *   then sin_signed [rope_dim] (unused when rope_dim is 0).  The cache: layer l's head h at
+ *   k + l * layer_stride + h * head_stride, token t at + t * head_dim (v likewise).  Every layer must have the
+ *   first's d, n_heads, n_kv_heads and head_dim.  work: fx_decode_layers_workspace(layers, n_layers, pos) bytes,
+ *   any alignment, for the pool's size at the call.  Errors before any write: those of the three calls for any
+ *   layer, FX_E_QSHAPE (n_layers < 1, pos < 0, head_stride < (pos + 1) * head_dim, layer_stride < n_kv_heads *
+ *   head_stride, layers of different shapes, a NULL pointer), FX_E_OUTPUT (workspace too small).
+ * ---------------------------------------------------------------------------------------------------------------
+ */
+int64_t fx_decode_layers_workspace(const fx_qlayer *const *layers, int32_t n_layers, int64_t pos);
+int fx_decode_layers(const fx_qlayer *const *layers, int32_t n_layers, float *x, const float *rope, float *k,
+                     float *v, int64_t layer_stride, int64_t head_stride, int64_t pos, float scale, void *work,
+                     int64_t work_bytes);
 
 /* The AVX-512 paths' integer dot products: on (the default), AVX512-VNNI where the CPU has it; off, AVX-512BW.
  * Returns 1 when VNNI is used from now on (on, and the CPU has AVX512-VNNI), else 0. */

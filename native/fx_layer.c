@@ -171,7 +171,7 @@ int fx_layer_out_mlp(const fx_qlayer *L, float *x, const float *o, int64_t m, vo
 typedef struct {
     const fx_kernels *K;
     const float *q, *k, *v;
-    int64_t head_stride, len, n_chunks, items;
+    int64_t head_stride, len, chunk, n_chunks, items;
     int r, D;
     float scale;
     float *parts; /* [items][r * D + r]: normalised out, then lse */
@@ -188,8 +188,8 @@ static void dattn_worker(void *ctx, int tid, int nthreads) {
         int64_t it = atomic_fetch_add_explicit(&J->next, 1, memory_order_relaxed);
         if (it >= J->items) return;
         int64_t h = it / J->n_chunks, c = it % J->n_chunks;
-        int64_t t0 = c * FX_DECODE_CHUNK;
-        int len = (int)(J->len - t0 < FX_DECODE_CHUNK ? J->len - t0 : FX_DECODE_CHUNK);
+        int64_t t0 = c * J->chunk;
+        int len = (int)(J->len - t0 < J->chunk ? J->len - t0 : J->chunk);
         const float *kh = J->k + h * J->head_stride + t0 * D, *vh = J->v + h * J->head_stride + t0 * D;
         const float *q = J->q + h * r * D;
         float *acc = J->parts + it * ((int64_t)r * D + r), *lse = acc + (int64_t)r * D;
@@ -204,20 +204,35 @@ static void dattn_worker(void *ctx, int tid, int nthreads) {
     }
 }
 
+/* Keys per item: FX_DECODE_CHUNK, or shorter (a multiple of 16, at least FX_DECODE_MIN_CHUNK) until every thread of
+ * the pool has two items. */
+static int64_t dattn_chunk(int64_t len, int32_t n_kv_heads) {
+    int64_t per_head = (2 * (int64_t)fx_pool_threads() + n_kv_heads - 1) / n_kv_heads;
+    int64_t chunk = (len + per_head - 1) / per_head;
+    chunk = (chunk + 15) & ~(int64_t)15;
+    if (chunk < FX_DECODE_MIN_CHUNK) chunk = FX_DECODE_MIN_CHUNK;
+    return chunk < FX_DECODE_CHUNK ? chunk : FX_DECODE_CHUNK;
+}
+
 int64_t fx_decode_attention_workspace(int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, int64_t len) {
     if (n_heads <= 0 || n_kv_heads <= 0 || head_dim <= 0 || len <= 0) return -FX_E_QSHAPE;
     if (n_heads % n_kv_heads || n_heads / n_kv_heads > FX_MAX_GROUP) return -FX_E_GROUP;
-    int64_t r = n_heads / n_kv_heads, chunks = (len + FX_DECODE_CHUNK - 1) / FX_DECODE_CHUNK;
+    int64_t r = n_heads / n_kv_heads, chunk = dattn_chunk(len, n_kv_heads), chunks = (len + chunk - 1) / chunk;
     return (int64_t)n_kv_heads * chunks * (r * head_dim + r);
 }
 
-int fx_decode_attention(const float *q, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, const float *k,
-                        const float *v, int64_t head_stride, int64_t len, float scale, float *out, float *work,
-                        int64_t work_floats) {
+int fx_decode_attention(const float *q, int32_t n_heads, int32_t n_kv_heads, int32_t head_dim, float *k, float *v,
+                        int64_t head_stride, int64_t len, const float *k_new, const float *v_new, float scale,
+                        float *out, float *work, int64_t work_floats) {
     int64_t need = fx_decode_attention_workspace(n_heads, n_kv_heads, head_dim, len);
     if (need < 0) return (int)-need;
-    if (!q || !k || !v || !out || !work || head_stride < len * head_dim) return FX_E_QSHAPE;
+    if (!q || !k || !v || !out || !work || head_stride < len * head_dim || (!k_new) != (!v_new)) return FX_E_QSHAPE;
     if (work_floats < need) return FX_E_OUTPUT;
+    if (k_new) /* the step's append: row len - 1 of every head */
+        for (int64_t h = 0; h < n_kv_heads; h++) {
+            memcpy(k + h * head_stride + (len - 1) * head_dim, k_new + h * head_dim, sizeof(float) * (size_t)head_dim);
+            memcpy(v + h * head_stride + (len - 1) * head_dim, v_new + h * head_dim, sizeof(float) * (size_t)head_dim);
+        }
     dattn_job J;
     memset(&J, 0, sizeof J);
     J.K = fx_kern();
@@ -225,7 +240,8 @@ int fx_decode_attention(const float *q, int32_t n_heads, int32_t n_kv_heads, int
     J.head_stride = head_stride, J.len = len;
     J.r = n_heads / n_kv_heads, J.D = head_dim;
     J.scale = scale;
-    J.n_chunks = (len + FX_DECODE_CHUNK - 1) / FX_DECODE_CHUNK;
+    J.chunk = dattn_chunk(len, n_kv_heads);
+    J.n_chunks = (len + J.chunk - 1) / J.chunk;
     J.items = (int64_t)n_kv_heads * J.n_chunks;
     J.parts = work;
     atomic_store(&J.next, 0);
@@ -236,5 +252,67 @@ int fx_decode_attention(const float *q, int32_t n_heads, int32_t n_kv_heads, int
     for (int64_t h = 0; h < n_kv_heads; h++)
         fx_merge_partials(work + h * J.n_chunks * stride, J.n_chunks, J.r, head_dim,
                           out + h * J.r * (int64_t)head_dim, lse);
+    return FX_OK;
+}
+
+/* ------------------------------------------------------------------------------------------- decode step -- */
+
+/* Bytes of the step's workspace for these layers (all checked), or a negative error: qkv [width], the attention's
+ * output [Hq D] and work, then one layer call's workspace, each 64-byte aligned. */
+static int64_t decode_step_bytes(const fx_qlayer *const *layers, int32_t n_layers, int64_t pos, int64_t *attn_floats) {
+    if (!layers || n_layers < 1 || pos < 0 || !layers[0]) return -FX_E_QSHAPE;
+    const fx_qlayer *L0 = layers[0];
+    int64_t layer_bytes = 0;
+    for (int32_t l = 0; l < n_layers; l++) {
+        const fx_qlayer *L = layers[l];
+        if (!L) return -FX_E_QSHAPE;
+        int64_t b = fx_layer_workspace(L, 1);
+        if (b < 0) return b;
+        if (L->d != L0->d || L->n_heads != L0->n_heads || L->n_kv_heads != L0->n_kv_heads ||
+            L->head_dim != L0->head_dim)
+            return -FX_E_QSHAPE;
+        layer_bytes = b > layer_bytes ? b : layer_bytes;
+    }
+    int64_t attn = fx_decode_attention_workspace(L0->n_heads, L0->n_kv_heads, L0->head_dim, pos + 1);
+    if (attn < 0) return attn;
+    *attn_floats = attn;
+    int64_t hq = (int64_t)L0->n_heads * L0->head_dim, width = hq + 2 * (int64_t)L0->n_kv_heads * L0->head_dim;
+    return 64 + a64(width * 4) + a64(hq * 4) + a64(attn * 4) + layer_bytes;
+}
+
+int64_t fx_decode_layers_workspace(const fx_qlayer *const *layers, int32_t n_layers, int64_t pos) {
+    int64_t attn;
+    return decode_step_bytes(layers, n_layers, pos, &attn);
+}
+
+int fx_decode_layers(const fx_qlayer *const *layers, int32_t n_layers, float *x, const float *rope, float *k,
+                     float *v, int64_t layer_stride, int64_t head_stride, int64_t pos, float scale, void *work,
+                     int64_t work_bytes) {
+    int64_t attn_floats = 0, need = decode_step_bytes(layers, n_layers, pos, &attn_floats);
+    if (need < 0) return (int)-need;
+    const fx_qlayer *L0 = layers[0];
+    int64_t D = L0->head_dim, hq = (int64_t)L0->n_heads * D, hkv = (int64_t)L0->n_kv_heads * D;
+    if (!x || !k || !v || !work || head_stride < (pos + 1) * D || layer_stride < L0->n_kv_heads * head_stride)
+        return FX_E_QSHAPE;
+    if (L0->rope_dim > 0 && !rope) return FX_E_QSHAPE;
+    if (work_bytes < need) return FX_E_OUTPUT;
+    char *p = (char *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
+    float *qkv = (float *)p;
+    p += a64((hq + 2 * hkv) * 4);
+    float *o = (float *)p;
+    p += a64(hq * 4);
+    float *attn = (float *)p;
+    p += a64(attn_floats * 4);
+    int64_t layer_bytes = work_bytes - (p - (char *)work);
+    for (int32_t l = 0; l < n_layers; l++) {
+        const fx_qlayer *L = layers[l];
+        int rc = fx_layer_qkv(L, x, 1, rope, 2 * (int64_t)L->rope_dim, qkv, p, layer_bytes);
+        if (rc == FX_OK)
+            rc = fx_decode_attention(qkv, L->n_heads, L->n_kv_heads, L->head_dim, k + l * layer_stride,
+                                     v + l * layer_stride, head_stride, pos + 1, qkv + hq, qkv + hq + hkv, scale, o,
+                                     attn, attn_floats);
+        if (rc == FX_OK) rc = fx_layer_out_mlp(L, x, o, 1, p, layer_bytes);
+        if (rc != FX_OK) return rc; /* not reached: every check above was made before the first layer */
+    }
     return FX_OK;
 }

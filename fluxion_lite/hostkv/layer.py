@@ -120,10 +120,39 @@ class NativeLayer:
             _raise(rc, f"layer output and MLP for x {tuple(x.shape)}")
 
 
+class NativeDecoder:
+    """A stack of NativeLayers that decodes one token of one sequence over its dense fp32 KV cache in one native
+    call (fx_decode_layers): the layers' q/k/v, attention with the token appended, output products and MLP, the
+    arithmetic of the per-layer calls without their round trips from Python."""
+
+    def __init__(self, layers: list[NativeLayer]) -> None:
+        if not layers:
+            raise ValueError("NativeDecoder needs at least one layer")
+        self.layers = layers
+        self._array = ffi.new("fx_qlayer *[]", [layer.c for layer in layers])
+        self.n_layers = len(layers)
+
+    def step(self, x: torch.Tensor, rope_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
+             scale: float) -> None:
+        """x fp32 [1, d] (contiguous; updated in place) through every layer, for the token at position pos.
+        rope_row: its RoPE table row (cos then sin_signed, contiguous, fp32). k, v fp32 [n_layers, Hkv, cap, D]
+        (cap > pos; token pos is written here). The caller holds the shapes (DenseKVCache.decode_stack)."""
+        need = int(lib.fx_decode_layers_workspace(self._array, self.n_layers, pos))
+        if need < 0:
+            _raise(-need, f"decode step at position {pos}")
+        ptr = _layer_work.take(need)
+        rc = lib.fx_decode_layers(self._array, self.n_layers, _fptr(x), _fptr(rope_row), _fptr(k), _fptr(v),
+                                  k.stride(0), k.stride(1), pos, scale, ptr, _layer_work.nbytes)
+        if rc:
+            _raise(rc, f"decode step at position {pos} over k {tuple(k.shape)}")
+
+
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_tokens: int, scale: float,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+                     out: torch.Tensor | None = None, k_new: torch.Tensor | None = None,
+                     v_new: torch.Tensor | None = None) -> torch.Tensor:
     """One query token over the first n_tokens keys: q fp32 [Hq, D] (contiguous); k, v fp32 [Hkv, cap, D] (each head
-    contiguous, cap >= n_tokens, the same head stride) -> out fp32 [Hq, D]."""
+    contiguous, cap >= n_tokens, the same head stride) -> out fp32 [Hq, D]. k_new, v_new fp32 [Hkv, D]
+    (contiguous), optional: written at token n_tokens - 1 of k and v first (a decode step's append)."""
     hq, d = q.shape
     hkv = k.shape[0]
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -132,17 +161,34 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_tokens
     if k.shape != v.shape or k.stride() != v.stride() or k.stride(1) != d or k.shape[1] < n_tokens or not q.is_contiguous():
         raise ValueError(f"decode attention: k {tuple(k.shape)} / v {tuple(v.shape)} must be [Hkv, cap >= {n_tokens}, "
                          f"{d}] with one layout, q {tuple(q.shape)} contiguous")
-    if out is None:
-        out = torch.empty(hq, d)
+    if (k_new is None) != (v_new is None):
+        raise ValueError("decode attention: give both k_new and v_new, or neither")
+    if k_new is not None and v_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or t.shape != (hkv, d) or not t.is_contiguous():
+                raise ValueError(f"decode attention: {name} must be CPU float32 [{hkv}, {d}], contiguous")
+    return decode_attention_unchecked(q, k, v, n_tokens, scale, out if out is not None else torch.empty(hq, d),
+                                      k_new, v_new)
+
+
+def decode_attention_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_tokens: int, scale: float,
+                               out: torch.Tensor, k_new: torch.Tensor | None = None,
+                               v_new: torch.Tensor | None = None) -> torch.Tensor:
+    """decode_attention for arguments already known to fit (the dense cache's own decode step, once per layer):
+    the checks above cost as much as the call at short contexts. The C call still refuses a bad size or stride."""
+    hq, d = q.shape
+    hkv = k.shape[0]
     need = int(lib.fx_decode_attention_workspace(hq, hkv, d, n_tokens))
     if need < 0:
         _raise(-need, f"decode attention over {n_tokens} tokens, {hq} / {hkv} heads of {d}")
     work = _attn_work.take(4 * need)
-    rc = lib.fx_decode_attention(_fptr(q), hq, hkv, d, _fptr(k), _fptr(v), k.stride(0), n_tokens, scale, _fptr(out),
+    rc = lib.fx_decode_attention(_fptr(q), hq, hkv, d, _fptr(k), _fptr(v), k.stride(0), n_tokens,
+                                 ffi.NULL if k_new is None else _fptr(k_new),
+                                 ffi.NULL if v_new is None else _fptr(v_new), scale, _fptr(out),
                                  ffi.cast(_FLOAT_PTR, work), _attn_work.nbytes // 4)
     if rc:
         _raise(rc, f"decode attention over {n_tokens} tokens")
     return out
 
 
-__all__ = ["LayerSpec", "NativeLayer", "MAX_ROWS", "decode_attention"]
+__all__ = ["LayerSpec", "NativeLayer", "NativeDecoder", "MAX_ROWS", "decode_attention", "decode_attention_unchecked"]

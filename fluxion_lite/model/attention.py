@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from fluxion_lite.hostkv.layer import decode_attention as native_decode_attention
+from fluxion_lite.hostkv.layer import decode_attention_unchecked
 from fluxion_lite.model.kv_cache import DenseKVCache
 
 
@@ -69,6 +69,13 @@ class AttentionBackend(ABC):
 
     def reset_stats(self) -> None:
         """Start the counters behind stats() afresh (per benchmark sample)."""
+
+    def dense_decode_cache(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For a step of one token of one sequence whose KV is a dense fp32 CPU cache here: that sequence's whole
+        K and V [n_layers, Hkv, cap, D] with room for the token (counted as stored), so that the model appends and
+        attends in its one native call for every layer (hostkv.layer.NativeDecoder). None (the default): attend()
+        layer by layer."""
+        return None
 
 
 class CapturedDecode(ABC):
@@ -289,7 +296,7 @@ class DenseAttention(AttentionBackend):
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
         self.cache = DenseKVCache(n_layers, n_kv_heads, head_dim, dtype, device)
         self.scale = head_dim**-0.5
-        # fp32 cache on the CPU: decode steps through native_decode_attention
+        # fp32 cache on the CPU: a decode step appends and attends in one native call per sequence and layer
         self._native_decode = torch.device(device).type == "cpu" and dtype == torch.float32
 
     def allocate(self, seq_id: int, prompt_tokens: int = 0) -> None:
@@ -327,6 +334,11 @@ class DenseAttention(AttentionBackend):
             offset += c.length
         return out
 
+    def dense_decode_cache(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if not self._native_decode or len(chunks) != 1 or chunks[0].length != 1:
+            return None
+        return self.cache.decode_stack(chunks[0].seq_id, chunks[0].start)
+
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
         """q: [B, Hq, D], k/v: [B, Hkv, D], one token per sequence -> [B, Hq, D].
 
@@ -335,14 +347,16 @@ class DenseAttention(AttentionBackend):
         """
         b, hq, d = q.shape
         hkv = k.shape[1]
-        kvs = self.cache.append_decode(layer, [c.seq_id for c in chunks], [c.start for c in chunks], k, v)
-        if self._native_decode and q.dtype == torch.float32:
-            # the native kernel: one call per sequence instead of SDPA's setup, which dominates at these sizes
-            # (qwen2.5-0.5b at 512 tokens: ~0.2 ms per layer through SDPA, ~0.02 ms here)
+        if self._native_decode and q.dtype == torch.float32 and k.dtype == torch.float32:
+            # the native kernel appends the token and attends in one call per sequence: no torch op per layer
+            # beyond the output (SDPA's setup and the appends' copies cost more than the attention at these sizes)
             out = torch.empty(b, hq, d)
-            for i, (ki, vi) in enumerate(kvs):  # ki, vi: [1, Hkv, n, D] views of the cache
-                native_decode_attention(q[i].contiguous(), ki[0], vi[0], ki.shape[2], self.scale, out=out[i])
+            q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+            for i, c in enumerate(chunks):
+                k_cache, v_cache = self.cache.decode_slot(layer, c.seq_id, c.start)  # [Hkv, cap, D]
+                decode_attention_unchecked(q[i], k_cache, v_cache, c.start + 1, self.scale, out[i], k[i], v[i])
             return out
+        kvs = self.cache.append_decode(layer, [c.seq_id for c in chunks], [c.start for c in chunks], k, v)
         qs = q.view(b, 1, hkv, hq // hkv, d).unbind(0)  # B x [1, Hkv, r, D]
         outs = [gqa_decode(qi, ki, vi, self.scale) for qi, (ki, vi) in zip(qs, kvs)]
         out = outs[0] if b == 1 else torch.cat(outs)  # [B, Hkv, r, D]

@@ -93,6 +93,26 @@ class DenseKVCache:
             self._len[seq_id] = end
         return k_all[:, :end], v_all[:, :end]
 
+    def decode_stack(self, seq_id: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for one new token at position `start` in every layer, written by the caller (one native call for
+        the whole step): the sequence's K, V [n_layers, Hkv, cap, D] with cap > start. The token counts as stored."""
+        if start > self._len[seq_id]:
+            raise ValueError(f"sequence {seq_id}: append at {start} leaves a gap after {self._len[seq_id]} tokens")
+        self._ensure_capacity(seq_id, start + 1)
+        self._len[seq_id] = start + 1
+        return self._k[seq_id], self._v[seq_id]
+
+    def decode_slot(self, layer: int, seq_id: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Room for one new token at position `start` of `layer`, written by the caller (the native decode attention
+        appends and attends in one call): that layer's K, V as [Hkv, cap, D] with cap > start. Counts the token as
+        stored once the last layer has taken it, as append_decode does."""
+        if layer == 0 and start > self._len[seq_id]:
+            raise ValueError(f"sequence {seq_id}: append at {start} leaves a gap after {self._len[seq_id]} tokens")
+        self._ensure_capacity(seq_id, start + 1)
+        if layer == self.n_layers - 1:
+            self._len[seq_id] = start + 1
+        return self._k_layers[seq_id][layer], self._v_layers[seq_id][layer]
+
     def append_decode(
         self, layer: int, seq_ids: list[int], starts: list[int], k_new: torch.Tensor, v_new: torch.Tensor
     ) -> list[tuple[torch.Tensor, torch.Tensor]]:

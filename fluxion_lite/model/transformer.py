@@ -24,7 +24,7 @@ from fluxion_lite.model.attention import AttentionBackend, SeqChunk
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.model.cuda_graphs import DecodeGraphs, graphs_wanted
 from fluxion_lite.model.gguf_loader import GGUFModel
-from fluxion_lite.hostkv.layer import NativeLayer
+from fluxion_lite.hostkv.layer import NativeDecoder, NativeLayer
 from fluxion_lite.model.quantized import PREFILL_ROWS, DequantScratch, QuantLinear, native_layer
 from fluxion_lite.settings import Settings
 
@@ -227,6 +227,8 @@ class Transformer:
                 assert isinstance(lw.w_gate_up, QuantLinear) and isinstance(lw.w_down, QuantLinear)
                 lw.native = native_layer(cfg, lw.attn_norm, lw.ffn_norm, lw.bqkv, lw.wqkv, lw.wo, lw.w_gate_up,
                                          lw.w_down)
+        # a one-token step of one sequence in the dense CPU cache goes through every layer in one native call
+        self.native_decoder = NativeDecoder([lw.native for lw in self.layers]) if self.quantized else None
         self.prepacked = not self.quantized and (prepack_supported(self.device, dtype) if prepack is None else prepack)
         # the vocabulary matmul's weight: packed separately when tied, since the embedding lookup needs the plain one
         self.output_mm = self.output
@@ -347,6 +349,13 @@ class Transformer:
         tokens, positions, rows = self._inputs(tokens, positions, rows)
         # The table size comes from the chunks (host ints), never from reading positions back from the device.
         self.rope.ensure(max(c.start + c.length for c in chunks))
+        if self.native_decoder is not None and n_tok == 1:
+            kv = attn.dense_decode_cache(chunks)
+            if kv is not None:  # one token of one dense sequence: every layer in one native call
+                x, cos, sin = self.embed_tokens(tokens, positions)
+                assert self._rope_rows(cos, sin), "the RoPE rows are gathered as one table row per token"
+                self.native_decoder.step(x, cos, kv[0], kv[1], chunks[0].start, self.cfg.head_dim**-0.5)
+                return self.logits(x, rows)
         x, cos, sin = self.embed_tokens(tokens, positions)
         for i, lw in enumerate(self.layers):
             q, k, v = self.pre_attention(lw, x, cos, sin)

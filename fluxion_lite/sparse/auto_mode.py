@@ -118,6 +118,11 @@ class AutoAttention(AttentionBackend):
                 out[idx] = side.attend(layer, q[idx], k[idx], v[idx], mine)
         return out
 
+    def dense_decode_cache(self, chunks: list[SeqChunk]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if len(chunks) == 1 and self._side.get(chunks[0].seq_id) is self.dense:
+            return self.dense.dense_decode_cache(chunks)
+        return None
+
     def captured_decode(self, chunks: list[SeqChunk]) -> CapturedDecode | None:
         # the fluxion side's captured step where every row is its own; else attention runs eagerly between replays
         if self.sparse is not None and all(self._side.get(c.seq_id) is self.sparse for c in chunks):

@@ -133,3 +133,30 @@ def test_native_layer_and_the_torch_layer_agree(engines: tuple[Engine, Engine]) 
     for a, b in zip(fused_qkv, plain_qkv):
         assert ((a - b).norm() / b.norm()).item() < 1e-5
     assert ((fused_x - plain_x).norm() / (plain_x - x).norm()).item() < 1e-5
+
+
+def test_a_one_sequence_decode_step_is_one_native_call_with_the_same_logits(
+        engines: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step of one sequence in the dense cache runs every layer in one native call (NativeDecoder);
+    its logits and cache are the per-layer path's, bit for bit, and a batch of two takes the per-layer path."""
+    model = engines[0].model
+    assert model.native_decoder is not None
+    calls: list[int] = []
+    step = type(model.native_decoder).step
+    monkeypatch.setattr(type(model.native_decoder), "step", lambda self, *a: (calls.append(a[4]), step(self, *a)))
+    tokens = [1, 504, 3120, 28, 260, 4376, 30, 4399, 314, 253, 1435, 288, 4120, 30]
+    fused = forward_logits(model, tokens, one_by_one=True)
+    assert calls == list(range(len(tokens)))  # every step, at its position
+    decoder, model.native_decoder = model.native_decoder, None
+    try:
+        per_layer = forward_logits(model, tokens, one_by_one=True)
+    finally:
+        model.native_decoder = decoder
+    assert torch.equal(fused, per_layer)
+    cfg = model.cfg
+    attn = DenseAttention(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, model.dtype, model.device)
+    for seq in (0, 1):
+        attn.allocate(seq)
+    calls.clear()
+    model.forward(torch.tensor([5, 6]), torch.tensor([0, 0]), [SeqChunk(0, 0, 1), SeqChunk(1, 0, 1)], attn)
+    assert calls == [] and attn.seq_len(0) == attn.seq_len(1) == 1
