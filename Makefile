@@ -17,7 +17,7 @@ $(BIN)/python:
 
 $(VENV)/.installed: $(BIN)/python pyproject.toml setup.py native/build_native.py $(wildcard native/*.c native/*.h)
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e ".[server,test]"
+	$(BIN)/pip install -q -e ".[server,test,cluster]"
 	touch $@
 
 setup: $(VENV)/.installed

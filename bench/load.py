@@ -10,7 +10,12 @@ chat requests with a fixed completion length (ignore_eos, so every request gener
 Every stream is checked: role chunk first, finish_reason only on the last choice chunk, usage chunk, `data: [DONE]`,
 completion_tokens == max_tokens. Prints a table and writes bench/results/load.json.
 
+--replicas N [M ...] runs the same phases once per value against `serve --replicas N` (0: one engine without Ray)
+on this machine, the cores shared out among the replicas, and adds a comparison table (the main phase's tokens/s and
+TTFT per run) to the report (bench/results/cluster_load.json by default).
+
     .venv/bin/python bench/load.py                 # smollm2-135m, ~1-2 minutes on 2 cores
+    .venv/bin/python bench/load.py --replicas 0 1 2
 """
 
 from __future__ import annotations
@@ -182,7 +187,9 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(model: str, max_batch: int, api_key: str, threads: int | None) -> tuple[subprocess.Popen[str], str]:
+def start_server(model: str, max_batch: int, api_key: str, threads: int | None,
+                 replicas: int = 0) -> tuple[subprocess.Popen[str], str]:
+    """The server on a free port once ready (with replicas: every replica up); replicas 0: one engine, no Ray."""
     port = _free_port()
     env = dict(os.environ)
     if threads:
@@ -190,7 +197,8 @@ def start_server(model: str, max_batch: int, api_key: str, threads: int | None) 
     log = open(RESULTS / "load_server.log.tmp", "w")  # noqa: SIM115 - lives as long as the server
     proc = subprocess.Popen(
         [sys.executable, "-m", "fluxion_lite.cli", "serve", "--model", model, "--port", str(port), "--max-batch",
-         str(max_batch), "--max-queue", "128", "--api-key", api_key, "--log-level", "warning"],
+         str(max_batch), "--max-queue", "128", "--api-key", api_key, "--log-level", "warning",
+         *(["--replicas", str(replicas)] if replicas else [])],
         stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -198,7 +206,8 @@ def start_server(model: str, max_batch: int, api_key: str, threads: int | None) 
         if proc.poll() is not None:
             raise SystemExit(f"server exited with {proc.returncode}; see {log.name}")
         try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+            health = httpx.get(f"{url}/health", timeout=2)
+            if health.status_code == 200 and health.json().get("replicas_up", 1) == (replicas or 1):
                 return proc, url
         except httpx.TransportError:
             pass
@@ -267,28 +276,56 @@ def main() -> int:
                         help="torch threads in the server (0 = torch's default). On 2 shared cores, 1 avoids OpenMP "
                              "stalls: the server's event loop and these clients need CPU too")
     parser.add_argument("--phase-timeout", type=float, default=300.0, help="seconds; a phase past this fails")
-    parser.add_argument("--out", default=str(RESULTS / "load.json"))
+    parser.add_argument("--replicas", type=int, nargs="+", default=None,
+                        help="run once per value against `serve --replicas N` (0: one engine, no Ray)")
+    parser.add_argument("--out", default=None, help="default bench/results/load.json (cluster_load.json with "
+                                                    "--replicas)")
     args = parser.parse_args()
 
     RESULTS.mkdir(parents=True, exist_ok=True)
-    proc = None
-    url = args.url
-    if url is None:
-        proc, url = start_server(args.model, args.max_batch, args.api_key, args.server_threads or None)
     headers = {"Authorization": f"Bearer {args.api_key}"}
-    try:
-        report = asyncio.run(main_async(args, url, headers))
-    finally:
-        if proc is not None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    print_table(report)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    return 0 if all(report["pass"].values()) else 1
+    runs = []
+    for replicas in args.replicas or [0]:
+        proc = None
+        url = args.url
+        if url is None:
+            proc, url = start_server(args.model, args.max_batch, args.api_key, args.server_threads or None, replicas)
+        try:
+            report = asyncio.run(main_async(args, url, headers))
+        finally:
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        report["replicas"] = replicas
+        print(f"\n== {'one engine (no Ray)' if not replicas else f'{replicas} replicas on Ray Serve'}")
+        print_table(report)
+        runs.append(report)
+    if args.replicas is None:
+        out, result = Path(args.out or RESULTS / "load.json"), runs[0]
+    else:
+        out, result = Path(args.out or RESULTS / "cluster_load.json"), {"runs": runs, "table": compare(runs)}
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0 if all(all(r["pass"].values()) for r in runs) else 1
+
+
+def compare(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The main phase of each run side by side (printed as a table)."""
+    rows = []
+    for r in runs:
+        main = r["phases"][-1]
+        rows.append({"replicas": r["replicas"], "requests": main["requests"], "failures": main["failures"],
+                     "tokens_per_s": main["aggregate_tokens_per_s"], "ttft_p50_s": main["ttft_p50_s"],
+                     "ttft_p99_s": main["ttft_p99_s"], "one_client_tokens_per_s": r["phases"][0]["aggregate_tokens_per_s"]})
+    print(f"\n{'server':<26}{'reqs':>6}{'fail':>6}{'tok/s':>8}{'TTFT p50':>10}{'TTFT p99':>10}{'1-client tok/s':>16}")
+    for row in rows:
+        name = "one engine (no Ray)" if not row["replicas"] else f"{row['replicas']} replica(s), Ray Serve"
+        print(f"{name:<26}{row['requests']:>6}{row['failures']:>6}{row['tokens_per_s']:>8.1f}"
+              f"{row['ttft_p50_s']:>9.2f}s{row['ttft_p99_s']:>9.2f}s{row['one_client_tokens_per_s']:>16.1f}")
+    return rows
 
 
 if __name__ == "__main__":

@@ -122,6 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--prefill-chunk", type=int, default=None, help="prompt tokens per prefill step")
     serve.add_argument("--default-max-tokens", type=int, default=None, help="max_tokens when a request omits it")
     serve.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    serve.add_argument("--replicas", type=int, default=None,
+                       help="N engine replicas behind one ingress on Ray Serve, a GPU or a share of the cores each "
+                            "(needs fluxion-lite[cluster]; default: one engine, no Ray)")
     serve.set_defaults(handler=cmd_serve)
 
     calibrate = commands.add_parser(
@@ -381,6 +384,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # The server loads the model in the background; resolve (and pull, with progress) now so a bad name fails here.
     args.model = args.model or default_model_name()
     resolve_model(args.model, settings=args.settings)
+    if args.replicas is not None:
+        if args.replicas < 1:
+            raise FluxionError(f"--replicas {args.replicas}: must be >= 1")
+        from fluxion_lite.cluster.launch import serve_cluster
+
+        flags: dict[str, Any] = parse_assignments(getattr(args, "set_values", None) or [])
+        if args.settings.api_key:
+            flags["api_key"] = args.settings.api_key
+        return serve_cluster(args, flags)
     result = app.serve(args)
     return int(result) if isinstance(result, int) else 0
 

@@ -565,27 +565,27 @@ def build_engine_loader(args: Any, settings: Settings | None = None) -> Callable
     return load
 
 
-def serve(args: Any) -> int:
-    """`fluxion-lite serve`: uvicorn on host:port (127.0.0.1:8080 by default), model loaded in the background.
-    Settings: args.settings (the CLI's), else the environment with --api-key over FLUXION_API_KEY."""
-    import uvicorn
-
+def server_settings(args: Any) -> Settings:
+    """args.settings (the CLI's), else the environment with --api-key over FLUXION_API_KEY."""
     settings = getattr(args, "settings", None)
     if settings is None:
         api_key_flag = getattr(args, "api_key", None)
         settings = Settings.load(flags={"api_key": api_key_flag} if api_key_flag else None)
-    host = getattr(args, "host", None) or "127.0.0.1"
-    port = int(getattr(args, "port", None) or 8080)
-    api_key = settings.api_key
+    return settings
+
+
+def model_id_of(model: str) -> str:
+    """The public name of a served model: a catalog name as is, a .gguf path by its file name without the suffix."""
+    return os.path.basename(model)[: -len(".gguf")] if model.endswith(".gguf") else model
+
+
+def build_server(args: Any, settings: Settings, *, api_key: str | None) -> tuple[Starlette, AsyncEngine, ServerConfig]:
+    """One server's app over its own engine (loaded in the background once the bridge starts): what `serve` runs
+    under uvicorn, and what each replica of `serve --replicas N` runs behind the cluster's ingress."""
     model = getattr(args, "model", None) or "smollm2-135m"
     max_batch = int(getattr(args, "max_batch", None) or 16)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not _is_loopback(host) and not api_key:
-        log.warning("binding to %s without --api-key: anyone who can reach this address can use the model", host)
-
-    model_id = os.path.basename(model)[: -len(".gguf")] if model.endswith(".gguf") else model
     config = ServerConfig(
-        model_id=model_id, aliases={model}, api_key=api_key,
+        model_id=model_id_of(model), aliases={model}, api_key=api_key,
         max_body_bytes=int(getattr(args, "max_body_bytes", None) or 1 << 20),
         default_max_tokens=getattr(args, "default_max_tokens", None),
         device=getattr(args, "device", None) or "cpu", dtype=getattr(args, "dtype", None) or "auto",
@@ -593,8 +593,21 @@ def serve(args: Any) -> int:
     )
     bridge = AsyncEngine(build_engine_loader(args, settings), max_batch=max_batch,
                          max_queue=int(getattr(args, "max_queue", None) or 64))
-    app = create_app(bridge, config)
-    log.info("serving %s on http://%s:%d (loading the model in the background)", model_id, host, port)
+    return create_app(bridge, config), bridge, config
+
+
+def serve(args: Any) -> int:
+    """`fluxion-lite serve`: uvicorn on host:port (127.0.0.1:8080 by default), model loaded in the background."""
+    import uvicorn
+
+    settings = server_settings(args)
+    host = getattr(args, "host", None) or "127.0.0.1"
+    port = int(getattr(args, "port", None) or 8080)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not _is_loopback(host) and not settings.api_key:
+        log.warning("binding to %s without --api-key: anyone who can reach this address can use the model", host)
+    app, _, config = build_server(args, settings, api_key=settings.api_key)
+    log.info("serving %s on http://%s:%d (loading the model in the background)", config.model_id, host, port)
     uvicorn.run(app, host=host, port=port, log_level=getattr(args, "log_level", None) or "info",
                 timeout_graceful_shutdown=5)
     return 0

@@ -1,4 +1,5 @@
-"""`fluxion-lite serve` as a real uvicorn subprocess on a free port, driven by the official openai SDK."""
+"""`fluxion-lite serve` as a real subprocess on a free port, driven by the official openai SDK: one engine under
+uvicorn, and the same tests through the Ray Serve ingress of `serve --replicas 2` (needs fluxion-lite[cluster])."""
 
 from __future__ import annotations
 
@@ -24,15 +25,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-@pytest.fixture(scope="module")
-def server() -> Iterator[tuple[str, list[int]]]:
+@pytest.fixture(scope="module", params=["one engine", "2 replicas"])
+def server(request: pytest.FixtureRequest) -> Iterator[tuple[str, list[int]]]:
     """Base URL and the /health statuses seen while it started."""
+    replicas = ["--replicas", "2"] if request.param == "2 replicas" else []
+    if replicas:
+        pytest.importorskip("ray.serve", reason="serve --replicas needs fluxion-lite[cluster]")
     port = _free_port()
     # --dtype float32: the answers these tests read ("Paris", ...) are the fp32 model's; with the file's 4-bit blocks
     # (the CPU default) smollm2-135m answers as llama.cpp does on the same file (tests/engine/test_quantized_model.py)
     proc = subprocess.Popen(
         [sys.executable, "-m", "fluxion_lite.cli", "serve", "--model", MODEL, "--port", str(port), "--max-batch", "4",
-         "--api-key", API_KEY, "--log-level", "warning", "--dtype", "float32"],
+         "--api-key", API_KEY, "--log-level", "warning", "--dtype", "float32", *replicas],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     base = f"http://127.0.0.1:{port}"
@@ -57,7 +61,7 @@ def server() -> Iterator[tuple[str, list[int]]]:
     finally:
         proc.terminate()
         try:
-            proc.wait(20)
+            proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()

@@ -222,6 +222,18 @@ def test_serve_checks_before_starting(capsys: pytest.CaptureFixture[str], monkey
     assert code == 2 and "--port 70000" in err
     code, _, err = run_main(capsys, "serve", "-m", "nope")
     assert code == 2 and "unknown model 'nope'" in err
+    code, _, err = run_main(capsys, "serve", "--replicas", "0")
+    assert code == 2 and "--replicas 0: must be >= 1" in err
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a host with one GPU
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    code, _, err = run_main(capsys, "serve", "--replicas", "2", "--device", "cuda")
+    assert code == 2 and "each replica needs a GPU of its own, and this host has 1" in err
+    monkeypatch.undo()
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if Ray Serve were not installed
+    code, _, err = run_main(capsys, "serve", "--replicas", "2")
+    assert code == 2 and "pip install 'fluxion-lite[cluster]'" in err
     monkeypatch.setitem(sys.modules, "fluxion_lite.server.app", None)  # as if the server module were not installed
     code, _, err = run_main(capsys, "serve")
     assert code == 2 and "server is not available" in err
