@@ -7,9 +7,10 @@ compute device (DenseAttention, as mode `full`), a longer one the host store and
 A sequence keeps its side for its life: a dense one that outgrows the crossover while decoding stays dense (moving
 its KV mid-request would cost more than the few steps it runs past the crossover in a chat turn).
 
-Crossovers, batch-1 decode TPOT of the two modes on one loaded model (bench/speed.py; docs/engine.md has the
-table): on a CPU, fluxion was as fast as dense or faster from 2K tokens on for qwen2.5-coder-0.5b / -1.5b and
-from 1K for smollm2-135m (2-core Xeon VM, 2 threads), so prompts up to 2,048 tokens run dense there. On CUDA the
+Crossovers, batch-1 decode TPOT of the two modes on one loaded model (research/cpu_crossover.py; docs/engine.md has
+the table): on a CPU (2-core Xeon VM, 2 threads) smollm2-135m crosses between 1K and 2K tokens, the 1.5b's modes
+are within 4% up to 2K and the 0.5b's dense step stays ahead by 2-6% up to 4K; past 4K fluxion is ahead on all three,
+so prompts up to 2,048 tokens run dense there. On CUDA the
 fluxion step was faster than dense attention with the KV on the GPU at every length measured, from 512 tokens on
 (Llama-3.1-8B shape, batch 1, H100: 6.71 vs 7.55 ms at 512, 7.04 vs 7.74 at 2K, 6.98 vs 10.15 at 8K;
 bench/results/tpot_llama3.1-8b_auto_crossover_h100.json), so there every prompt runs fluxion until the dense decode
