@@ -128,6 +128,8 @@ def serve_cluster(args: Any, settings_flags: dict[str, Any]) -> int:
     api_key = settings_flags.pop("api_key", None)
     options.update(replicas=replicas, threads=threads, settings=settings_flags, cores=cores)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not (host in ("localhost", "::1") or host.startswith("127.")) and not api_key:
+        log.warning("binding to %s without --api-key: anyone who can reach this address can use the model", host)
     log.info("starting Ray and %d replicas of %s (%s, %d threads each)", replicas, options["model"], device, threads)
     ray.init(num_cpus=max(cores, replicas * threads), include_dashboard=False, logging_level=logging.WARNING,
              object_store_memory=256 << 20, log_to_driver=args.log_level in ("info", "debug"))
