@@ -107,6 +107,8 @@ def serve_cluster(args: Any, settings_flags: dict[str, Any]) -> int:
         import ray
         import uvicorn
         from ray import serve
+
+        from fluxion_lite.server.app import is_loopback
     except ModuleNotFoundError as exc:
         raise FluxionError("--replicas needs Ray Serve: pip install 'fluxion-lite[cluster]'") from exc
 
@@ -128,7 +130,7 @@ def serve_cluster(args: Any, settings_flags: dict[str, Any]) -> int:
     api_key = settings_flags.pop("api_key", None)
     options.update(replicas=replicas, threads=threads, settings=settings_flags, cores=cores)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not (host in ("localhost", "::1") or host.startswith("127.")) and not api_key:
+    if not is_loopback(host) and not api_key:
         log.warning("binding to %s without --api-key: anyone who can reach this address can use the model", host)
     log.info("starting Ray and %d replicas of %s (%s, %d threads each)", replicas, options["model"], device, threads)
     ray.init(num_cpus=max(cores, replicas * threads), include_dashboard=False, logging_level=logging.WARNING,

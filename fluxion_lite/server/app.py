@@ -528,7 +528,7 @@ def create_app(bridge: AsyncEngine, config: ServerConfig, *, manage_engine: bool
 # CLI entry point
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
@@ -604,7 +604,7 @@ def serve(args: Any) -> int:
     host = getattr(args, "host", None) or "127.0.0.1"
     port = int(getattr(args, "port", None) or 8080)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if not _is_loopback(host) and not settings.api_key:
+    if not is_loopback(host) and not settings.api_key:
         log.warning("binding to %s without --api-key: anyone who can reach this address can use the model", host)
     app, _, config = build_server(args, settings, api_key=settings.api_key)
     log.info("serving %s on http://%s:%d (loading the model in the background)", config.model_id, host, port)
