@@ -25,7 +25,7 @@ NATIVE_DIR = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(NATIVE_DIR)
 SOURCES = ["fluxion.c", "fx_background.c", "fx_pool.c", "fx_simd_portable.c", "fx_simd_avx2.c", "fx_simd_avx512.c",
            "fx_simd_avx512bf16.c", "fx_quant.c", "fx_quant_portable.c", "fx_quant_avx2.c", "fx_quant_avx512.c",
-           "fx_quant_avx512vnni.c", "fx_layer.c", "fx_spans.c"]
+           "fx_quant_avx512vnni.c", "fx_layer.c", "fx_spans.c", "fx_sparse_step.c"]
 
 HEADER = os.path.join(NATIVE_DIR, "fluxion.h")
 _CONSTANT = re.compile(r"#define\s+FX_\w+\s+\d+\s*$")

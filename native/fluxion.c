@@ -9,7 +9,7 @@
 #include <cpuid.h>
 #endif
 
-int fx_version(void) { return 11; } /* 11: the dense decode attention appends its token, the one-call decode step, 10: streaming spans (fx_spans.c), 9: decoder layer and dense decode attention (fx_layer.c), 8: quantized-weight products (fx_quant.c), 7: value sums + unread background, 6: midrange scoring, 5: pinned blocks (4: block summaries in the KV dtype, 3: per-head scoring) */
+int fx_version(void) { return 12; } /* 12: fx_dequantize_bf16 and the one-call sparse decode step, 11: the dense decode attention appends its token, the one-call decode step, 10: streaming spans (fx_spans.c), 9: decoder layer and dense decode attention (fx_layer.c), 8: quantized-weight products (fx_quant.c), 7: value sums + unread background, 6: midrange scoring, 5: pinned blocks (4: block summaries in the KV dtype, 3: per-head scoring) */
 
 /* ------------------------------------------------------------------------------------------------ settings -- */
 

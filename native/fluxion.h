@@ -271,7 +271,7 @@ int fx_read_blocks_probe(const fx_kv_view *kv, const int32_t *tasks, int64_t n_t
                          const int32_t *counts, int32_t k_cap, uint64_t *checksum, int64_t *err_index);
 
 /* ---------------------------------------------------------------------------------------------------------------
- * QUANTIZED WEIGHTS (fx_qmatmul, fx_qmatmul_many, fx_dequantize)
+ * QUANTIZED WEIGHTS (fx_qmatmul, fx_qmatmul_many, fx_dequantize, fx_dequantize_bf16)
  *
  *   A weight matrix W [n_out][k] is stored row-major as in a GGUF file: row r is k / B blocks of the type's block size
  *   B back to back, row_bytes = (k / B) * block_bytes, row r at byte offset r * row_bytes (k a multiple of B).  The
@@ -376,6 +376,10 @@ int fx_qmatmul_many(int32_t n, const int32_t *wtypes, const void *const *ws, con
  * pool.  FX_OK, FX_E_QTYPE, FX_E_QSHAPE (k, row0 < 0, n_rows < 0, NULL w / out when n_rows > 0). */
 int fx_dequantize(int32_t wtype, const void *w, int64_t row0, int64_t n_rows, int64_t k, float *out);
 
+/* out [n_rows][k] bf16 = fx_dequantize's fp32 values rounded to bf16, to nearest with ties to even (NaN -> 0x7fc0),
+ * one pass over the rows with no fp32 copy of the matrix: the weights of a bf16 prefill GEMM.  Same errors. */
+int fx_dequantize_bf16(int32_t wtype, const void *w, int64_t row0, int64_t n_rows, int64_t k, uint16_t *out);
+
 /* ---------------------------------------------------------------------------------------------------------------
  * DECODER LAYER (fx_layer_qkv, fx_layer_out_mlp)
  *
@@ -474,6 +478,57 @@ int64_t fx_decode_layers_workspace(const fx_qlayer *const *layers, int32_t n_lay
 int fx_decode_layers(const fx_qlayer *const *layers, int32_t n_layers, float *x, const float *rope, float *k,
                      float *v, int64_t layer_stride, int64_t head_stride, int64_t pos, float scale, void *work,
                      int64_t work_bytes);
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * SPARSE DECODE STEP (fx_sparse_decode_layers)
+ *
+ *   One token for each of m sequences (rows) through n_layers decoder layers over the host KV store, in one call:
+ *   for each layer l in turn,
+ *     1. qkv = fx_layer_qkv(layers[l], x, m, rope, rope_stride);
+ *     2. each row's k and v rounded to the view's 16-bit dtype (to nearest even) and appended to slot slots[i] of
+ *        views[l] (fx_append: the page for the token must be in the page table already);
+ *     3. fx_select_attend_pinned over layer l's tasks, tasks[task_ends[l] .. task_ends[l + 1]) (their q_row is
+ *        the row i, their rows[] the output row i * n_kv_heads + kv_head, strictly ascending), then
+ *        fx_attend_spans over the same tasks: each (row, KV group)'s selected blocks and streaming part in one
+ *        softmax, out [m][n_heads][head_dim];
+ *     4. fx_layer_out_mlp(layers[l], x, out, m).
+ *   The same arithmetic as those calls made one by one from the caller, bit for bit: what it saves is a layer's
+ *   five round trips from Python.  x [m][d] is updated in place.  ids / scores / counts: [T][k_cap] / [T][k_cap] /
+ *   [T] over all layers' tasks (T = task_ends[n_layers]), written as the calls write them.  pins / pin_counts:
+ *   [T][pin_stride] / [T] as for fx_group_topk_pinned (pin_counts NULL: no pins in any layer; a task with count 0
+ *   has none).  select_ws: fx_sparse_decode_select_floats(layers, n_layers, m, step) floats (what the selection,
+ *   attention and spans of the largest layer need over the longest slot after the append; it grows with the
+ *   context); work: fx_sparse_decode_workspace(layers, n_layers, m) bytes, any alignment.  read_tokens[0] / [1]: tokens selected / attended in streaming spans, summed over layers;
+ *   seconds[0] / [1]: time selecting / attending.  Checks before any write: FX_E_QSHAPE (layers of different
+ *   shapes, m outside [1, FX_LAYER_MAX_ROWS], views of another shape or dtype than the first, task_ends not
+ *   starting at 0 or decreasing, a NULL pointer the call needs), FX_E_VIEW (a bad view), FX_E_SLOT (a slot out of
+ *   range or twice), FX_E_SCORING, FX_E_OUTPUT (work or select_ws too small).  A layer's own calls check its tasks, so an error there (returned as that call returns it, with
+ *   *err_layer = l and *err_index as the call set it) leaves x and the earlier layers' appends written: the step
+ *   is then to be discarded with its sequences.
+ * ---------------------------------------------------------------------------------------------------------------
+ */
+typedef struct fx_sparse_step {
+    const fx_kv_view *const *views;  /* [n_layers]: each layer's view of one store (same slots, heads and dtype) */
+    const int32_t *slots;            /* [m] the rows' store slots, distinct */
+    const int32_t *tasks;            /* [T][FX_TASK_FIELDS], layer-major */
+    const int64_t *task_ends;        /* [n_layers + 1], task_ends[0] = 0, non-decreasing */
+    const int64_t *rows;             /* [T] each task's output row */
+    int32_t k_cap, scoring;          /* as for fx_group_topk_pinned */
+    const int32_t *pins, *pin_counts;
+    int32_t pin_stride;
+    int32_t *ids;
+    float *scores;
+    int32_t *counts;
+    float scale;
+} fx_sparse_step;
+
+int64_t fx_sparse_decode_workspace(const fx_qlayer *const *layers, int32_t n_layers, int64_t m);
+int64_t fx_sparse_decode_select_floats(const fx_qlayer *const *layers, int32_t n_layers, int64_t m,
+                                       const fx_sparse_step *step);
+int fx_sparse_decode_layers(const fx_qlayer *const *layers, int32_t n_layers, float *x, int64_t m, const float *rope,
+                            int64_t rope_stride, const fx_sparse_step *step, float *select_ws,
+                            int64_t select_ws_floats, void *work, int64_t work_bytes, int64_t *read_tokens,
+                            double *seconds, int32_t *err_layer, int64_t *err_index);
 
 /* The AVX-512 paths' integer dot products: on (the default), AVX512-VNNI where the CPU has it; off, AVX-512BW.
  * Returns 1 when VNNI is used from now on (on, and the CPU has AVX512-VNNI), else 0. */

@@ -378,7 +378,8 @@ typedef struct {
     int32_t t;
     const uint8_t *w;
     int64_t row0, n_rows, k, row_bytes, rows_per_item, items;
-    float *out;
+    float *out;       /* fp32 output, or NULL with out16 */
+    uint16_t *out16;  /* bf16 output */
     _Atomic int64_t next;
 } deq_job;
 
@@ -391,18 +392,23 @@ static void deq_worker(void *ctx, int tid, int nthreads) {
         if (it >= J->items) return;
         int64_t r0 = it * J->rows_per_item, r1 = r0 + J->rows_per_item;
         if (r1 > J->n_rows) r1 = J->n_rows;
-        for (int64_t r = r0; r < r1; r++)
-            J->K->dequant_row(J->t, J->w + (J->row0 + r) * J->row_bytes, J->k, J->out + r * J->k);
+        for (int64_t r = r0; r < r1; r++) {
+            const uint8_t *row = J->w + (J->row0 + r) * J->row_bytes;
+            if (J->out) J->K->dequant_row(J->t, row, J->k, J->out + r * J->k);
+            else J->K->dequant_row_bf16(J->t, row, J->k, J->out16 + r * J->k);
+        }
     }
 }
 
-int fx_dequantize(int32_t wtype, const void *w, int64_t row0, int64_t n_rows, int64_t k, float *out) {
+/* fx_dequantize and fx_dequantize_bf16: exactly one of out / out16 non-NULL (elem_bytes: its element size). */
+static int dequantize(int32_t wtype, const void *w, int64_t row0, int64_t n_rows, int64_t k, float *out,
+                      uint16_t *out16, int64_t elem_bytes) {
     qtype_info ti;
     int64_t rb = row_bytes_of(wtype, k, &ti);
     if (rb < 0) return (int)-rb;
     if (row0 < 0 || n_rows < 0 || row0 > FXQ_MAX_ROWS || n_rows > FXQ_MAX_ROWS) return FX_E_QSHAPE;
     if (n_rows == 0) return FX_OK;
-    if (!w || !out) return FX_E_QSHAPE;
+    if (!w || (!out && !out16)) return FX_E_QSHAPE;
     deq_job J;
     memset(&J, 0, sizeof J);
     J.K = qkern();
@@ -413,10 +419,11 @@ int fx_dequantize(int32_t wtype, const void *w, int64_t row0, int64_t n_rows, in
     J.k = k;
     J.row_bytes = rb;
     J.out = out;
+    J.out16 = out16;
     /* about 4 items per thread, each at most ~256 KB of output */
     int64_t threads = fx_pool_threads();
     int64_t rpi = (n_rows + threads * 4 - 1) / (threads * 4);
-    int64_t cap = (INT64_C(1) << 18) / (k * 4);
+    int64_t cap = (INT64_C(1) << 18) / (k * elem_bytes);
     if (rpi > cap) rpi = cap;
     if (rpi < 1) rpi = 1;
     J.rows_per_item = rpi;
@@ -424,4 +431,12 @@ int fx_dequantize(int32_t wtype, const void *w, int64_t row0, int64_t n_rows, in
     atomic_store(&J.next, 0);
     fx_pool_run(deq_worker, &J);
     return FX_OK;
+}
+
+int fx_dequantize(int32_t wtype, const void *w, int64_t row0, int64_t n_rows, int64_t k, float *out) {
+    return dequantize(wtype, w, row0, n_rows, k, out, NULL, 4);
+}
+
+int fx_dequantize_bf16(int32_t wtype, const void *w, int64_t row0, int64_t n_rows, int64_t k, uint16_t *out) {
+    return dequantize(wtype, w, row0, n_rows, k, NULL, out, 2);
 }

@@ -44,6 +44,8 @@ typedef struct fx_qkernels {
     fxq_rows_fn rows[FXQ_NTYPES]; /* by type id; NULL for ids that are not weight types */
     /* out[0 .. k) = one row of type wtype, as fp32 (fluxion.h's formulas, bit for bit on every path) */
     void (*dequant_row)(int32_t wtype, const uint8_t *row, int64_t k, float *out);
+    /* the same row rounded to bf16 (fx_dequantize_bf16), bit for bit on every path */
+    void (*dequant_row_bf16)(int32_t wtype, const uint8_t *row, int64_t k, uint16_t *out);
 } fx_qkernels;
 
 /* fx_qmatmul_many with a row stride per output: ys[j] row i at ys[j] + i * ldys[j] (ldys[j] >= n_outs[j]; ldys NULL:
@@ -230,6 +232,46 @@ static inline void fxq_dequant_row_generic(int32_t t, const uint8_t *w, int64_t 
             }
             default: break;
         }
+    }
+}
+
+/* Elements of a row dequantized to fp32 at a time on the way to bf16: a multiple of every block size, 16 KB of
+ * stack, so a row of any width goes through L1 without a buffer from the caller. */
+#define FXQ_BF16_CHUNK 4096
+
+/* out[e] = in[e] rounded to bf16, to nearest with ties to even, NaN -> 0x7fc0: torch's conversion for every
+ * non-NaN value, so a prefill GEMM's bf16 weights are those of dequantizing to fp32 and converting.  A plain loop:
+ * each path's file compiles it for its instruction set. */
+static inline void fxq_f32_to_bf16(const float *in, int64_t n, uint16_t *out) {
+    for (int64_t e = 0; e < n; e++) {
+        uint32_t u;
+        memcpy(&u, in + e, 4);
+        uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+        out[e] = (uint16_t)((u & 0x7fffffffu) > 0x7f800000u ? 0x7fc0u : rounded);
+    }
+}
+
+/* One row of any type as bf16: fxq_dequant_row_generic chunk by chunk, each chunk converted while in L1. */
+static inline void fxq_dequant_row_bf16_generic(int32_t t, const uint8_t *w, int64_t k, uint16_t *out) {
+    float tmp[FXQ_BF16_CHUNK];
+    int64_t block, bytes;
+    switch (t) {
+        case FX_QT_F32: block = 1, bytes = 4; break;
+        case FX_QT_F16: case FX_QT_BF16: block = 1, bytes = 2; break;
+        case FX_QT_Q4_0: block = 32, bytes = FXQ_BYTES_Q4_0; break;
+        case FX_QT_Q4_1: block = 32, bytes = FXQ_BYTES_Q4_1; break;
+        case FX_QT_Q5_0: block = 32, bytes = FXQ_BYTES_Q5_0; break;
+        case FX_QT_Q5_1: block = 32, bytes = FXQ_BYTES_Q5_1; break;
+        case FX_QT_Q8_0: block = 32, bytes = FXQ_BYTES_Q8_0; break;
+        case FX_QT_Q4_K: block = 256, bytes = FXQ_BYTES_Q4_K; break;
+        case FX_QT_Q5_K: block = 256, bytes = FXQ_BYTES_Q5_K; break;
+        case FX_QT_Q6_K: block = 256, bytes = FXQ_BYTES_Q6_K; break;
+        default: return;
+    }
+    for (int64_t e0 = 0; e0 < k; e0 += FXQ_BF16_CHUNK) {
+        int64_t n = k - e0 < FXQ_BF16_CHUNK ? k - e0 : FXQ_BF16_CHUNK; /* a multiple of the block, as k is */
+        fxq_dequant_row_generic(t, w + e0 / block * bytes, n, tmp);
+        fxq_f32_to_bf16(tmp, n, out + e0);
     }
 }
 

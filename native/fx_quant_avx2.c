@@ -216,6 +216,10 @@ static void dequant_row_avx2(int32_t t, const uint8_t *row, int64_t k, float *ou
     fxq_dequant_row_generic(t, row, k, out); /* the shared C, vectorised for AVX2 by the compiler */
 }
 
+static void dequant_row_avx2_bf16(int32_t t, const uint8_t *row, int64_t k, uint16_t *out) {
+    fxq_dequant_row_bf16_generic(t, row, k, out);
+}
+
 const fx_qkernels fx_qkernels_avx2 = {
     "avx2",
     {
@@ -224,6 +228,7 @@ const fx_qkernels fx_qkernels_avx2 = {
         [FX_QT_Q4_K] = rows_q4_k, [FX_QT_Q5_K] = rows_q5_k, [FX_QT_Q6_K] = rows_q6_k,
     },
     dequant_row_avx2,
+    dequant_row_avx2_bf16,
 };
 
 #if defined(__clang__)

@@ -232,6 +232,10 @@ static void dequant_row(int32_t t, const uint8_t *row, int64_t k, float *out) {
     fxq_dequant_row_generic(t, row, k, out); /* the shared C, vectorised for AVX-512 by the compiler */
 }
 
+static void dequant_row_bf16(int32_t t, const uint8_t *row, int64_t k, uint16_t *out) {
+    fxq_dequant_row_bf16_generic(t, row, k, out);
+}
+
 const fx_qkernels FXQ_TABLE = {
 #if FXQ_VNNI
     "avx512vnni",
@@ -244,4 +248,5 @@ const fx_qkernels FXQ_TABLE = {
         [FX_QT_Q4_K] = rows_q4_k, [FX_QT_Q5_K] = rows_q5_k, [FX_QT_Q6_K] = rows_q6_k,
     },
     dequant_row,
+    dequant_row_bf16,
 };

@@ -179,6 +179,10 @@ static void dequant_row_portable(int32_t t, const uint8_t *row, int64_t k, float
     fxq_dequant_row_generic(t, row, k, out);
 }
 
+static void dequant_row_portable_bf16(int32_t t, const uint8_t *row, int64_t k, uint16_t *out) {
+    fxq_dequant_row_bf16_generic(t, row, k, out);
+}
+
 const fx_qkernels fx_qkernels_portable = {
     "portable",
     {
@@ -187,4 +191,5 @@ const fx_qkernels fx_qkernels_portable = {
         [FX_QT_Q4_K] = rows_q4_k, [FX_QT_Q5_K] = rows_q5_k, [FX_QT_Q6_K] = rows_q6_k,
     },
     dequant_row_portable,
+    dequant_row_portable_bf16,
 };

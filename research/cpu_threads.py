@@ -1,7 +1,8 @@
 """How our CPU decode step scales with threads, against llama.cpp on the same file, and where a step's time goes.
 
 For each thread count: our engine's decode TPOT (greedy, EOS ignored, after a prefill of --context tokens), split into
-the layers' native calls (the one call for all layers of a lone dense sequence, NativeDecoder.step; else per layer
+the layers' native calls (the one call for all layers of a lone dense sequence, NativeDecoder.step, or of a fluxion
+step, SparseDecodeStep.run; else per layer
 NativeLayer.qkv, attention, NativeLayer.out_mlp), the vocabulary product, sampling and the rest (Python and torch
 between the calls); the same calls timed back to back outside the engine (the kernels' own
 cost at this thread count); llama.cpp's TPOT on the same file. Torch's intra-op threads are --torch-threads (0: the
@@ -24,7 +25,7 @@ from fluxion_lite.engine import engine as engine_module
 from fluxion_lite.engine.engine import Engine
 from fluxion_lite.engine.sampling import SamplingParams
 from fluxion_lite.hostkv import native
-from fluxion_lite.hostkv.layer import NativeDecoder, NativeLayer
+from fluxion_lite.hostkv.layer import NativeDecoder, NativeLayer, SparseDecodeStep
 from fluxion_lite.hub.resolve import resolve_model
 from fluxion_lite.model.transformer import Transformer
 from fluxion_lite.offline.eval_text import essay_text
@@ -114,6 +115,7 @@ def main() -> None:
                     help="also time the dense decode attention alone (the 1.5b shape at --context, over 400 caches)")
     args = ap.parse_args()
     NativeDecoder.step = timed("decode_layers", NativeDecoder.step)  # type: ignore[method-assign]  # one call a step
+    SparseDecodeStep.run = timed("sparse_decode_layers", SparseDecodeStep.run)  # type: ignore[method-assign]
     NativeLayer.qkv = timed("qkv", NativeLayer.qkv)  # type: ignore[method-assign]
     NativeLayer.out_mlp = timed("out_mlp", NativeLayer.out_mlp)  # type: ignore[method-assign]
     Transformer.logits = timed("logits", Transformer.logits)  # type: ignore[method-assign]

@@ -4,6 +4,8 @@ cache (native/fluxion.h, "DECODER LAYER" and "DENSE DECODE ATTENTION", states th
     layer = NativeLayer(LayerSpec(...), q=..., k=..., v=..., o=..., gate=..., up=..., down=...)  # QuantWeights
     qkv = layer.qkv(x, rope_rows)      # x fp32 [m, d] -> [m, (Hq + 2 Hkv) D]: norm, q/k/v products, bias, RoPE
     layer.out_mlp(x, o)                # x += o @ Wo^T, then x += MLP(norm(x)), in place
+    NativeDecoder(layers).step(...)    # every layer of a dense decode step in one call
+    SparseDecodeStep(decoder, ...).run(x, rope_rows, stride, views)   # every layer of a step over the host store
     out = decode_attention(q, k, v, n_tokens, scale)   # q [Hq, D]; k, v [Hkv, cap, D] -> [Hq, D]
 
 A decode step with quantized weights spends as much time in torch's per-operation dispatch as in its products when
@@ -18,6 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fluxion_lite.hostkv.native import _ERRORS as _STORE_ERRORS
 from fluxion_lite.hostkv.native import ffi, lib
 from fluxion_lite.hostkv.quant import QuantWeight
 
@@ -30,7 +33,7 @@ _ERRORS = {int(lib.FX_E_QTYPE): "unknown weight type", int(lib.FX_E_QSHAPE): "ba
 
 
 def _raise(rc: int, what: str) -> None:
-    raise ValueError(f"{what}: {_ERRORS.get(rc, f'native error {rc}')}")
+    raise ValueError(f"{what}: {_ERRORS.get(rc) or _STORE_ERRORS.get(rc, f'native error {rc}')}")
 
 
 def _fptr(t: torch.Tensor) -> Any:
@@ -129,7 +132,7 @@ class NativeDecoder:
         if not layers:
             raise ValueError("NativeDecoder needs at least one layer")
         self.layers = layers
-        self._array = ffi.new("fx_qlayer *[]", [layer.c for layer in layers])
+        self.c_layers = ffi.new("fx_qlayer *[]", [layer.c for layer in layers])  # what the step calls take
         self.n_layers = len(layers)
 
     def step(self, x: torch.Tensor, rope_row: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: int,
@@ -137,14 +140,84 @@ class NativeDecoder:
         """x fp32 [1, d] (contiguous; updated in place) through every layer, for the token at position pos.
         rope_row: its RoPE table row (cos then sin_signed, contiguous, fp32). k, v fp32 [n_layers, Hkv, cap, D]
         (cap > pos; token pos is written here). The caller holds the shapes (DenseKVCache.decode_stack)."""
-        need = int(lib.fx_decode_layers_workspace(self._array, self.n_layers, pos))
+        need = int(lib.fx_decode_layers_workspace(self.c_layers, self.n_layers, pos))
         if need < 0:
             _raise(-need, f"decode step at position {pos}")
         ptr = _layer_work.take(need)
-        rc = lib.fx_decode_layers(self._array, self.n_layers, _fptr(x), _fptr(rope_row), _fptr(k), _fptr(v),
+        rc = lib.fx_decode_layers(self.c_layers, self.n_layers, _fptr(x), _fptr(rope_row), _fptr(k), _fptr(v),
                                   k.stride(0), k.stride(1), pos, scale, ptr, _layer_work.nbytes)
         if rc:
             _raise(rc, f"decode step at position {pos} over k {tuple(k.shape)}")
+
+
+class SparseDecodeStep:
+    """One decode step of m sequences over a host KV store in one native call (fx_sparse_decode_layers): every
+    layer's q/k/v, append, selection with attention, streaming spans and output/MLP, for the task table of a step's
+    shape (the sparse backend's HostDecode makes it once per shape and runs it each step).
+
+    tasks int32 [T, 9] layer-major with task_ends [L + 1]; rows int64 [T]; ids int32 / scores fp32 [T, k_cap] and
+    counts int32 [T] the selection's outputs (kept referenced); slots int32 [m] the rows' store slots."""
+
+    def __init__(self, decoder: NativeDecoder, slots: np.ndarray, tasks: np.ndarray, task_ends: list[int],
+                 rows: np.ndarray, ids: np.ndarray, scores: np.ndarray, counts: np.ndarray, scoring: int,
+                 scale: float) -> None:
+        if len(task_ends) != decoder.n_layers + 1:
+            raise ValueError(f"task_ends has {len(task_ends)} entries for {decoder.n_layers} layers")
+        self.decoder, self.m = decoder, len(slots)
+        self._ends = np.asarray(task_ends, np.int64)
+        self._keep = [np.ascontiguousarray(slots, np.int32), np.ascontiguousarray(tasks, np.int32),
+                      np.ascontiguousarray(rows, np.int64), ids, scores, counts, self._ends]
+        s = self.struct = ffi.new("fx_sparse_step *")
+        s.slots, s.tasks, s.rows = (ffi.from_buffer(t, a) for t, a in
+                                    zip(("int32_t[]", "int32_t[]", "int64_t[]"), self._keep[:3]))
+        s.ids, s.scores, s.counts = (ffi.from_buffer(t, a) for t, a in
+                                     zip(("int32_t[]", "float[]", "int32_t[]"), (ids, scores, counts)))
+        s.task_ends = ffi.from_buffer("int64_t[]", self._ends)
+        s.k_cap, s.scoring, s.scale = ids.shape[1], scoring, scale
+        s.pins = s.pin_counts = ffi.NULL
+        self._views: Any = None
+        self._pin_keep: tuple[np.ndarray, np.ndarray] | None = None
+        self._tokens, self._seconds = ffi.new("int64_t[2]"), ffi.new("double[2]")
+        self._err_layer, self._err_index = ffi.new("int32_t[1]"), ffi.new("int64_t[1]")
+        self._select_ws = np.empty(0, np.float32)
+
+    def set_pins(self, pins: np.ndarray | None, pin_counts: np.ndarray | None) -> None:
+        """Every task's pins (int32 [T, P] and [T], PinnedBlocks.table of all layers' tasks), or None: no pins."""
+        s = self.struct
+        if pins is None or pin_counts is None:
+            s.pins = s.pin_counts = ffi.NULL
+            self._pin_keep = None
+            return
+        keep = (np.ascontiguousarray(pins, np.int32), np.ascontiguousarray(pin_counts, np.int32))
+        s.pins, s.pin_counts = ffi.from_buffer("int32_t[]", keep[0]), ffi.from_buffer("int32_t[]", keep[1])
+        s.pin_stride = keep[0].shape[1]
+        self._pin_keep = keep
+
+    def run(self, x: torch.Tensor, rope_rows: torch.Tensor, rope_stride: int, views: list[Any]) -> tuple[int, int, float, float]:
+        """x fp32 [m, d] (contiguous; updated in place) through every layer; rope_rows: row 0's RoPE table row (rows
+        rope_stride floats apart); views: each layer's KVView now (a grown page table replaces a view). Returns
+        (tokens selected, tokens in streaming spans, seconds selecting, seconds attending)."""
+        dec, s = self.decoder, self.struct
+        self._views = ffi.new("fx_kv_view *[]", [v.struct for v in views])
+        s.views = self._views
+        need = int(lib.fx_sparse_decode_workspace(dec.c_layers, dec.n_layers, self.m))
+        if need < 0:
+            _raise(-need, f"sparse decode step of {self.m} rows")
+        floats = int(lib.fx_sparse_decode_select_floats(dec.c_layers, dec.n_layers, self.m, s))
+        if floats < 0:
+            _raise(-floats, f"sparse decode step of {self.m} rows")
+        if self._select_ws.size < floats:
+            self._select_ws = np.empty(max(floats, self._select_ws.size * 3 // 2), np.float32)
+        ptr = _layer_work.take(need)
+        rc = lib.fx_sparse_decode_layers(dec.c_layers, dec.n_layers, _fptr(x), self.m, _fptr(rope_rows), rope_stride,
+                                         s, ffi.from_buffer("float[]", self._select_ws), self._select_ws.size, ptr,
+                                         _layer_work.nbytes, self._tokens, self._seconds, self._err_layer,
+                                         self._err_index)
+        if rc:
+            layer, idx = int(self._err_layer[0]), int(self._err_index[0])
+            where = f" in layer {layer}" + (f", task/item {idx}" if idx >= 0 else "") if layer >= 0 else ""
+            _raise(rc, f"sparse decode step of {self.m} rows{where}")
+        return int(self._tokens[0]), int(self._tokens[1]), float(self._seconds[0]), float(self._seconds[1])
 
 
 def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n_tokens: int, scale: float,
@@ -191,4 +264,4 @@ def decode_attention_unchecked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out
 
 
-__all__ = ["LayerSpec", "NativeLayer", "NativeDecoder", "MAX_ROWS", "decode_attention", "decode_attention_unchecked"]
+__all__ = ["LayerSpec", "NativeLayer", "NativeDecoder", "SparseDecodeStep", "MAX_ROWS", "decode_attention", "decode_attention_unchecked"]

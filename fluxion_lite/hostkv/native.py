@@ -554,6 +554,11 @@ def _scoring_code(scoring: str) -> int:
     raise ValueError(f"scoring must be one of {SCORINGS}, got {scoring!r}")
 
 
+def scoring_code(scoring: str) -> int:
+    """The native code (FX_SCORE_*) of a block scoring name: "group", "per_head" or "midrange"."""
+    return _scoring_code(scoring)
+
+
 _NO_PINS = (ffi.NULL, ffi.NULL, 0)
 
 

@@ -41,6 +41,7 @@ _FLOAT_PTR = ffi.typeof("float *")
 _FLOAT_ARRAY = ffi.typeof("float[]")
 _BYTES = ffi.typeof("uint8_t[]")
 _VOID_PTR = ffi.typeof("void *")
+_U16_PTR = ffi.typeof("uint16_t *")
 
 
 def type_id(wtype: Any) -> int:
@@ -207,6 +208,11 @@ class QuantWeight:
         """Rows row0 .. row0 + n_rows - 1 (default: to the end) as fp32 [n_rows, k] (a torch tensor if w is one)."""
         return _dequantize(self, row0, n_rows, out)
 
+    def dequantize_bf16(self, row0: int = 0, n_rows: int | None = None, out: Any | None = None) -> Any:
+        """The same rows as bf16 [n_rows, k] (a torch tensor: numpy has no bf16), each the fp32 value rounded to
+        nearest even, in one pass with no fp32 copy: the weights of a bf16 prefill GEMM."""
+        return _dequantize_bf16(self, row0, n_rows, out)
+
 
 def qmatmul(wtype: Any, w: Any, n_out: int, k: int, x: Any, out: Any | None = None) -> Any:
     """y = x @ W^T with W [n_out, k] of type wtype (the file's bytes): x fp32 [m, k] or [k] (torch or numpy) -> y fp32
@@ -275,17 +281,39 @@ def qmatmul_many(wtypes: Sequence[Any], ws: Sequence[Any], n_outs: Sequence[int]
     return matmul_many([QuantWeight(t, w, n, k) for t, w, n in zip(wtypes, ws, n_outs)], x, outs)
 
 
-def _dequantize(qw: QuantWeight, row0: int, n_rows: int | None, out: Any | None) -> Any:
+def _row_range(qw: QuantWeight, row0: int, n_rows: int | None) -> tuple[int, int]:
     row0 = _int(row0, "row0")
     n_rows = qw.n_out - row0 if n_rows is None else _int(n_rows, "n_rows")
     if row0 < 0 or n_rows < 0 or row0 + n_rows > qw.n_out:
         raise ValueError(f"rows [{row0}, {row0 + n_rows}) outside the matrix's {qw.n_out} rows")
+    return row0, n_rows
+
+
+def _dequantize(qw: QuantWeight, row0: int, n_rows: int | None, out: Any | None) -> Any:
+    row0, n_rows = _row_range(qw, row0, n_rows)
     like = qw.w if torch is not None and isinstance(qw.w, torch.Tensor) else None
     y, yp = _out(like, out, n_rows, qw.k, False, "out")
     rc = lib.fx_dequantize(qw.wtype, qw.ptr, row0, n_rows, qw.k, yp)
     if rc:
         _raise(rc, f"dequantize({qw.name}, rows [{row0}, {row0 + n_rows}), k={qw.k})")
     return y
+
+
+def _dequantize_bf16(qw: QuantWeight, row0: int, n_rows: int | None, out: Any | None) -> Any:
+    if torch is None:
+        raise ValueError("dequantize_bf16 needs torch (numpy has no bf16)")
+    row0, n_rows = _row_range(qw, row0, n_rows)
+    shape = (n_rows, qw.k)
+    if out is None:
+        out = torch.empty(shape, dtype=torch.bfloat16)
+    if not (isinstance(out, torch.Tensor) and out.dtype == torch.bfloat16 and out.device.type == "cpu"
+            and out.is_contiguous() and tuple(out.shape) == shape):
+        raise ValueError(f"out must be a contiguous CPU bfloat16 tensor of shape {shape}")
+    yp = ffi.cast(_U16_PTR, out.data_ptr()) if out.numel() else ffi.NULL
+    rc = lib.fx_dequantize_bf16(qw.wtype, qw.ptr, row0, n_rows, qw.k, yp)
+    if rc:
+        _raise(rc, f"dequantize_bf16({qw.name}, rows [{row0}, {row0 + n_rows}), k={qw.k})")
+    return out
 
 
 def dequantize(wtype: Any, w: Any, k: int, row0: int = 0, n_rows: int | None = None, out: Any | None = None,

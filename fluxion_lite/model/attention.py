@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
-from fluxion_lite.hostkv.layer import decode_attention_unchecked
+from fluxion_lite.hostkv.layer import NativeDecoder, decode_attention_unchecked
 from fluxion_lite.model.kv_cache import DenseKVCache
 
 
@@ -76,6 +76,14 @@ class AttentionBackend(ABC):
         attends in its one native call for every layer (hostkv.layer.NativeDecoder). None (the default): attend()
         layer by layer."""
         return None
+
+    def native_decode_step(self, decoder: NativeDecoder, x: torch.Tensor, rope_rows: torch.Tensor, rope_stride: int,
+                           chunks: list[SeqChunk]) -> bool:
+        """For a step of one token per sequence, all of its layers in one native call where this backend can
+        (decoder: the model's NativeDecoder; x fp32 [B, d] the embedded tokens, replaced in place by the last
+        layer's output; rope_rows: row 0's RoPE table row, the next rope_stride floats on). True: done; False
+        (the default): nothing was touched, attend() runs layer by layer."""
+        return False
 
 
 class CapturedDecode(ABC):

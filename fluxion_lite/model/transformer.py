@@ -349,14 +349,24 @@ class Transformer:
         tokens, positions, rows = self._inputs(tokens, positions, rows)
         # The table size comes from the chunks (host ints), never from reading positions back from the device.
         self.rope.ensure(max(c.start + c.length for c in chunks))
-        if self.native_decoder is not None and n_tok == 1:
-            kv = attn.dense_decode_cache(chunks)
+        if self.native_decoder is not None and n_tok == len(chunks):  # one token per sequence: a decode step
+            kv = attn.dense_decode_cache(chunks) if n_tok == 1 else None
             if kv is not None:  # one token of one dense sequence: every layer in one native call
                 x, cos, sin = self.embed_tokens(tokens, positions)
                 assert self._rope_rows(cos, sin), "the RoPE rows are gathered as one table row per token"
                 self.native_decoder.step(x, cos, kv[0], kv[1], chunks[0].start, self.cfg.head_dim**-0.5)
                 return self.logits(x, rows)
+            x, cos, sin = self.embed_tokens(tokens, positions)
+            assert self._rope_rows(cos, sin), "the RoPE rows are gathered as one table row per token"
+            if attn.native_decode_step(self.native_decoder, x, cos, 2 * self.cfg.rope_dim, chunks):
+                return self.logits(x, rows)  # every layer over the host KV store in one native call
+            return self._layers_and_logits(x, cos, sin, chunks, attn, rows)
         x, cos, sin = self.embed_tokens(tokens, positions)
+        return self._layers_and_logits(x, cos, sin, chunks, attn, rows)
+
+    def _layers_and_logits(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: list[SeqChunk],
+                           attn: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
+        """The eager layer loop over the embedded x [T, d], then the logits of rows."""
         for i, lw in enumerate(self.layers):
             q, k, v = self.pre_attention(lw, x, cos, sin)
             o = attn.attend(i, q, k, v, chunks)  # [T, Hq, D]

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from fluxion_lite.hostkv.layer import NativeDecoder
 from fluxion_lite.model.attention import AttentionBackend, CapturedDecode, DenseAttention, SeqChunk
 from fluxion_lite.sparse.backend import SparseAttention
 
@@ -123,6 +124,12 @@ class AutoAttention(AttentionBackend):
         if len(chunks) == 1 and self._side.get(chunks[0].seq_id) is self.dense:
             return self.dense.dense_decode_cache(chunks)
         return None
+
+    def native_decode_step(self, decoder: NativeDecoder, x: torch.Tensor, rope_rows: torch.Tensor, rope_stride: int,
+                           chunks: list[SeqChunk]) -> bool:
+        if self.sparse is not None and all(self._side.get(c.seq_id) is self.sparse for c in chunks):
+            return self.sparse.native_decode_step(decoder, x, rope_rows, rope_stride, chunks)
+        return False
 
     def captured_decode(self, chunks: list[SeqChunk]) -> CapturedDecode | None:
         # the fluxion side's captured step where every row is its own; else attention runs eagerly between replays

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Literal
 
@@ -27,6 +28,7 @@ import torch
 from torch.profiler import record_function
 
 from fluxion_lite.hostkv import native
+from fluxion_lite.hostkv.layer import MAX_ROWS, NativeDecoder
 from fluxion_lite.model.attention import AttentionBackend, SeqChunk, causal_attention
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.sparse.device.summaries import DeviceSummaries
@@ -220,6 +222,8 @@ class SparseAttention(AttentionBackend):
         self.state.slot[seq_id] = slot
         self.scratch.allocate(seq_id)
         self.state.prefilling.add(seq_id)
+        if prompt_tokens > 0:
+            self.state.prompt_tokens[seq_id] = prompt_tokens
         if slot >= self.state.near.shape[1]:
             self.state.grow_near(slot + 1)
         self.state.near[:, slot].zero_()
@@ -237,6 +241,7 @@ class SparseAttention(AttentionBackend):
             self.pins.forget(seq_id, slot)
         self.state.length.pop(seq_id, None)
         self.state.prefilling.discard(seq_id)
+        self.state.prompt_tokens.pop(seq_id, None)
         self.state.step = None
         if self.planner is not None:
             self.planner.forget(seq_id)
@@ -316,6 +321,22 @@ class SparseAttention(AttentionBackend):
                 self.state.length[c.seq_id] = c.start + c.length
         return out
 
+    def _pins_due(self, layer: int, c: SeqChunk) -> bool:
+        """Whether this prefill chunk ends the prompt (its length known from allocate) at the layer that pins:
+        each layer for itself, or the last one where the plan's pin_consensus pins every layer from all of them."""
+        end = self.state.prompt_tokens.get(c.seq_id)
+        last_layer = not self.plan.pin_consensus or layer == self.cfg.n_layers - 1
+        return end is not None and c.start + c.length == end and last_layer
+
+    def _pin(self, layer: int, seq_id: int, slot: int, n: int, keys_of: Callable[[int], torch.Tensor]) -> None:
+        """Pin a sequence's blocks from its observed prompt queries (plan/pins.py) for a first decode step of n
+        tokens; keys_of(i): layer i's prompt keys [Hkv, n - 1, D]. Pins belong to the static plan: made for every sequence unless a predictor plans them all (a step
+        reads them only while no row in it has a plan of its own). The second call for a layer finds nothing to do.
+        Made at the end of the prompt's last chunk, the prompt attention's cost (a softmax over every prompt key,
+        0.3 s for the 0.5b at 16K on 2 cores) is part of the prefill rather than of the first decode step."""
+        if self.planner is None or not self.planner.predicts:
+            self.pins.pin(layer, seq_id, slot, keys_of, n, self.scale)
+
     def _mixed(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
         """A call with prefill chunks: dense prefill of the chunks, the host append (overlapping the chunks' device
         work on CUDA), then the decode rows as a decode step runs them."""
@@ -341,17 +362,17 @@ class SparseAttention(AttentionBackend):
                         self.planner.record(layer, c.seq_id, q[sl])
                     if self.pins is not None:
                         self.pins.observe(layer, c.seq_id, c.start, q[sl])
+                        if self._pins_due(layer, c):  # the prompt's last chunk: pin now, as part of prefill
+                            # this layer's keys as appended above: the cache's own length moves at the last layer
+                            self._pin(layer, c.seq_id, slot, c.start + c.length + 1,
+                                      lambda i, s=c.seq_id, own=keys: own if i == layer else self.scratch.view(i, s)[0])
             else:
                 rows.append(offset)
                 dec.append(c)
                 if self.planner is not None and c.seq_id in self.state.prefilling:  # prefill ended: plan this layer
                     self.planner.prefill_done(layer, c.seq_id, lambda i, s=c.seq_id: self.scratch.view(i, s))
-                # pins belong to the static plan: made for every sequence unless a predictor plans them all (a step
-                # reads them only while no row in it has a plan of its own)
-                if (self.pins is not None and (self.planner is None or not self.planner.predicts)
-                        and c.seq_id in self.state.prefilling):
-                    self.pins.pin(layer, c.seq_id, slot, lambda i, s=c.seq_id: self.scratch.view(i, s)[0],
-                                  c.start + 1, self.scale)
+                if self.pins is not None and c.seq_id in self.state.prefilling:  # unless pinned at prefill end
+                    self._pin(layer, c.seq_id, slot, c.start + 1, lambda i, s=c.seq_id: self.scratch.view(i, s)[0])
                 if layer == self.cfg.n_layers - 1 and c.seq_id in self.state.prefilling:
                     self.state.prefilling.discard(c.seq_id)  # decoding started: the dense scratch goes
                     self.scratch.free(c.seq_id)
@@ -412,6 +433,26 @@ class SparseAttention(AttentionBackend):
         lo = max(start, end - self.state.ring_cap)
         ring = self.state.sink_cap + torch.arange(lo, end, device=k.device) % self.state.ring_cap
         near[:, :, ring] = kv[:, :, lo - start :]
+
+    def native_decode_step(self, decoder: NativeDecoder, x: torch.Tensor, rope_rows: torch.Tensor, rope_stride: int,
+                           chunks: list[SeqChunk]) -> bool:
+        """On a CPU device, a static-plan step of decode rows without the unread-background term: every layer in one
+        native call (HostDecode.native_step); per-request plans and the background term keep the per-layer path."""
+        if (self.host_decode is None or self.plan.background != "off" or len(chunks) > MAX_ROWS
+                or not all(c.length == 1 and c.seq_id not in self.state.prefilling for c in chunks)):
+            return False
+        st = self.state.step_for(chunks)
+        if self._row_plan(st) is not None:
+            return False
+        t0 = time.perf_counter()
+        self.flush()
+        self.host_decode.native_step(decoder, x, rope_rows, rope_stride, st)
+        for c in chunks:
+            self.state.length[c.seq_id] = c.start + c.length
+        s = self.state.stats
+        s.steps += 1
+        s.step_s += time.perf_counter() - t0
+        return True
 
     def _decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[SeqChunk]) -> torch.Tensor:
         if layer == 0:

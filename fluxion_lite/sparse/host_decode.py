@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from fluxion_lite.hostkv import native
+from fluxion_lite.hostkv.layer import NativeDecoder, SparseDecodeStep
 from fluxion_lite.sparse.attend import lse_merge
 from fluxion_lite.sparse.step import DecodeStep, active_retrieval, retrieval_tasks
 
@@ -75,6 +76,28 @@ class HostDecode:
             out = self._add_background(layer, st, rp, lo, hi, out)
         B = st.batch
         return out.view(B, -1, a.cfg.head_dim).to(q.dtype, copy=True)  # a copy: the buffer is the next layer's
+
+    def native_step(self, decoder: NativeDecoder, x: torch.Tensor, rope_rows: torch.Tensor, rope_stride: int,
+                    st: DecodeStep) -> None:
+        """Every layer of a static-plan step in one native call (hostkv.layer.SparseDecodeStep): x fp32 [B, d] is
+        the embedded tokens on entry and the last layer's output on return. The same calls as layer() and the
+        model's per-layer calls, made from C (a layer's five round trips from Python were most of a step at 16
+        threads); the counters as layer() keeps them."""
+        a = self.a
+        if st is not self._st or self._rp is not None:
+            self._begin(st, None)
+        prep = self._prep
+        step = SparseDecodeStep(decoder, st.slots, prep.tasks, self._ends, prep.rows, prep.ids, prep.scores,
+                                prep.counts, native.scoring_code(a.topk_scoring), a.scale)
+        if a.pins is not None and any(a.pins.any(layer) for layer in range(a.cfg.n_layers)):
+            layer_of_task = np.repeat(np.arange(a.cfg.n_layers), np.diff(self._ends))
+            step.set_pins(*a.pins.table(layer_of_task, prep.tasks))
+        views = [a.store.view(layer) for layer in range(a.cfg.n_layers)]
+        selected, _, t_select, t_attend = step.run(x, rope_rows, rope_stride, views)
+        stats = a.state.stats
+        stats.cpu_topk_s += t_select
+        stats.cpu_attn_s += t_attend
+        a.state.read_tokens += float(selected)  # the streaming reads were counted for the whole step (_begin)
 
     def _begin(self, st: DecodeStep, rp: RowPlan | None) -> None:
         """The step's task table for every layer: row (layer, sequence, group), layer-major; retrieval groups with

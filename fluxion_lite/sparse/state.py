@@ -50,6 +50,7 @@ class SparseState:
         self.slot: dict[int, int] = {}  # sequence -> host-store slot (also its row of the device slab)
         self.length: dict[int, int] = {}  # sequence -> tokens whose K/V are stored
         self.prefilling: set[int] = set()  # sequences still in prefill (their dense scratch KV is alive)
+        self.prompt_tokens: dict[int, int] = {}  # seq -> its prompt's length where allocate() was told it
         # per layer: a decode step's new K/V queued for the host store, (slots, rows, event) or None
         self.pending: list[tuple[list[int], int, torch.cuda.Event | None] | None] = [None] * cfg.n_layers
         self.step: DecodeStep | None = None  # the last step's bookkeeping, reused while its rows are the same

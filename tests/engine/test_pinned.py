@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from fluxion_lite.engine.engine import Engine, make_attention
+from fluxion_lite.model.attention import SeqChunk
 from fluxion_lite.errors import ModelFileError
 from fluxion_lite.plan.pins import PinnedBlocks, attention_mass, group_pins, pick_pins
 from fluxion_lite.plan.sparse_plan import GroupPlan, SparsePlan
@@ -511,3 +512,32 @@ def test_the_plan_file_carries_the_pin_consensus(tmp_path: Path) -> None:
     bad = SparsePlan(16, 64, [[GroupPlan(False, 16, 0.1)]], "t", pin_fraction=0.75, pin_consensus=1.5)
     with pytest.raises(ModelFileError, match="pin_consensus"):
         bad.validate(1, 1)
+
+
+@pytest.mark.parametrize("consensus", [0.0, 0.5])
+def test_pins_made_at_the_prompts_end_equal_those_of_the_first_decode_step(engine: Engine,  # noqa: F811
+                                                                           essay_tokens: list[int],
+                                                                           consensus: float) -> None:
+    """Told the prompt's length, the backend pins as the last prefill chunk ends (the prompt attention's cost goes
+    to prefill, not to the first decode step); not told, at the first decode step. Same pins, same logits."""
+    cfg = engine.config
+    n_prefix, n_decode = len(essay_tokens) - 3, 3
+    results = {}
+    for told in (False, True):
+        plan = SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.2, sink=16, window=64)
+        plan.pin_fraction, plan.pin_consensus = 0.5, consensus
+        attn = make_attention("fluxion", cfg, torch.float32, torch.device("cpu"), 2, MODEL, plan=plan)
+        attn.allocate(0, n_prefix if told else 0)
+        for s in range(0, n_prefix, 256):
+            n = min(256, n_prefix - s)
+            engine.model.forward(torch.tensor(essay_tokens[s : s + n]), torch.arange(s, s + n), [SeqChunk(0, s, n)],
+                                 attn)
+        assert all(attn.pins.any(layer) for layer in range(cfg.n_layers)) == told
+        rows = [engine.model.forward(torch.tensor([essay_tokens[p]]), torch.tensor([p]), [SeqChunk(0, p, 1)], attn)[0]
+                for p in range(n_prefix, n_prefix + n_decode)]
+        slot = attn.state.slot[0]
+        results[told] = (torch.stack(rows), [attn.pins.slot_blocks(slot)[i].copy() for i in range(3)])
+        attn.free(0)
+    assert torch.equal(results[False][0], results[True][0])
+    for a, b in zip(results[False][1], results[True][1]):
+        np.testing.assert_array_equal(a, b)

@@ -160,3 +160,47 @@ def test_a_one_sequence_decode_step_is_one_native_call_with_the_same_logits(
     calls.clear()
     model.forward(torch.tensor([5, 6]), torch.tensor([0, 0]), [SeqChunk(0, 0, 1), SeqChunk(1, 0, 1)], attn)
     assert calls == [] and attn.seq_len(0) == attn.seq_len(1) == 1
+
+
+@pytest.mark.parametrize("background", ["off", "retrieval"])
+def test_a_fluxion_decode_step_is_one_native_call_with_the_same_logits(
+        engines: tuple[Engine, Engine], monkeypatch: pytest.MonkeyPatch, background: str) -> None:
+    """On the CPU a static-plan fluxion step (two sequences, pinned blocks) runs every layer in one native call
+    (SparseDecodeStep); its logits are the per-layer path's, bit for bit. With the unread-background term a step
+    keeps the per-layer path."""
+    from fluxion_lite.engine.engine import make_attention
+    from fluxion_lite.hostkv.layer import SparseDecodeStep
+    from fluxion_lite.plan.sparse_plan import SparsePlan
+
+    model = engines[0].model
+    cfg = model.cfg
+    calls: list[int] = []
+    run = SparseDecodeStep.run
+    monkeypatch.setattr(SparseDecodeStep, "run", lambda self, *a: (calls.append(self.m), run(self, *a))[1])
+    prompts = [engines[0].tokenizer.encode("The quick brown fox " * 60)[:230],  # type: ignore[union-attr]
+               engines[0].tokenizer.encode("A long letter about the sea and ships. " * 40)[:190]]  # type: ignore[union-attr]
+
+    def decode(native: bool) -> torch.Tensor:
+        plan = SparsePlan.uniform(cfg.n_layers, cfg.n_kv_heads, g=16, budget=0.3, sink=16, window=48)
+        plan.pin_fraction, plan.background = 0.5, background
+        attn = make_attention("fluxion", cfg, torch.float32, torch.device("cpu"), 2, MODEL, plan=plan)
+        decoder = model.native_decoder
+        model.native_decoder = decoder if native else None
+        try:
+            for seq, p in enumerate(prompts):
+                attn.allocate(seq, len(p))
+                model.forward(torch.tensor(p), torch.arange(len(p)), [SeqChunk(seq, 0, len(p))], attn)
+            rows, nxt = [], [p[-1] for p in prompts]
+            for i in range(4):
+                chunks = [SeqChunk(seq, len(p) + i, 1) for seq, p in enumerate(prompts)]
+                logits = model.forward(torch.tensor(nxt), torch.tensor([c.start for c in chunks]), chunks, attn)
+                rows.append(logits)
+                nxt = logits.argmax(-1).tolist()
+            return torch.stack(rows)
+        finally:
+            model.native_decoder = decoder
+
+    fused = decode(native=True)
+    # the first decode step still ends the prefill (it drops the dense scratch): per layer; then one call each
+    assert calls == ([2] * 3 if background == "off" else [])
+    assert torch.equal(fused, decode(native=False))

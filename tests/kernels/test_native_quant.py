@@ -119,6 +119,43 @@ def test_dequantize_is_exact(tid: int, variant) -> None:
         np.testing.assert_array_equal(got.numpy(), want[:1])
 
 
+@pytest.mark.parametrize("variant", VARIANTS, ids=_vid, indirect=True)
+@pytest.mark.parametrize("tid", ALL_TYPES, ids=_tid)
+def test_dequantize_bf16_rounds_the_exact_values_to_nearest_even(tid: int, variant) -> None:
+    """fx_dequantize_bf16: the float64 reference's values (exact in fp32) rounded by torch's fp32 -> bf16
+    conversion, bit for bit; rows longer than the 4,096-element chunk it converts at a time, 1 and N threads."""
+    rng = np.random.default_rng(tid + 11)
+    block = ref.TYPES[tid][1]
+    long_k = 4096 + 3 * max(block, 32) if block > 1 else 4099
+    for threads, n_out, k in ((1, 5, 3 * max(block, 32)), (N_THREADS, 67, max(block, 32)), (N_THREADS, 3, long_k),
+                              (1, 2, 2 * long_k)):
+        native.set_threads(threads)
+        w = ref.random_matrix(tid, n_out, k, rng)
+        want = torch.from_numpy(ref.dequantize(tid, w, k)[0].astype(np.float32)).to(torch.bfloat16)  # [n_out, k]
+        qw = quant.QuantWeight(tid, torch.from_numpy(w), n_out, k)
+        assert torch.equal(qw.dequantize_bf16().view(torch.int16), want.view(torch.int16))
+        row0, n_rows = n_out // 3, n_out - n_out // 3 - 1
+        out = torch.full((n_rows, k), 7.0, dtype=torch.bfloat16)
+        assert qw.dequantize_bf16(row0, n_rows, out=out) is out
+        assert torch.equal(out.view(torch.int16), want[row0:row0 + n_rows].view(torch.int16))
+
+
+@pytest.mark.parametrize("variant", VARIANTS, ids=_vid, indirect=True)
+def test_dequantize_bf16_ties_and_non_finite_values(variant) -> None:
+    """F32 weights that sit on bf16 ties (to even: down from an even neighbour, up to one), the largest finite fp32
+    (rounds to inf, as torch's conversion does), infinities, NaNs of both signs (-> 0x7fc0), zeros and subnormals."""
+    ties = [1 + 2**-8, 1 + 3 * 2**-8, -(1 + 2**-8), 2**-126 * (1 + 2**-8), 3.4028234663852886e38]
+    specials = [np.inf, -np.inf, np.nan, -np.nan, 0.0, -0.0, 1e-45, -1e-40, 65504.0, 1.0000001]
+    x = np.array(ties + specials + list(np.random.default_rng(3).standard_normal(45)), np.float32)  # [60]
+    x[x.size // 2] = np.float32(np.frombuffer(np.uint32(0xFFC00001).tobytes(), np.float32)[0])  # a negative NaN
+    got = quant.QuantWeight(0, torch.from_numpy(x.copy()).view(torch.uint8), 1, x.size).dequantize_bf16()[0]
+    want = torch.from_numpy(x).to(torch.bfloat16)
+    nan = torch.from_numpy(np.isnan(x))
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+    assert (got[nan].view(torch.int16) == 0x7FC0).all()  # torch's own NaN bits differ between its code paths
+    assert int(got[0].view(torch.int16)) == 0x3F80 and int(got[1].view(torch.int16)) == 0x3F82  # 1+2^-8 down, 1+3*2^-8 up
+
+
 @pytest.mark.parametrize("tid", ALL_TYPES, ids=_tid)
 def test_layout_agrees_with_gguf(tid: int) -> None:
     """gguf-py reads the same bytes to the same values (an independent reading of the layouts), its block sizes are
@@ -340,6 +377,15 @@ def test_native_errors_before_any_write() -> None:
     assert lib.fx_dequantize(8, args[0], 0, 2, 64, ffi.NULL) == lib.FX_E_QSHAPE
     assert (out == 5.0).all()
     assert lib.fx_dequantize(8, args[0], 1, 2, 64, args[1]) == lib.FX_OK and not (out == 5.0).any()
+    out16 = np.full((2, 64), 0x1234, np.uint16)
+    p16 = ffi.from_buffer("uint16_t[]", out16)
+    assert lib.fx_dequantize_bf16(8, args[0], -1, 2, 64, p16) == lib.FX_E_QSHAPE
+    assert lib.fx_dequantize_bf16(8, args[0], 0, 2, 60, p16) == lib.FX_E_QSHAPE
+    assert lib.fx_dequantize_bf16(9, args[0], 0, 2, 64, p16) == lib.FX_E_QTYPE
+    assert lib.fx_dequantize_bf16(8, ffi.NULL, 0, 2, 64, p16) == lib.FX_E_QSHAPE
+    assert lib.fx_dequantize_bf16(8, args[0], 0, 2, 64, ffi.NULL) == lib.FX_E_QSHAPE
+    assert (out16 == 0x1234).all()
+    assert lib.fx_dequantize_bf16(8, args[0], 1, 2, 64, p16) == lib.FX_OK and not (out16 == 0x1234).any()
 
 
 def test_python_errors_name_the_argument() -> None:
@@ -363,6 +409,9 @@ def test_python_errors_name_the_argument() -> None:
         (lambda: quant.matmul_many([quant.QuantWeight(2, w, 4, 64), quant.QuantWeight(2, w, 2, 128)], x),
          "weights\\[1\\] has k=128"),
         (lambda: quant.dequantize(2, w, 64, 3, 2), r"rows \[3, 5\) outside the matrix's 4 rows"),
+        (lambda: quant.QuantWeight(2, w, 4, 64).dequantize_bf16(out=torch.empty(4, 64)),
+         "out must be a contiguous CPU bfloat16 tensor of shape \\(4, 64\\)"),
+        (lambda: quant.QuantWeight(2, w, 4, 64).dequantize_bf16(3, 2), r"rows \[3, 5\) outside the matrix's 4 rows"),
         (lambda: quant.dequantize(2, w[:, :17], 64), "w holds 68 bytes, not a whole number of 36-byte rows"),
     ]
     for fn, match in cases:
