@@ -378,6 +378,12 @@ def user_cache_base() -> str | None:
     return os.environ.get("XDG_CACHE_HOME") or None
 
 
+def triton_interpreter() -> bool:
+    """Whether Triton's own switch TRITON_INTERPRET=1 is on (its kernels then run on CPU tensors, as the tests run
+    them; model/qgemv_kernels.py accepts CPU tensors only then). Read at each call, here with the knobs."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def child_environment(**extra: str) -> dict[str, str]:
     """The environment for a child process: this one's, with `extra` set (hub/pull.py points pip's TMPDIR at a
     folder it watches for download progress)."""

@@ -14,12 +14,32 @@ static double now_seconds(void) {
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
-/* The step's own buffers after the layer workspace: qkv [m][width], q [m][Hq D], out [m][Hq D], lse [m][Hq],
- * k16 / v16 [m][Hkv D] 16-bit, row_start / row_count [m] int64; each 64-byte aligned. */
-static int64_t own_bytes(const fx_qlayer *L0, int64_t m) {
+/* The step's own buffers, laid out from base (64-byte aligned, each rounded up to 64 bytes); the layer calls'
+ * workspace follows them.  With base NULL only the size comes out (the pointers are then NULL). */
+typedef struct {
+    float *qkv, *q, *out, *lse;  /* [m][width], [m][Hq D], [m][Hq D], [m][Hq] */
+    uint16_t *k16, *v16;         /* [m][Hkv D] in the store's dtype */
+    int64_t *row_start, *row_count;  /* [m] */
+} step_bufs;
+
+static void *carve(char *base, int64_t *offset, int64_t bytes) {
+    void *at = base ? base + *offset : NULL;
+    *offset += a64(bytes);
+    return at;
+}
+
+static int64_t layout(const fx_qlayer *L0, int64_t m, char *base, step_bufs *B) {
     int64_t D = L0->head_dim, hq = (int64_t)L0->n_heads * D, hkv = (int64_t)L0->n_kv_heads * D;
-    return a64(m * (hq + 2 * hkv) * 4) + 2 * a64(m * hq * 4) + a64(m * L0->n_heads * 4) + 2 * a64(m * hkv * 2) +
-           2 * a64(m * 8);
+    int64_t n = 0;
+    B->qkv = carve(base, &n, m * (hq + 2 * hkv) * 4);
+    B->q = carve(base, &n, m * hq * 4);
+    B->out = carve(base, &n, m * hq * 4);
+    B->lse = carve(base, &n, m * L0->n_heads * 4);
+    B->k16 = carve(base, &n, m * hkv * 2);
+    B->v16 = carve(base, &n, m * hkv * 2);
+    B->row_start = carve(base, &n, m * 8);
+    B->row_count = carve(base, &n, m * 8);
+    return n;
 }
 
 int64_t fx_sparse_decode_workspace(const fx_qlayer *const *layers, int32_t n_layers, int64_t m) {
@@ -36,7 +56,8 @@ int64_t fx_sparse_decode_workspace(const fx_qlayer *const *layers, int32_t n_lay
             return -FX_E_QSHAPE;
         layer_bytes = b > layer_bytes ? b : layer_bytes;
     }
-    return 64 + own_bytes(L0, m) + layer_bytes;
+    step_bufs B;
+    return 64 + layout(L0, m, NULL, &B) + layer_bytes;
 }
 
 /* The step's arguments that do not depend on a layer's tasks: the views against the layers' shape, the slots,
@@ -117,22 +138,11 @@ int fx_sparse_decode_layers(const fx_qlayer *const *layers, int32_t n_layers, fl
     int64_t D = L0->head_dim, Hq = L0->n_heads, Hkv = L0->n_kv_heads;
     int64_t hq = Hq * D, hkv = Hkv * D, width = hq + 2 * hkv;
     char *p = (char *)(((uintptr_t)work + 63) & ~(uintptr_t)63);
-    float *qkv = (float *)p;
-    p += a64(m * width * 4);
-    float *q = (float *)p;
-    p += a64(m * hq * 4);
-    float *out = (float *)p;
-    p += a64(m * hq * 4);
-    float *lse = (float *)p;
-    p += a64(m * Hq * 4);
-    uint16_t *k16 = (uint16_t *)p;
-    p += a64(m * hkv * 2);
-    uint16_t *v16 = (uint16_t *)p;
-    p += a64(m * hkv * 2);
-    int64_t *row_start = (int64_t *)p;
-    p += a64(m * 8);
-    int64_t *row_count = (int64_t *)p;
-    p += a64(m * 8);
+    step_bufs B;
+    p += layout(L0, m, p, &B);
+    float *qkv = B.qkv, *q = B.q, *out = B.out, *lse = B.lse;
+    uint16_t *k16 = B.k16, *v16 = B.v16;
+    int64_t *row_start = B.row_start, *row_count = B.row_count;
     int64_t layer_bytes = work_bytes - (p - (char *)work);
     for (int64_t i = 0; i < m; i++) row_start[i] = i, row_count[i] = 1;
     int bf16 = S->views[0]->dtype == FX_BF16;

@@ -56,6 +56,7 @@ class _Bytes(threading.local):
 
 _layer_work = _Bytes()
 _attn_work = _Bytes()
+_select_work = _Bytes()  # the sparse step's selection, attention and spans (grows with the context)
 
 
 @dataclass(frozen=True)
@@ -179,7 +180,6 @@ class SparseDecodeStep:
         self._pin_keep: tuple[np.ndarray, np.ndarray] | None = None
         self._tokens, self._seconds = ffi.new("int64_t[2]"), ffi.new("double[2]")
         self._err_layer, self._err_index = ffi.new("int32_t[1]"), ffi.new("int64_t[1]")
-        self._select_ws = np.empty(0, np.float32)
 
     def set_pins(self, pins: np.ndarray | None, pin_counts: np.ndarray | None) -> None:
         """Every task's pins (int32 [T, P] and [T], PinnedBlocks.table of all layers' tasks), or None: no pins."""
@@ -206,13 +206,11 @@ class SparseDecodeStep:
         floats = int(lib.fx_sparse_decode_select_floats(dec.c_layers, dec.n_layers, self.m, s))
         if floats < 0:
             _raise(-floats, f"sparse decode step of {self.m} rows")
-        if self._select_ws.size < floats:
-            self._select_ws = np.empty(max(floats, self._select_ws.size * 3 // 2), np.float32)
+        select = ffi.cast(_FLOAT_PTR, _select_work.take(4 * floats))
         ptr = _layer_work.take(need)
         rc = lib.fx_sparse_decode_layers(dec.c_layers, dec.n_layers, _fptr(x), self.m, _fptr(rope_rows), rope_stride,
-                                         s, ffi.from_buffer("float[]", self._select_ws), self._select_ws.size, ptr,
-                                         _layer_work.nbytes, self._tokens, self._seconds, self._err_layer,
-                                         self._err_index)
+                                         s, select, _select_work.nbytes // 4, ptr, _layer_work.nbytes, self._tokens,
+                                         self._seconds, self._err_layer, self._err_index)
         if rc:
             layer, idx = int(self._err_layer[0]), int(self._err_index[0])
             where = f" in layer {layer}" + (f", task/item {idx}" if idx >= 0 else "") if layer >= 0 else ""

@@ -53,12 +53,12 @@ kernels run only in Triton's interpreter (TRITON_INTERPRET=1; tests/kernels/test
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from fluxion_lite.settings import triton_interpreter
 from fluxion_lite.sparse.device.kernels import triton
 
 # GGUF type ids (fluxion_lite.hostkv.quant.TYPE_IDS; kept here so that importing this module needs no native library)
@@ -414,10 +414,6 @@ if triton is not None:
         tl.store(out_ptr + mm * N + rows, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _check(x: torch.Tensor, w: QuantMatrix, tiles: Tiles | None) -> Tiles:
     """Validates x against w; returns the tiling to use."""
     if triton is None:
@@ -435,7 +431,7 @@ def _check(x: torch.Tensor, w: QuantMatrix, tiles: Tiles | None) -> Tiles:
         raise ValueError(f"x has {m} rows; these kernels take at most {MAX_M} (decode)")
     if x.device != w.device:
         raise ValueError(f"x is on {x.device}, the weights on {w.device}")
-    if x.device.type != "cuda" and not _interpreting():
+    if x.device.type != "cuda" and not triton_interpreter():
         raise ValueError(f"tensors on {x.device}: these kernels run on CUDA (or in Triton's interpreter, "
                          "TRITON_INTERPRET=1)")
     if tiles is None:

@@ -349,29 +349,27 @@ class Transformer:
         tokens, positions, rows = self._inputs(tokens, positions, rows)
         # The table size comes from the chunks (host ints), never from reading positions back from the device.
         self.rope.ensure(max(c.start + c.length for c in chunks))
-        if self.native_decoder is not None and n_tok == len(chunks):  # one token per sequence: a decode step
-            kv = attn.dense_decode_cache(chunks) if n_tok == 1 else None
-            if kv is not None:  # one token of one dense sequence: every layer in one native call
-                x, cos, sin = self.embed_tokens(tokens, positions)
-                assert self._rope_rows(cos, sin), "the RoPE rows are gathered as one table row per token"
-                self.native_decoder.step(x, cos, kv[0], kv[1], chunks[0].start, self.cfg.head_dim**-0.5)
-                return self.logits(x, rows)
-            x, cos, sin = self.embed_tokens(tokens, positions)
-            assert self._rope_rows(cos, sin), "the RoPE rows are gathered as one table row per token"
-            if attn.native_decode_step(self.native_decoder, x, cos, 2 * self.cfg.rope_dim, chunks):
-                return self.logits(x, rows)  # every layer over the host KV store in one native call
-            return self._layers_and_logits(x, cos, sin, chunks, attn, rows)
         x, cos, sin = self.embed_tokens(tokens, positions)
-        return self._layers_and_logits(x, cos, sin, chunks, attn, rows)
-
-    def _layers_and_logits(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: list[SeqChunk],
-                           attn: AttentionBackend, rows: torch.Tensor | None) -> torch.Tensor:
-        """The eager layer loop over the embedded x [T, d], then the logits of rows."""
+        if self.native_decoder is not None and n_tok == len(chunks) and self._native_step(x, cos, sin, chunks, attn):
+            return self.logits(x, rows)
         for i, lw in enumerate(self.layers):
             q, k, v = self.pre_attention(lw, x, cos, sin)
             o = attn.attend(i, q, k, v, chunks)  # [T, Hq, D]
             x = self.post_attention(lw, x, o)
         return self.logits(x, rows)
+
+    def _native_step(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, chunks: list[SeqChunk],
+                     attn: AttentionBackend) -> bool:
+        """A decode step (one token per sequence, x [B, d] embedded) with every layer in one native call where the
+        backend allows it: one dense sequence over its fp32 cache, or rows over the host KV store. True: x holds
+        the last layer's output; False: nothing was touched."""
+        assert self.native_decoder is not None
+        assert self._rope_rows(cos, sin), "the RoPE rows are gathered as one table row per token"
+        kv = attn.dense_decode_cache(chunks) if len(chunks) == 1 else None
+        if kv is not None:
+            self.native_decoder.step(x, cos, kv[0], kv[1], chunks[0].start, self.cfg.head_dim**-0.5)
+            return True
+        return attn.native_decode_step(self.native_decoder, x, cos, 2 * self.cfg.rope_dim, chunks)
 
     # The pieces of a forward, shared by the eager loop above and the CUDA-graph runner (decode_graphs.py), which
     # captures everything between two attention calls as one graph.

@@ -26,19 +26,6 @@ from fluxion_lite.hostkv import native, quant
 from fluxion_lite.hostkv.layer import MAX_ROWS, LayerSpec, NativeDecoder, NativeLayer, decode_attention
 from fluxion_lite.hostkv.native import ffi, lib
 
-N_THREADS = max(2, native.physical_cores())
-PATHS = native.simd_supported()
-
-
-@pytest.fixture(params=[(p, t) for p in PATHS for t in (1, N_THREADS)], ids=lambda v: f"{v[0]}-t{v[1]}")
-def path(request):
-    simd, threads = request.param
-    native.set_simd(simd)
-    native.set_threads(threads)
-    yield simd
-    native.set_simd("auto")
-    native.set_threads(native.physical_cores())
-
 
 # ------------------------------------------------------------------------------------------ decode attention --
 

@@ -19,20 +19,8 @@ from fluxion_lite.hostkv.native import ffi, lib
 from fluxion_lite.hostkv.store import HostKVStore
 from native_layers import QUANT_MIXES, layer_ref, make_layer, rope_rows
 
-N_THREADS = max(2, native.physical_cores())
-PATHS = native.simd_supported()
 SPEC = LayerSpec(256, 8, 2, 32, 32, True, 512, 1e-6)
 F32 = dict.fromkeys(("q", "k", "v", "o", "gate", "up", "down"), 0)
-
-
-@pytest.fixture(params=[(p, t) for p in PATHS for t in (1, N_THREADS)], ids=lambda v: f"{v[0]}-t{v[1]}")
-def path(request):
-    simd, threads = request.param
-    native.set_simd(simd)
-    native.set_threads(threads)
-    yield simd
-    native.set_simd("auto")
-    native.set_threads(native.physical_cores())
 
 
 class Case:
