@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
 EXIT_BROKEN_PIPE = 141
-DEVICES = ("cpu", "cuda")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("auto", "gguf", "float32", "bfloat16", "float16")
 EXIT_COMMANDS = ("/exit", "/quit", "/bye")
 
 
@@ -40,10 +40,12 @@ def _add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "-m", "--model", default=None, help=f"catalog name or path to a .gguf file (default: {default_model_name()})"
     )
-    parser.add_argument("--device", choices=DEVICES, default="cpu", help="where the model runs (default: cpu)")
+    parser.add_argument("--device", choices=DEVICES, default="auto",
+                        help="where the model runs (default: auto, the GPU where torch sees one, else the CPU)")
     parser.add_argument("--dtype", choices=DTYPES, default="auto",
-                        help="auto (default): on the CPU the weights stay as the GGUF file stores them (4-8 bit "
-                             "blocks, fp32 activations), on CUDA bfloat16; a named dtype dequantizes every weight to it")
+                        help="gguf: the weights stay as the file stores them (4-8 bit blocks); auto (default): gguf on "
+                             "the CPU, on CUDA bfloat16 where it fits, else gguf; a named dtype dequantizes every "
+                             "weight to it")
     # No argparse choices: the engine owns the list of modes and rejects unknown ones before loading weights.
     parser.add_argument("--attention", default="auto",
                         help="auto (default): dense attention for short prompts, fluxion over the host KV for long "

@@ -22,7 +22,7 @@ from fluxion_lite.sparse import zero_copy
 from fluxion_lite.model.attention import AttentionBackend, DenseAttention, SeqChunk
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.errors import CapacityError, RequestError
-from fluxion_lite.model.gguf_loader import load_gguf
+from fluxion_lite.model.gguf_loader import count_weights, load_gguf
 from fluxion_lite.model.transformer import Transformer
 from fluxion_lite.engine.async_decode import InFlight, chainable, queue_tokens, starts_chain
 from fluxion_lite.engine.sampling import Penalties, SamplingParams, penalised, sample_rows
@@ -35,6 +35,7 @@ from fluxion_lite.plan.cost import plan_bytes_fraction
 from fluxion_lite.plan.selector import Labels
 from fluxion_lite.plan.sparse_plan import SparsePlan, with_background_override
 from fluxion_lite.engine.step_counters import StepCounters
+from fluxion_lite.engine.weights import AUTO, DTYPES, GGUF, resolve_device, resolve_dtype
 from fluxion_lite.model.tokenizer import IncrementalDecoder, Tokenizer
 from fluxion_lite.hostkv import native
 from fluxion_lite.settings import Settings
@@ -45,20 +46,6 @@ from fluxion_lite.settings import Settings
 # and ships blocks over PCIe, fluxion runs the calibrated plan with the CPU/GPU scheduler. Same kernels throughout.
 ATTENTION_MODES = ("auto", "full", "full-gpu", "full-host", "fixed", "gpu-sparse", "fluxion")
 FIXED_SINK, FIXED_WINDOW = 16, 64
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# dtype="auto" (the default): on the CPU the matrices stay in the GGUF file's block formats (model/quantized.py),
-# activations in fp32, as llama.cpp runs a file; on CUDA every weight becomes bfloat16. A named dtype dequantizes
-# every weight to it.
-AUTO_DTYPE = "auto"
-
-
-def resolve_dtype(dtype: str, device: str) -> tuple[torch.dtype, bool]:
-    """(compute dtype, whether the weights stay quantized) for a dtype argument on a device."""
-    if dtype == AUTO_DTYPE:
-        return (torch.float32, True) if not device.startswith("cuda") else (torch.bfloat16, False)
-    if dtype not in DTYPES:
-        raise RequestError(f"dtype={dtype!r}: supported are {', '.join((AUTO_DTYPE, *DTYPES))}")
-    return DTYPES[dtype], False
 
 
 @dataclass
@@ -117,8 +104,8 @@ class Engine:
         self,
         model: str,
         *,
-        device: str = "cpu",
-        dtype: str = AUTO_DTYPE,
+        device: str = "auto",
+        dtype: str = "auto",
         attention: str = "auto",
         max_batch: int = 16,
         max_context: int | None = None,
@@ -134,15 +121,18 @@ class Engine:
         self.settings = settings if settings is not None else Settings.load()
         if attention not in ATTENTION_MODES:
             raise RequestError(f"attention={attention!r}: supported modes are {', '.join(ATTENTION_MODES)}")
-        compute_dtype, quantized = resolve_dtype(dtype, device)
+        device = resolve_device(device)  # engine/weights.py: "auto" is CUDA where there is a GPU
         if device.startswith("cuda") and not torch.cuda.is_available():
             raise RequestError(f"device={device!r}: CUDA is not available on this machine")
+        if dtype not in (AUTO, GGUF, *DTYPES):  # checked before the file is read
+            resolve_dtype(dtype, device)
         if max_batch < 1 or prefill_chunk < 1:
             raise RequestError("max_batch and prefill_chunk must be >= 1")
         native.configure(self.settings)  # the native pool and SIMD path (process-wide), if these settings differ
         path = _resolve(model, self.settings)
         self.model_path = path
         self.model_name = model if not Path(model).suffix == ".gguf" else path.name
+        compute_dtype, quantized = resolve_dtype(dtype, device, count_weights(path) if dtype == AUTO else None)
         loaded = load_gguf(path, dtype=torch.float32, quantized=quantized)
         self.config = loaded.config
         self.model = Transformer(loaded, device=device, dtype=compute_dtype, settings=self.settings)

@@ -156,6 +156,12 @@ def _blocks(path: Path, tensor: TensorInfo) -> Any:
     return quant.QuantWeight(type_name, tensor.data, n_out, k)
 
 
+def count_weights(path: str | os.PathLike[str]) -> int:
+    """Elements in the file's tensors, from its header (nothing loaded): what dequantized weights would hold."""
+    _, reader = read_metadata(Path(path))
+    return sum(int(np.prod(t.shape)) for t in reader.tensors)
+
+
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, quantized: bool = False) -> GGUFModel:
     """Load all weights dequantised to `dtype` (CPU tensors; the model moves them to its device), or with
     quantized=True keep every matrix in its block format (hostkv.quant.QuantWeight over the memory-mapped file;

@@ -26,12 +26,15 @@ from fluxion_lite.model.cuda_graphs import DecodeGraphs, graphs_wanted
 from fluxion_lite.model.gguf_loader import GGUFModel
 from fluxion_lite.hostkv.layer import NativeDecoder, NativeLayer
 from fluxion_lite.model.quantized import PREFILL_ROWS, DequantScratch, QuantLinear, native_layer
+from fluxion_lite.model.quantized_gpu import GpuQuantLinear, GpuScratch, supported as gpu_supported
 from fluxion_lite.settings import Settings
 
 MIN_ROPE_POSITIONS = 4096  # first table size; it doubles when a position beyond it arrives
 
 
-Weight = torch.Tensor | QuantLinear  # a dense matrix, or one kept in the file's block format (model/quantized.py)
+# a dense matrix, or one kept in the file's block format: products by the native library on the CPU
+# (model/quantized.py) or by Triton kernels on the GPU (model/quantized_gpu.py)
+Weight = torch.Tensor | QuantLinear | GpuQuantLinear
 
 
 @dataclass
@@ -56,13 +59,13 @@ class LayerWeights:
         self.wo_t: torch.Tensor | None = self.wo.t() if dense else None  # [Hq D, d]
         self.w_down_t: torch.Tensor | None = self.w_down.t() if dense else None  # [F, d]; None once packed
 
-    @property
-    def quantized(self) -> bool:
-        return isinstance(self.wqkv, QuantLinear)
-
     def wo_dense(self) -> torch.Tensor:
         """The output projection as a dense fp32 [d, Hq D] matrix (analysis: head contributions)."""
-        return self.wo.dense() if isinstance(self.wo, QuantLinear) else self.wo.float()
+        if isinstance(self.wo, QuantLinear):
+            return self.wo.dense()
+        if isinstance(self.wo, GpuQuantLinear):
+            return self.wo.dense(torch.float32, scratch=False)
+        return self.wo.float()
 
     def prepack(self) -> None:
         """Replace the matmul weights by oneDNN-packed copies (the plain ones are freed, except wo)."""
@@ -97,11 +100,19 @@ def prepack_supported(device: torch.device, dtype: torch.dtype) -> bool:
 
 def linear(a: torch.Tensor, w: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """a @ w^T (+ bias) for a plain, a oneDNN-packed or a quantized w: a [T, in] -> [T, out]."""
-    if isinstance(w, QuantLinear):
+    if isinstance(w, (QuantLinear, GpuQuantLinear)):
         return w(a, bias)
     if w.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(a, w, bias, "none", [], "")
     return F.linear(a, w, bias)
+
+
+def _add_product_(res: torch.Tensor, a: torch.Tensor, w: Weight) -> None:
+    """res [T, out] += a [T, in] @ w^T in place, w in GPU blocks or a plain tensor."""
+    if isinstance(w, GpuQuantLinear):
+        w.add_(res, a)
+    else:
+        res += linear(a, w)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -174,10 +185,14 @@ class RotaryEmbedding:
 
 class Transformer:
     def __init__(self, gguf_model: GGUFModel, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-                 prepack: bool | None = None, cuda_graphs: bool | None = None, settings: Settings | None = None):
+                 prepack: bool | None = None, cuda_graphs: bool | None = None, settings: Settings | None = None,
+                 quant_kernels: str | None = None):
         """prepack: oneDNN-packed matmul weights (None: wherever prepack_supported says they pay, i.e. CPU bf16).
         cuda_graphs: run pure decode steps through piecewise CUDA graphs (decode_graphs.py; None: on CUDA unless
-        the setting FLUXION_CUDA_GRAPHS=0). settings: the kernels' switches (None: Settings.load())."""
+        the setting FLUXION_CUDA_GRAPHS=0). settings: the kernels' switches (None: Settings.load()).
+        quant_kernels: for weights kept in their blocks (load_gguf(quantized=True)), "native" (the C library: CPU,
+        fp32 activations) or "triton" (model/quantized_gpu.py: CUDA, or the CPU under Triton's interpreter, as the
+        tests run it); None: triton on CUDA, else native."""
         self.settings = settings = settings if settings is not None else Settings.load()
         self.cfg = cfg = gguf_model.config
         self.device, self.dtype = torch.device(device), dtype
@@ -188,18 +203,32 @@ class Transformer:
         # matrices kept in the file's block formats (load_gguf(quantized=True)): products by the native quantized
         # kernels on the CPU, activations in fp32
         self.quantized = not isinstance(t["blk.0.attn_q.weight"], torch.Tensor)
-        if self.quantized and (self.device.type != "cpu" or dtype != torch.float32):
-            raise ValueError("quantized weights run on the CPU with float32 activations")
+        kernels = quant_kernels or ("triton" if self.device.type == "cuda" else "native")
+        if kernels not in ("native", "triton"):
+            raise ValueError(f"quant_kernels={quant_kernels!r}: use 'native' or 'triton'")
+        self.native_quant = self.quantized and kernels == "native"  # the C library's products and layer calls
+        if self.native_quant and (self.device.type != "cpu" or dtype != torch.float32):
+            raise ValueError("quantized weights with the native kernels run on the CPU with float32 activations")
         scratch = DequantScratch()  # the prefill products' fp32 copy of one weight, shared by every layer
+        gpu_scratch = GpuScratch(self.device, dtype)  # the same on the GPU, in the compute dtype
+
+        def blocks(parts: list) -> Weight:
+            """Matrices that share an input, as the file stores them (a plain tensor where the GPU kernels do not
+            read the type: F16 / BF16 / F32 matrices)."""
+            if self.native_quant:
+                return QuantLinear(parts, scratch)  # one native call for all, input quantized once
+            if all(gpu_supported(p) for p in parts):
+                return GpuQuantLinear(parts, self.device, gpu_scratch)
+            return torch.cat([torch.as_tensor(p.dequantize()) for p in parts]).to(device=self.device, dtype=dtype)
 
         def w(name: str) -> Weight:
             if not isinstance(t[name], torch.Tensor):
-                return QuantLinear([t[name]], scratch)
+                return blocks([t[name]])
             return t[name].to(device=self.device, dtype=dtype)
 
         def cat(*names: str) -> Weight:
             if not isinstance(t[names[0]], torch.Tensor):
-                return QuantLinear([t[n] for n in names], scratch)  # one native call for all, input quantized once
+                return blocks([t[n] for n in names])
             # concatenate where the loaded tensors are (the host, for GGUF loads) in their dtype, then one conversion
             # to the device: no second device-sized temporary per fused weight
             return torch.cat([t[n] for n in names]).to(device=self.device, dtype=dtype).contiguous()
@@ -221,14 +250,14 @@ class Transformer:
                     w_down=w(p + "ffn_down.weight"),
                 )
             )
-        if self.quantized:
+        if self.native_quant:
             for lw in self.layers:
                 assert isinstance(lw.wqkv, QuantLinear) and isinstance(lw.wo, QuantLinear)
                 assert isinstance(lw.w_gate_up, QuantLinear) and isinstance(lw.w_down, QuantLinear)
                 lw.native = native_layer(cfg, lw.attn_norm, lw.ffn_norm, lw.bqkv, lw.wqkv, lw.wo, lw.w_gate_up,
                                          lw.w_down)
         # a one-token step of one sequence in the dense CPU cache goes through every layer in one native call
-        self.native_decoder = NativeDecoder([lw.native for lw in self.layers]) if self.quantized else None
+        self.native_decoder = NativeDecoder([lw.native for lw in self.layers]) if self.native_quant else None
         self.prepacked = not self.quantized and (prepack_supported(self.device, dtype) if prepack is None else prepack)
         # the vocabulary matmul's weight: packed separately when tied, since the embedding lookup needs the plain one
         self.output_mm = self.output
@@ -244,7 +273,8 @@ class Transformer:
         # ops, so the CPU keeps ours.
         self._fused_norm = self.device.type == "cuda"
         self._dense_kernels = dense_kernels.enabled(self.device, settings)  # norm and silu * mul: one short kernel each
-        self._gemv = gemv_kernels.enabled(self.device, settings) and not self.prepacked  # one-row weight products
+        # one-row weight products over dense weights (quantized ones have their own kernels)
+        self._gemv = gemv_kernels.enabled(self.device, settings) and not self.prepacked and not self.quantized
         # ... with RoPE after q/k/v (and with FLUXION_GEMV_FUSE=all the norm before) inside the same kernel, and with
         # L2 eviction policies on the weight reads: see gemv_kernels.fuse_mode and l2_hints_enabled
         fuse = gemv_kernels.fuse_mode(settings) if self._gemv else "none"
@@ -378,7 +408,12 @@ class Transformer:
         """tokens, positions: [T] long on the device -> residual stream x [T, d] (a fresh tensor, updated in place by
         post_attention on CUDA) and cos, sin [T, 1, R] gathered once from the RoPE table for every layer."""
         cs = self.rope.table[positions][:, :, None, :]  # [T, 2, 1, R]
-        x = self.embed.rows(tokens) if isinstance(self.embed, QuantLinear) else F.embedding(tokens, self.embed)
+        if isinstance(self.embed, QuantLinear):
+            x = self.embed.rows(tokens)
+        elif isinstance(self.embed, GpuQuantLinear):
+            x = self.embed.rows(tokens, self.dtype)
+        else:
+            x = F.embedding(tokens, self.embed)
         return x, cs[:, 0], cs[:, 1]
 
     def pre_attention(
@@ -417,8 +452,12 @@ class Transformer:
         this predicts the layer's query one MLP early (device_graph.py's early block choice)."""
         cfg = self.cfg
         n_q = cfg.n_heads * cfg.head_dim
-        assert not lw.wqkv.is_mkldnn, "a packed qkv weight has no q rows to slice"
         bias = lw.bqkv[:n_q] if lw.bqkv is not None else None
+        if isinstance(lw.wqkv, GpuQuantLinear):
+            q = lw.wqkv.head(n_q)(self._norm(x, lw.attn_norm), bias).view(x.shape[0], cfg.n_heads, cfg.head_dim)
+            self.rope.apply_(q, cos, sin)
+            return q
+        assert isinstance(lw.wqkv, torch.Tensor) and not lw.wqkv.is_mkldnn, "no q rows to slice"
         if self._one_row(x):  # evict_last: the layer's q/k/v product reads these rows again after the MLP
             q = self._row_product(x, lw.attn_norm, lw.wqkv[:n_q], bias, cos, sin, n_q, "evict_last")
             q = q.view(1, cfg.n_heads, cfg.head_dim)
@@ -435,6 +474,8 @@ class Transformer:
         updated in place, except with oneDNN-packed weights on the CPU). after_attention(x) is called between the
         two, with the stream after the attention's residual add (read it before the MLP's add changes it)."""
         o = o.reshape(x.shape[0], -1)  # [T, Hq D]
+        if self.quantized and not self.native_quant:
+            return self._post_attention_gpu_quant(lw, x, o, after_attention)
         if lw.native is not None and after_attention is None and x.shape[0] <= PREFILL_ROWS and x.is_contiguous():
             lw.native.out_mlp(x, o.contiguous())  # output product, MLP and both residual adds in one native call
             return x
@@ -463,12 +504,29 @@ class Transformer:
         else:
             gate, up = gate_up.chunk(2, dim=-1)  # [T, F] views
             act = F.silu(gate).mul_(up)  # [T, F]
-        if lw.quantized:
+        if isinstance(lw.w_down, QuantLinear):
             x += linear(act, lw.w_down)
         elif lw.w_down_t is not None:
             x.addmm_(act, lw.w_down_t)
         else:
             x = torch.ops.mkldnn._linear_pointwise.binary(act, x, lw.w_down, None, "add")
+        return x
+
+    def _post_attention_gpu_quant(self, lw: LayerWeights, x: torch.Tensor, o: torch.Tensor,
+                                  after_attention: Callable[[torch.Tensor], None] | None) -> torch.Tensor:
+        """post_attention with weights in their blocks on the GPU: x [T, d] updated in place; decode rows in three
+        launches besides the norm (output product with its residual add, gate/up with silu * up, down with its
+        residual add). A matrix the file stores as F16 / BF16 / F32 is a plain tensor here and takes a matmul."""
+        _add_product_(x, o, lw.wo)  # x += o @ wo^T
+        if after_attention is not None:
+            after_attention(x)
+        h = self._norm(x, lw.ffn_norm)
+        if isinstance(lw.w_gate_up, GpuQuantLinear):
+            act = lw.w_gate_up.silu_mul(h)  # [T, F]
+        else:
+            gate, up = linear(h, lw.w_gate_up).chunk(2, dim=-1)  # [T, F] views
+            act = F.silu(gate).mul_(up)
+        _add_product_(x, act, lw.w_down)  # x += act @ w_down^T
         return x
 
     def logits(self, x: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
@@ -480,4 +538,6 @@ class Transformer:
             return gemv_kernels.gemv(h, self.output_mm, norm=norm, out_dtype=torch.float32,
                                      evict=self._evict("evict_first"), **self._gemv_opts)  # [1, V]
         h = self._norm(x, self.output_norm)
+        if isinstance(self.output_mm, GpuQuantLinear):  # the fp32 sums stored as they are
+            return self.output_mm(h, out_dtype=torch.float32)  # [R, V]
         return linear(h, self.output_mm).float()  # [R, V]

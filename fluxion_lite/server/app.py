@@ -47,7 +47,7 @@ class ServerConfig:
     keepalive_s: float = 5.0  # SSE comment interval while a request waits (queue, long prefill)
     default_max_tokens: int | None = None  # None: the rest of the context window
     retry_after_s: int = 2
-    device: str = "cpu"
+    device: str = "auto"
     dtype: str = "auto"
     max_batch: int = 16
 
@@ -550,7 +550,7 @@ def build_engine_loader(args: Any, settings: Settings | None = None) -> Callable
             torch.set_num_threads(int(threads))
 
         kwargs: dict[str, Any] = {
-            "device": getattr(args, "device", None) or "cpu",
+            "device": getattr(args, "device", None) or "auto",
             "dtype": getattr(args, "dtype", None) or "auto",
             "attention": getattr(args, "attention", None) or "auto",
             "max_batch": getattr(args, "max_batch", None) or 16,
@@ -582,13 +582,15 @@ def model_id_of(model: str) -> str:
 def build_server(args: Any, settings: Settings, *, api_key: str | None) -> tuple[Starlette, AsyncEngine, ServerConfig]:
     """One server's app over its own engine (loaded in the background once the bridge starts): what `serve` runs
     under uvicorn, and what each replica of `serve --replicas N` runs behind the cluster's ingress."""
+    from fluxion_lite.engine.weights import resolve_device  # torch: imported when a server is built, not with the module
+
     model = getattr(args, "model", None) or "smollm2-135m"
     max_batch = int(getattr(args, "max_batch", None) or 16)
     config = ServerConfig(
         model_id=model_id_of(model), aliases={model}, api_key=api_key,
         max_body_bytes=int(getattr(args, "max_body_bytes", None) or 1 << 20),
         default_max_tokens=getattr(args, "default_max_tokens", None),
-        device=getattr(args, "device", None) or "cpu", dtype=getattr(args, "dtype", None) or "auto",
+        device=resolve_device(getattr(args, "device", None) or "auto"), dtype=getattr(args, "dtype", None) or "auto",
         max_batch=max_batch,
     )
     bridge = AsyncEngine(build_engine_loader(args, settings), max_batch=max_batch,
@@ -622,7 +624,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8080)
     parser.add_argument("--api-key", default=None)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--attention", default="auto")
     parser.add_argument("--max-batch", type=int, default=16)
