@@ -8,6 +8,9 @@ default) against llama-cpp-python on the same GGUF, with the prefill products (r
   w2      two bf16 GEMMs: the activations in bf16 against the weights split into bf16 high and low parts
   x2      two bf16 GEMMs: the activations split into bf16 high and low parts against the weights in bf16
   x3      three bf16 GEMMs: both split, every product but low x low
+  bf16v   bf16 for the layers, fp32 for the vocabulary product (the only prefill product whose error reaches a
+          logit directly, and one that serving never runs on more than a chunk's last rows)
+  bf16vN  as bf16v, and fp32 for the last N layers' products too (bf16v1, bf16v2, ...)
 
 Usage: python research/parity_prefill_numerics.py [--models smollm2-135m qwen2.5-coder-0.5b] [--tokens 2048]
 """
@@ -44,12 +47,20 @@ def fake_q8(x: torch.Tensor, block: int) -> torch.Tensor:
     return (q * d).view(t, k)
 
 
-def patched_call(mode: str):  # type: ignore[no-untyped-def]
-    original = quantized.QuantLinear.__call__
+ORIGINAL_CALL = quantized.QuantLinear.__call__
+
+
+def patched_call(mode: str, model: object):  # type: ignore[no-untyped-def]
+    original = ORIGINAL_CALL
+    precise = {id(model.output_mm)}  # type: ignore[attr-defined]
+    if mode.startswith("bf16v") and mode != "bf16v":
+        for lw in model.layers[-int(mode[5:]):]:  # type: ignore[attr-defined]
+            precise |= {id(lw.wqkv), id(lw.wo), id(lw.w_gate_up), id(lw.w_down)}
 
     def call(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:  # type: ignore[no-untyped-def]
         x = x.float().contiguous()
-        if x.shape[0] <= quantized.PREFILL_ROWS or mode == "bf16":
+        if x.shape[0] <= quantized.PREFILL_ROWS or mode == "bf16" or (mode.startswith("bf16v") and
+                                                                       id(self) not in precise):
             return original(self, x, bias)
         w = self.dense(self.scratch.take(self.n_out * self.k))  # [n_out, k] fp32
         if mode == "q8":
@@ -104,7 +115,7 @@ def main() -> None:
         ref = np.asarray(peer_logits(peer, tokens))
         out[name] = {}
         for mode in args.modes:
-            quantized.QuantLinear.__call__ = patched_call(mode)  # type: ignore[method-assign]
+            quantized.QuantLinear.__call__ = patched_call(mode, engine.model)  # type: ignore[method-assign]
             res, _ = teacher_forced_parity(engine, ref, tokens)
             out[name][mode] = res
             print(f"{name:<22}{mode:>6} top1 {res['top1_agreement']:.4f}  at gap>=0.5 {res['top1_agreement_confident']:.4f}"

@@ -133,11 +133,14 @@ class Engine:
         self.model_path = path
         self.model_name = model if not Path(model).suffix == ".gguf" else path.name
         compute_dtype, quantized = resolve_dtype(dtype, device, count_weights(path) if dtype == AUTO else None)
-        loaded = load_gguf(path, dtype=torch.float32, quantized=quantized)
+        # the file's blocks, memory-mapped; a named dtype dequantizes them where the model runs (on the GPU for
+        # CUDA), so no fp32 copy of the model passes through host RAM on the way
+        loaded = load_gguf(path, quantized=True)
         self.config = loaded.config
-        self.model = Transformer(loaded, device=device, dtype=compute_dtype, settings=self.settings)
+        self.model = Transformer(loaded, device=device, dtype=compute_dtype, settings=self.settings,
+                                 quant_kernels=None if quantized else "none")
         self.tokenizer = Tokenizer(path, loaded.metadata) if load_tokenizer else None
-        del loaded  # dequantised fp32 copies (if any): the model holds its own (possibly bf16/GPU) weights
+        del loaded
         self.weights = "gguf" if quantized else str(compute_dtype).removeprefix("torch.")  # what the weights are
         self.context_length = min(max_context or self.config.context_length, self.config.context_length)
         cfg = self.config

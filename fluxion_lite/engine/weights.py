@@ -5,15 +5,14 @@ device "auto": CUDA when torch sees a GPU, else the CPU.
 dtype:
   "gguf"   the matrices stay in the file's 4-8 bit blocks: native integer kernels on the CPU (fp32 activations),
            Triton kernels on CUDA (bf16 activations; model/quantized_gpu.py). What llama.cpp does.
-  "auto"   the CPU: "gguf". CUDA: bfloat16 weights when they fit, else "gguf". Why not "gguf" always on CUDA:
-           the quantized GPU kernels are level with bf16 at one row a step but 5-15x slower at 8-16 rows (H100, Q4_K,
-           bench/qgemv.py), so a server's batched decode would pay; where bf16 does not fit (the GPU, or the host
-           RAM that the load's fp32 pass needs), the blocks are the only way the model runs at all.
-  "float32" / "bfloat16" / "float16"  every weight dequantized to that dtype.
+  "auto"   the CPU: "gguf". CUDA: bfloat16 weights when they fit the GPU, else "gguf". Why not "gguf" always on
+           CUDA: the quantized GPU kernels are level with bf16 at one row a step but 5-15x slower at 8-16 rows (H100,
+           Q4_K, bench/results/qgemv_h100.log), so a server's batched decode would pay; where bf16 does not fit, the
+           blocks are the only way the model runs at all.
+  "float32" / "bfloat16" / "float16"  every weight dequantized to that dtype (on the GPU for CUDA: the blocks go
+           there as the file stores them, so host RAM holds no dequantized copy).
 """
 from __future__ import annotations
-
-from pathlib import Path
 
 import torch
 
@@ -23,8 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 AUTO = "auto"
 GGUF = "gguf"
 DEVICES = (AUTO, "cpu", "cuda")
-# the share of free GPU memory / available host RAM that dequantized weights may take under dtype "auto" (the rest:
-# the KV cache, activations, the CUDA context)
+# the share of free GPU memory that bf16 weights may take under dtype "auto" (the rest: the KV cache, activations)
 FIT_SHARE = 0.75
 
 
@@ -53,19 +51,7 @@ def resolve_dtype(dtype: str, device: str, n_weights: int | None = None) -> tupl
 
 
 def bf16_fits(n_weights: int, device: str) -> bool:
-    """Whether n_weights dequantized weights fit: 2 bytes each on the GPU, 4 each in host RAM while loading (the
-    fp32 pass of load_gguf), each within FIT_SHARE of what is free now."""
+    """Whether n_weights dequantized to bf16 (2 bytes each) fit within FIT_SHARE of the GPU's free memory. Host RAM
+    is not asked: the blocks are dequantized on the GPU (Transformer, quant_kernels "none")."""
     free_gpu, _ = torch.cuda.mem_get_info(torch.device(device))
-    host = available_host_bytes()
-    return 2 * n_weights <= FIT_SHARE * free_gpu and (host is None or 4 * n_weights <= FIT_SHARE * host)
-
-
-def available_host_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
+    return 2 * n_weights <= FIT_SHARE * free_gpu

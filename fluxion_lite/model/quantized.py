@@ -70,6 +70,10 @@ class QuantLinear:
         self.k = parts[0].k
         self.n_out = sum(p.n_out for p in parts)
         self.scratch = scratch
+        # prefill rows in fp32 even where bf16 GEMMs pay: set for the vocabulary product, whose rounding reaches the
+        # logits directly (teacher-forced top-1 against llama.cpp, AMX VM: smollm2 94.82 -> 95.51%, the 0.5b
+        # 97.07 -> 97.75%); serving asks it for a chunk's last rows only, which take the quantized kernel anyway
+        self.prefill_fp32 = False
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -82,7 +86,7 @@ class QuantLinear:
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         x = x.float().contiguous()  # [T, k]
         if x.shape[0] > PREFILL_ROWS:
-            if self.scratch.bf16:  # weights and activations rounded to bf16, fp32 accumulation
+            if self.scratch.bf16 and not self.prefill_fp32:  # weights and activations rounded to bf16, fp32 sums
                 w16 = self.dense_bf16(self.scratch.take_bf16(self.n_out * self.k))  # [n_out, k] bf16
                 y = torch.nn.functional.linear(x.to(torch.bfloat16), w16).float()  # [T, n_out]
             else:

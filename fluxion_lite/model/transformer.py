@@ -190,9 +190,11 @@ class Transformer:
         """prepack: oneDNN-packed matmul weights (None: wherever prepack_supported says they pay, i.e. CPU bf16).
         cuda_graphs: run pure decode steps through piecewise CUDA graphs (decode_graphs.py; None: on CUDA unless
         the setting FLUXION_CUDA_GRAPHS=0). settings: the kernels' switches (None: Settings.load()).
-        quant_kernels: for weights kept in their blocks (load_gguf(quantized=True)), "native" (the C library: CPU,
-        fp32 activations) or "triton" (model/quantized_gpu.py: CUDA, or the CPU under Triton's interpreter, as the
-        tests run it); None: triton on CUDA, else native."""
+        quant_kernels: for a file loaded as its blocks (load_gguf(quantized=True)), "native" (products by the C
+        library: CPU, fp32 activations), "triton" (model/quantized_gpu.py: CUDA, or the CPU under Triton's
+        interpreter, as the tests run it) or "none" (every matrix dequantized to `dtype` where it is used: on the
+        GPU for CUDA, so that no fp32 copy of the model passes through host RAM); None: triton on CUDA, else
+        native."""
         self.settings = settings = settings if settings is not None else Settings.load()
         self.cfg = cfg = gguf_model.config
         self.device, self.dtype = torch.device(device), dtype
@@ -200,12 +202,11 @@ class Transformer:
             # a concrete index, so `tensor.device == self.device` recognises tensors already on it (cuda:0 != cuda)
             self.device = torch.device("cuda", torch.cuda.current_device())
         t = gguf_model.tensors
-        # matrices kept in the file's block formats (load_gguf(quantized=True)): products by the native quantized
-        # kernels on the CPU, activations in fp32
-        self.quantized = not isinstance(t["blk.0.attn_q.weight"], torch.Tensor)
         kernels = quant_kernels or ("triton" if self.device.type == "cuda" else "native")
-        if kernels not in ("native", "triton"):
-            raise ValueError(f"quant_kernels={quant_kernels!r}: use 'native' or 'triton'")
+        if kernels not in ("native", "triton", "none"):
+            raise ValueError(f"quant_kernels={quant_kernels!r}: use 'native', 'triton' or 'none'")
+        # whether the matrices stay in their blocks (else they are dense tensors of `dtype`)
+        self.quantized = not isinstance(t["blk.0.attn_q.weight"], torch.Tensor) and kernels != "none"
         self.native_quant = self.quantized and kernels == "native"  # the C library's products and layer calls
         if self.native_quant and (self.device.type != "cpu" or dtype != torch.float32):
             raise ValueError("quantized weights with the native kernels run on the CPU with float32 activations")
@@ -213,13 +214,17 @@ class Transformer:
         gpu_scratch = GpuScratch(self.device, dtype)  # the same on the GPU, in the compute dtype
 
         def blocks(parts: list) -> Weight:
-            """Matrices that share an input, as the file stores them (a plain tensor where the GPU kernels do not
-            read the type: F16 / BF16 / F32 matrices)."""
+            """Matrices that share an input, from the file's blocks: kept as they are, or dequantized to one dense
+            [sum n_out, k] tensor of `dtype` (also where the GPU kernels do not read the type: F16 / BF16 / F32)."""
             if self.native_quant:
                 return QuantLinear(parts, scratch)  # one native call for all, input quantized once
-            if all(gpu_supported(p) for p in parts):
+            gpu_readable = all(gpu_supported(p) for p in parts)
+            if self.quantized and gpu_readable:  # kernels "triton"
                 return GpuQuantLinear(parts, self.device, gpu_scratch)
-            return torch.cat([torch.as_tensor(p.dequantize()) for p in parts]).to(device=self.device, dtype=dtype)
+            if gpu_readable and self.device.type == "cuda":  # the blocks to the GPU, dequantized there
+                return GpuQuantLinear(parts, self.device, gpu_scratch).dense(dtype, scratch=False)
+            # the native dequantizer (fp32, into one tensor), then one conversion to the device
+            return QuantLinear(parts, scratch).dense().to(device=self.device, dtype=dtype)
 
         def w(name: str) -> Weight:
             if not isinstance(t[name], torch.Tensor):
@@ -261,6 +266,8 @@ class Transformer:
         self.prepacked = not self.quantized and (prepack_supported(self.device, dtype) if prepack is None else prepack)
         # the vocabulary matmul's weight: packed separately when tied, since the embedding lookup needs the plain one
         self.output_mm = self.output
+        if isinstance(self.output_mm, QuantLinear):
+            self.output_mm.prefill_fp32 = True  # many logit rows (evaluation) in fp32: model/quantized.py says why
         if self.prepacked:
             for lw in self.layers:
                 lw.prepack()

@@ -18,7 +18,7 @@ from fluxion_lite.model.quantized_gpu import GpuQuantLinear
 from fluxion_lite.model.transformer import Transformer
 from gguf_fixtures import TinySpec, write_tiny_model
 
-pytestmark = [
+needs_triton = [
     pytest.mark.skipif(qk.triton is None, reason="Triton not installed"),
     pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                        reason="no CUDA, and Triton's interpreter is off"),
@@ -48,6 +48,8 @@ def _logits(model: Transformer, tokens: list[int], n_prefill: int) -> torch.Tens
     return torch.cat(out).cpu()
 
 
+@needs_triton[0]
+@needs_triton[1]
 @pytest.mark.parametrize("spec", [K_TYPES, B32_TYPES], ids=["k-types", "32-blocks"])
 def test_gpu_blocks_forward_is_the_dequantized_model(spec: TinySpec, tmp_path: Path) -> None:
     path = tmp_path / "tiny.gguf"
@@ -74,3 +76,21 @@ def test_native_kernels_refuse_other_devices_and_dtypes(tmp_path: Path) -> None:
         Transformer(load_gguf(path, quantized=True), dtype=torch.bfloat16, quant_kernels="native")
     with pytest.raises(ValueError, match="quant_kernels='int4'"):
         Transformer(load_gguf(path, quantized=True), quant_kernels="int4")
+
+
+@pytest.mark.parametrize("spec", [K_TYPES, B32_TYPES], ids=["k-types", "32-blocks"])
+def test_named_dtype_from_blocks_is_the_dequantized_file(spec: TinySpec, tmp_path: Path) -> None:
+    """quant_kernels="none" (what a named dtype runs): every matrix dequantized from the mapped blocks where the
+    model runs holds exactly the values of gguf-py's dequantizers (the load that went through host fp32)."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_model(path, spec, seed=2)
+    for dtype in (torch.float32, torch.bfloat16):
+        from_blocks = Transformer(load_gguf(path, quantized=True), device=DEV, dtype=dtype, cuda_graphs=False,
+                                  quant_kernels="none", prepack=False)  # unpacked: compared as plain tensors
+        reference = Transformer(load_gguf(path), device=DEV, dtype=dtype, cuda_graphs=False, prepack=False)
+        assert not from_blocks.quantized
+        for a, b in zip(from_blocks.layers, reference.layers):
+            for name in ("wqkv", "bqkv", "wo", "w_gate_up", "w_down", "attn_norm"):
+                x, y = getattr(a, name), getattr(b, name)
+                assert x is None and y is None or x.dtype == y.dtype and torch.equal(x, y), name
+        assert torch.equal(from_blocks.embed, reference.embed) and torch.equal(from_blocks.output, reference.output)

@@ -24,12 +24,9 @@ def test_dtype_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     assert weights.resolve_dtype("gguf", "cuda") == (torch.bfloat16, True)
     assert weights.resolve_dtype("bfloat16", "cuda") == (torch.bfloat16, False)
     assert weights.resolve_dtype("float32", "cpu") == (torch.float32, False)
-    # auto on CUDA: bf16 where 2 bytes a weight fit the free GPU memory and 4 the available host RAM, else the blocks
+    # auto on CUDA: bf16 where 2 bytes a weight fit 75% of the free GPU memory, else the blocks
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (16 << 30, 80 << 30))
-    monkeypatch.setattr(weights, "available_host_bytes", lambda: 64 << 30)
-    assert weights.resolve_dtype("auto", "cuda", 1 << 30) == (torch.bfloat16, False)  # 2 GiB / 4 GiB
-    assert weights.resolve_dtype("auto", "cuda", 8 << 30) == (torch.bfloat16, True)  # 16 GiB > 0.75 x 16 GiB
-    monkeypatch.setattr(weights, "available_host_bytes", lambda: 4 << 30)
-    assert weights.resolve_dtype("auto", "cuda", 1 << 30) == (torch.bfloat16, True)  # the fp32 load: 4 GiB of RAM
+    assert weights.resolve_dtype("auto", "cuda", 6 << 30) == (torch.bfloat16, False)  # 12 GiB
+    assert weights.resolve_dtype("auto", "cuda", 7 << 30) == (torch.bfloat16, True)  # 14 GiB > 0.75 x 16 GiB
     with pytest.raises(RequestError, match="dtype='int3'.*gguf"):
         weights.resolve_dtype("int3", "cpu")
