@@ -132,7 +132,8 @@ class Engine:
         path = _resolve(model, self.settings)
         self.model_path = path
         self.model_name = model if not Path(model).suffix == ".gguf" else path.name
-        compute_dtype, quantized = resolve_dtype(dtype, device, count_weights(path) if dtype == AUTO else None)
+        n_weights = count_weights(path) if dtype == AUTO and device.startswith("cuda") else None  # does bf16 fit?
+        compute_dtype, quantized = resolve_dtype(dtype, device, n_weights)
         # the file's blocks, memory-mapped; a named dtype dequantizes them where the model runs (on the GPU for
         # CUDA), so no fp32 copy of the model passes through host RAM on the way
         loaded = load_gguf(path, quantized=True)
