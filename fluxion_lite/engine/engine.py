@@ -22,7 +22,7 @@ from fluxion_lite.sparse import zero_copy
 from fluxion_lite.model.attention import AttentionBackend, DenseAttention, SeqChunk
 from fluxion_lite.model.config import ModelConfig
 from fluxion_lite.errors import CapacityError, RequestError
-from fluxion_lite.model.gguf_loader import count_weights, load_gguf
+from fluxion_lite.model.gguf_loader import load_gguf
 from fluxion_lite.model.transformer import Transformer
 from fluxion_lite.engine.async_decode import InFlight, chainable, queue_tokens, starts_chain
 from fluxion_lite.engine.sampling import Penalties, SamplingParams, penalised, sample_rows
@@ -132,11 +132,11 @@ class Engine:
         path = _resolve(model, self.settings)
         self.model_path = path
         self.model_name = model if not Path(model).suffix == ".gguf" else path.name
-        n_weights = count_weights(path) if dtype == AUTO and device.startswith("cuda") else None  # does bf16 fit?
-        compute_dtype, quantized = resolve_dtype(dtype, device, n_weights)
         # the file's blocks, memory-mapped; a named dtype dequantizes them where the model runs (on the GPU for
         # CUDA), so no fp32 copy of the model passes through host RAM on the way
         loaded = load_gguf(path, quantized=True)
+        n_weights = loaded.n_weights() if dtype == AUTO and device.startswith("cuda") else None  # does bf16 fit?
+        compute_dtype, quantized = resolve_dtype(dtype, device, n_weights)
         self.config = loaded.config
         self.model = Transformer(loaded, device=device, dtype=compute_dtype, settings=self.settings,
                                  quant_kernels=None if quantized else "none")

@@ -21,7 +21,6 @@ from fluxion_lite.errors import RequestError
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 AUTO = "auto"
 GGUF = "gguf"
-DEVICES = (AUTO, "cpu", "cuda")
 # the share of free GPU memory that bf16 weights may take under dtype "auto" (the rest: the KV cache, activations)
 FIT_SHARE = 0.75
 

@@ -36,6 +36,10 @@ class GGUFModel:
     # QuantWeight views of the file's blocks instead (memory-mapped, nothing dequantised)
     tensors: dict[str, Any]
 
+    def n_weights(self) -> int:
+        """Elements of the model's tensors: what they hold once dequantized (blocks counted by their shape)."""
+        return sum(t.numel() if isinstance(t, torch.Tensor) else t.n_out * t.k for t in self.tensors.values())
+
 
 def _import_gguf() -> Any:
     import gguf  # deferred: importing gguf pulls in numpy-heavy modules; keep `import fluxion_lite` light
@@ -154,12 +158,6 @@ def _blocks(path: Path, tensor: TensorInfo) -> Any:
     type_name = _check_type(path, tensor)
     n_out, k = tensor.shape
     return quant.QuantWeight(type_name, tensor.data, n_out, k)
-
-
-def count_weights(path: str | os.PathLike[str]) -> int:
-    """Elements in the file's tensors, from its header (nothing loaded): what dequantized weights would hold."""
-    _, reader = read_metadata(Path(path))
-    return sum(int(np.prod(t.shape)) for t in reader.tensors)
 
 
 def load_gguf(path: str | os.PathLike[str], dtype: torch.dtype = torch.float32, quantized: bool = False) -> GGUFModel:
