@@ -140,7 +140,7 @@ class GpuQuantLinear:
                 runs.append([p])
         # each run's bytes straight from the mapped file to the GPU, then concatenated there (no host copy)
         self.groups = [_to_device(run, device) for run in runs]
-        self._heads: dict[int, GpuQuantLinear] = {}  # head(n) views, made once (query_ahead asks every step)
+        self.head_views: dict[int, GpuQuantLinear] = {}  # head(n) views, made once (query_ahead asks every step)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -179,15 +179,15 @@ class GpuQuantLinear:
 
     def head(self, n_rows: int) -> GpuQuantLinear:
         """The first n_rows outputs (q of q/k/v) as a matrix of their own, over the same device bytes."""
-        if n_rows not in self._heads:
+        if n_rows not in self.head_views:
             g = self.groups[0]
             if n_rows > g.n_rows:
                 raise ValueError(f"the first {n_rows} rows span two block types")
             view = object.__new__(GpuQuantLinear)
-            view.k, view.n_out, view.scratch, view._heads = self.k, n_rows, self.scratch, {}
+            view.k, view.n_out, view.scratch, view.head_views = self.k, n_rows, self.scratch, {}
             view.groups = [qk.QuantMatrix(g.wtype, g.data[:n_rows], n_rows, g.k)]
-            self._heads[n_rows] = view
-        return self._heads[n_rows]
+            self.head_views[n_rows] = view
+        return self.head_views[n_rows]
 
     def dense(self, dtype: torch.dtype, scratch: bool = True) -> torch.Tensor:
         """The whole matrix as dtype [n_out, k] on the GPU: in the shared scratch buffer (prefill products), or
